@@ -1,0 +1,80 @@
+"""Session state: everything about one in-flight request except its KV tensors.
+
+This dataclass is the seam that checkpoints and migrations use: whatever is needed to
+continue a session token-for-token on another replica lives here (the KV cache is
+reached through the replica's block table and exported separately).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+
+
+class SessionStatus(str, Enum):
+    WAITING = "waiting"  # admitted, prefill not finished
+    RUNNING = "running"
+    PAUSED = "paused"  # held at a step boundary (being checkpointed or migrated)
+    FINISHED = "finished"
+    MIGRATED = "migrated"  # moved to another replica; this one no longer owns it
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0 ⇒ greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 ⇒ no top-k cut
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+@dataclass
+class SessionState:
+    session_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    output_token_ids: list[int] = field(default_factory=list)
+    # torch.Generator state (CPU generator, uint8 bytes) for seeded sampling: the session
+    # owns it, so its tokens never depend on what else is batched with it.
+    rng_state: bytes | None = None
+    status: SessionStatus = SessionStatus.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    num_sent: int = 0  # generated tokens already delivered to the client
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    dp_group: int = 0  # attention data-parallel group that holds its KV
+    created_at: float = field(default_factory=time.time)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in (SessionStatus.FINISHED, SessionStatus.MIGRATED)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["status"] = self.status.value
+        d["rng_state"] = self.rng_state.hex() if self.rng_state is not None else None
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> SessionState:
+        d = dict(d)
+        d["sampling"] = SamplingParams(**d["sampling"])
+        d["status"] = SessionStatus(d["status"])
+        rs = d.get("rng_state")
+        d["rng_state"] = bytes.fromhex(rs) if rs else None
+        return cls(**d)
