@@ -66,14 +66,30 @@ class ModelConfig:
         rope_type = rope.get("rope_type", rope.get("type", "default")) if rope else "default"
         if rope_type not in ("default", None):
             raise ModelConfigError(f"rope_type {rope_type!r} is not supported (only default RoPE)")
-        rope_theta = float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+        is_qwen3 = arch == "Qwen3MoeForCausalLM"
+        # Missing keys take the transformers defaults of the architecture, which differ.
+        default_theta, default_eps, default_max_pos = (
+            (10000.0, 1e-6, 32768) if is_qwen3 else (1e6, 1e-5, 131072)
+        )
+        rope_theta = float(hf.get("rope_theta") or rope.get("rope_theta") or default_theta)
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ModelConfigError(f"hidden_act {hf['hidden_act']!r} is not supported (only silu)")
+        if is_qwen3 and hf.get("attention_bias"):
+            raise ModelConfigError("attention_bias=true is not supported")
+        # transformers applies a sliding window to Mixtral whenever sliding_window is set, and to
+        # Qwen3-MoE only with use_sliding_window; we implement full attention only, so refuse
+        # rather than silently differ once a context grows past the window.
+        window = hf.get("sliding_window") if (not is_qwen3 or hf.get("use_sliding_window")) else None
+        max_pos = int(hf.get("max_position_embeddings") or default_max_pos)
+        if window is not None and int(window) < max_pos:
+            raise ModelConfigError(f"sliding_window={window} is not supported (only full attention)")
         num_heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
         head_dim = int(hf.get("head_dim") or hidden // num_heads)
         eos = hf.get("eos_token_id")
         eos_t = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         num_layers = int(hf["num_hidden_layers"])
-        if arch == "Qwen3MoeForCausalLM":
+        if is_qwen3:
             num_experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
             step = int(hf.get("decoder_sparse_step", 1) or 1)
             mlp_only = set(hf.get("mlp_only_layers") or [])
@@ -91,9 +107,6 @@ class ModelConfig:
             dense_inter = moe_inter
             norm_topk = True
             qk_norm = False
-            if hf.get("sliding_window"):
-                # Sliding window only matters past the window; we refuse rather than silently differ.
-                pass
         return cls(
             architecture=arch,
             vocab_size=int(hf["vocab_size"]),
@@ -107,9 +120,9 @@ class ModelConfig:
             moe_intermediate_size=moe_inter,
             dense_intermediate_size=dense_inter,
             norm_topk_prob=norm_topk,
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(hf.get("rms_norm_eps") or default_eps),
             rope_theta=rope_theta,
-            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+            max_position_embeddings=max_pos,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qk_norm=qk_norm,
             dense_layers=dense,

@@ -1,0 +1,232 @@
+"""LLMEngine: sessions in, tokens out, one step at a time (token ids only; no HTTP here)."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.config import ModelConfig
+from engine.executor import Executor, LocalExecutor
+from engine.kv_cache import BLOCK_SIZE, BlockAllocator, blocks_needed
+from engine.layout import Layout
+from engine.runner import StepBatch, kv_block_bytes
+from engine.sampling import new_rng_state, sample
+from engine.scheduler import Scheduler, slot_of
+from engine.session import SamplingParams, SessionState, SessionStatus
+
+DEFAULT_KV_BYTES = int(os.environ.get("RELAYOUT_KV_BYTES", 256 * 2**20))
+
+
+class RequestError(ValueError):
+    """A request that can never be served (caller's mistake): maps to HTTP 400."""
+
+
+@dataclass
+class TokenEvent:
+    session_id: str
+    token_id: int
+    finished: bool
+    finish_reason: str | None
+
+
+def pick_device(name: str | None = None) -> torch.device:
+    if name:
+        return torch.device(name)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+class LLMEngine:
+    def __init__(self, model: str, layout: Layout | str | None = None, *, kv_cache_bytes: int | None = None,
+                 num_blocks: int | None = None, device: str | None = None, dtype: torch.dtype = torch.float32,
+                 max_num_seqs: int = 64, max_prefill_tokens: int = 512, max_finished: int = 4096):
+        from engine.tokenizer import load_tokenizer
+        from engine.weights import resolve_model
+
+        self.model_ref = model
+        self.model_dir = resolve_model(model)
+        self.cfg = ModelConfig.from_dir(self.model_dir)
+        self.layout = (layout if isinstance(layout, Layout) else Layout.parse(layout)).validate(self.cfg)
+        self.dtype = dtype
+        self.device = pick_device(device)
+        self.tokenizer = load_tokenizer(self.model_dir, self.cfg)
+        lay = self.layout
+        kv_heads = lay.kv_head_range(0, self.cfg.num_kv_heads)
+        per_block = kv_block_bytes(self.cfg, kv_heads[1] - kv_heads[0], dtype)
+        self.num_blocks = num_blocks or max(4, (kv_cache_bytes or DEFAULT_KV_BYTES) // per_block)
+        self.max_model_len = min(self.cfg.max_position_embeddings, self.num_blocks * BLOCK_SIZE - 1)
+        self.allocators = [BlockAllocator(self.num_blocks) for _ in range(lay.attn_dp)]
+        self.scheduler = Scheduler(self.allocators, max_num_seqs, max_prefill_tokens)
+        self.sessions: dict[str, SessionState] = {}
+        self.max_finished = max_finished
+        self.executor: Executor
+        if lay.world_size == 1:
+            self.executor = LocalExecutor(self.cfg, lay, self.model_dir, self.num_blocks, self.device, dtype)
+        else:
+            from engine.workers import RankExecutor
+
+            self.executor = RankExecutor(self.cfg, lay, self.model_dir, self.num_blocks, self.device, dtype)
+        self.num_steps = 0
+        self.tokens_generated = 0
+        self._fingerprint: str | None = None
+        # tests use this to compare logits with a reference implementation
+        self.logits_hook: Callable[[str, torch.Tensor], None] | None = None
+
+    @property
+    def fingerprint(self) -> str:
+        if self._fingerprint is None:
+            from engine.weights import model_fingerprint
+
+            self._fingerprint = model_fingerprint(self.model_dir)
+        return self._fingerprint
+
+    # ---- sessions ----------------------------------------------------------
+    def add_session(self, prompt_token_ids: list[int], params: SamplingParams, session_id: str | None = None) -> SessionState:
+        if not prompt_token_ids:
+            raise RequestError("prompt is empty")
+        if any((not isinstance(t, int)) or t < 0 or t >= self.cfg.vocab_size for t in prompt_token_ids):
+            raise RequestError(f"prompt token ids must be integers in [0, {self.cfg.vocab_size})")
+        if params.max_tokens < 1:
+            raise RequestError("max_tokens must be at least 1")
+        if params.temperature < 0 or not 0 < params.top_p <= 1:
+            raise RequestError("temperature must be >= 0 and top_p in (0, 1]")
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise RequestError(
+                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
+                f"this replica's context limit of {self.max_model_len} tokens"
+            )
+        sid = session_id or f"cmpl-{uuid.uuid4().hex}"
+        if sid in self.sessions:
+            raise RequestError(f"session {sid} already exists")
+        s = SessionState(session_id=sid, prompt_token_ids=list(prompt_token_ids), sampling=params)
+        if not params.greedy:
+            # unseeded requests get a random seed now, so the session stays reproducible after a move
+            s.rng_state = new_rng_state(params.seed if params.seed is not None else secrets.randbits(63))
+        self.sessions[sid] = s
+        self.scheduler.add(s)
+        return s
+
+    def get(self, session_id: str) -> SessionState | None:
+        return self.sessions.get(session_id)
+
+    def abort(self, session_id: str, reason: str = "abort") -> None:
+        s = self.sessions.get(session_id)
+        if s is None or s.is_finished:
+            return
+        self._finish(s, reason)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def _finish(self, s: SessionState, reason: str, status: SessionStatus = SessionStatus.FINISHED) -> None:
+        s.status = status
+        s.finish_reason = reason if status == SessionStatus.FINISHED else s.finish_reason
+        self.scheduler.remove(s)
+        self._trim_finished()
+
+    def _trim_finished(self) -> None:
+        done = [k for k, v in self.sessions.items() if v.is_finished]
+        for k in done[: max(0, len(done) - self.max_finished)]:
+            del self.sessions[k]
+
+    # ---- one step ------------------------------------------------------------
+    def step(self) -> list[TokenEvent]:
+        plan = self.scheduler.schedule()
+        if not any(plan):
+            return []
+        batches: list[StepBatch] = []
+        for g, seqs in enumerate(plan):
+            b = StepBatch()
+            for x in seqs:
+                s = x.session
+                table = self.scheduler.tables[s.session_id]
+                ids = s.all_token_ids
+                start = s.num_computed
+                for pos in range(start, start + x.num_new):
+                    b.input_ids.append(ids[pos])
+                    b.positions.append(pos)
+                    b.slot_mapping.append(slot_of(table, pos))
+                b.query_lens.append(x.num_new)
+                b.context_lens.append(start + x.num_new)
+                b.block_tables.append(list(table.blocks[: blocks_needed(start + x.num_new)]))
+                if x.sample:
+                    b.logits_at.append(len(b.input_ids) - 1)
+            batches.append(b)
+        logits = self.executor.execute(batches)
+        self.num_steps += 1
+        events: list[TokenEvent] = []
+        for g, seqs in enumerate(plan):
+            row = 0
+            for x in seqs:
+                s = x.session
+                s.num_computed += x.num_new
+                if s.status == SessionStatus.WAITING:
+                    s.status = SessionStatus.RUNNING
+                if not x.sample:
+                    continue
+                if self.logits_hook is not None:
+                    self.logits_hook(s.session_id, logits[g][row])
+                tok = sample(logits[g][row], s)
+                row += 1
+                events.append(self._append(s, tok))
+        return events
+
+    def _append(self, s: SessionState, tok: int) -> TokenEvent:
+        s.output_token_ids.append(tok)
+        self.tokens_generated += 1
+        p = s.sampling
+        reason = None
+        if not p.ignore_eos and tok in self.tokenizer.eos_token_ids:
+            reason = "stop"
+        elif tok in p.stop_token_ids:
+            reason = "stop"
+        elif p.stop and self._hit_stop_string(s):
+            reason = "stop"
+        elif len(s.output_token_ids) >= p.max_tokens:
+            reason = "length"
+        if reason is not None:
+            self._finish(s, reason)
+        return TokenEvent(s.session_id, tok, reason is not None, reason)
+
+    def _hit_stop_string(self, s: SessionState) -> bool:
+        longest = max(len(x) for x in s.sampling.stop)
+        tail = self.tokenizer.decode(s.output_token_ids[-(longest + 8):])
+        return any(x in tail for x in s.sampling.stop)
+
+    # ---- convenience -----------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+        ps = params if isinstance(params, list) else [params] * len(prompts)
+        ss = [self.add_session(p, q) for p, q in zip(prompts, ps, strict=True)]
+        while self.has_work():
+            self.step()
+        return [s.output_token_ids for s in ss]
+
+    def expert_stats(self) -> dict:
+        """Per layer, tokens routed to each logical expert; all-to-all bytes between rank pairs;
+        per layer exposed vs total exchange seconds."""
+        per_rank = self.executor.moe_stats()
+        L = self.cfg.num_layers
+        counts = [[0] * self.cfg.num_experts for _ in range(L)]
+        for r in per_rank:
+            for layer, row in enumerate(r["expert_counts"]):
+                for e, c in enumerate(row):
+                    counts[layer][e] += c
+        return {
+            "expert_counts": counts,
+            "a2a_bytes": [[sum(r["bytes_to"][layer][d] for layer in range(L)) for d in range(self.layout.world_size)]
+                          for r in per_rank],
+            "exposed_s": [max(r["exposed_s"][layer] for r in per_rank) for layer in range(L)],
+            "total_s": [max(r["total_s"][layer] for r in per_rank) for layer in range(L)],
+        }
+
+    def kv_blocks_used(self) -> int:
+        return sum(a.num_used for a in self.allocators)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

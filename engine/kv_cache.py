@@ -1,0 +1,122 @@
+"""Paged KV cache: fixed-size blocks, a block table per session, a free list.
+
+The driver owns the bookkeeping (`BlockAllocator`, `KVBlockTable`); each rank owns the
+tensors (`KVCache`) for its attention data-parallel group and its slice of KV heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+BLOCK_SIZE = 16
+
+
+class OutOfBlocks(RuntimeError):
+    pass
+
+
+@dataclass
+class KVBlockTable:
+    """Blocks holding one session's KV, in token order."""
+
+    blocks: list[int] = field(default_factory=list)
+
+    def num_slots(self, block_size: int = BLOCK_SIZE) -> int:
+        return len(self.blocks) * block_size
+
+    def slot(self, pos: int, block_size: int = BLOCK_SIZE) -> int:
+        return self.blocks[pos // block_size] * block_size + pos % block_size
+
+
+class BlockAllocator:
+    """Free list of one KV pool (one per attention data-parallel group)."""
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        # pop() from the end hands out low block ids first, which keeps tests readable
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self.reserved = 0  # blocks promised to incoming sessions (migration targets)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free) - self.reserved
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= self.num_free
+
+    def allocate(self, n: int, from_reserved: bool = False) -> list[int]:
+        avail = len(self._free) if from_reserved else self.num_free
+        if n > avail:
+            raise OutOfBlocks(f"need {n} KV blocks, {max(avail, 0)} free")
+        if from_reserved:
+            self.reserved = max(0, self.reserved - n)
+        return [self._free.pop() for _ in range(n)]
+
+    def free(self, blocks: list[int]) -> None:
+        self._free.extend(reversed(blocks))
+
+    def reserve(self, n: int) -> None:
+        if n > self.num_free:
+            raise OutOfBlocks(f"cannot reserve {n} KV blocks, {self.num_free} free")
+        self.reserved += n
+
+    def unreserve(self, n: int) -> None:
+        self.reserved = max(0, self.reserved - n)
+
+
+def blocks_needed(num_tokens: int, block_size: int = BLOCK_SIZE) -> int:
+    return (num_tokens + block_size - 1) // block_size
+
+
+class KVCache:
+    """One rank's KV tensors: per layer [num_blocks, block_size, local_kv_heads, head_dim]."""
+
+    def __init__(self, num_layers: int, num_blocks: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device, block_size: int = BLOCK_SIZE):
+        self.block_size = block_size
+        shape = (num_blocks, block_size, kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        kf = self.k[layer].view(-1, *self.k[layer].shape[2:])
+        vf = self.v[layer].view(-1, *self.v[layer].shape[2:])
+        kf.index_copy_(0, slots, k)
+        vf.index_copy_(0, slots, v)
+
+    def gather(self, layer: int, blocks: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of one session: [num_tokens, kv_heads, head_dim]."""
+        k = self.k[layer][blocks].flatten(0, 1)[:num_tokens]
+        v = self.v[layer][blocks].flatten(0, 1)[:num_tokens]
+        return k, v
+
+    def export_tokens(self, blocks: list[int], tok_lo: int, tok_hi: int) -> torch.Tensor:
+        """KV of tokens [tok_lo, tok_hi) for every layer: [layers, 2, kv_heads, tokens, head_dim]."""
+        bs = self.block_size
+        b0, b1 = tok_lo // bs, (tok_hi + bs - 1) // bs
+        idx = torch.tensor(blocks[b0:b1], dtype=torch.long, device=self.k[0].device)
+        off = tok_lo - b0 * bs
+        n = tok_hi - tok_lo
+        out = []
+        for k, v in zip(self.k, self.v, strict=True):
+            kk = k[idx].flatten(0, 1)[off : off + n]
+            vv = v[idx].flatten(0, 1)[off : off + n]
+            out.append(torch.stack((kk, vv)).transpose(1, 2))  # [2, heads, tokens, d]
+        return torch.stack(out)
+
+    def import_tokens(self, blocks: list[int], tok_lo: int, kv: torch.Tensor) -> None:
+        """Inverse of export_tokens; kv: [layers, 2, kv_heads, tokens, head_dim]."""
+        bs = self.block_size
+        n = kv.shape[3]
+        pos = torch.arange(tok_lo, tok_lo + n)
+        blk = torch.tensor(blocks, dtype=torch.long)[pos // bs]
+        slots = (blk * bs + pos % bs).to(self.k[0].device)
+        for layer in range(len(self.k)):
+            t = kv[layer].to(self.k[layer].device, self.k[layer].dtype)
+            self.write(layer, slots, t[0].transpose(0, 1), t[1].transpose(0, 1))

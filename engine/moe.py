@@ -1,0 +1,131 @@
+"""Sparse MoE block: route, dispatch to the ranks that hold the chosen experts, combine.
+
+Every token's k choices are computed as (token, choice) pairs; each pair is sent to a
+physical slot holding its expert (replicas spread round-robin), the results come back in
+pair order and are combined with the router weights by the same code on every layout,
+which is why layouts agree to float rounding.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from engine.config import ModelConfig
+from engine.parallel import ParallelState
+
+
+class ExpertShard(torch.nn.Module):
+    """The physical expert slots one rank holds (each possibly a moe_tp slice)."""
+
+    def __init__(self, num_slots: int, hidden: int, inter: int, dtype: torch.dtype):
+        super().__init__()
+        self.w_gate = torch.nn.Parameter(torch.empty(num_slots, inter, hidden, dtype=dtype), requires_grad=False)
+        self.w_up = torch.nn.Parameter(torch.empty(num_slots, inter, hidden, dtype=dtype), requires_grad=False)
+        self.w_down = torch.nn.Parameter(torch.empty(num_slots, hidden, inter, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, local_slot: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(x)
+        if x.shape[0] == 0:
+            return out
+        order = torch.argsort(local_slot, stable=True)
+        counts = torch.bincount(local_slot, minlength=self.w_gate.shape[0]).tolist()
+        xs = x[order]
+        ys = []
+        start = 0
+        for s, n in enumerate(counts):
+            if n == 0:
+                continue
+            h = xs[start : start + n]
+            h = F.silu(h @ self.w_gate[s].T) * (h @ self.w_up[s].T)
+            ys.append(h @ self.w_down[s].T)
+            start += n
+        out[order] = torch.cat(ys)
+        return out
+
+
+class SparseMoE(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, ps: ParallelState, layer: int, dtype: torch.dtype):
+        super().__init__()
+        self.cfg, self.ps, self.layer = cfg, ps, layer
+        lay = ps.layout
+        self.slots = list(lay.slots(layer, cfg.num_experts))
+        self.slots_per_rank = len(self.slots) // lay.moe_ep
+        ep = lay.ep_rank(ps.rank)
+        self.local_slots = self.slots[ep * self.slots_per_rank : (ep + 1) * self.slots_per_rank]
+        inter = cfg.moe_intermediate_size // lay.moe_tp
+        self.inter_range = (lay.moe_tp_rank(ps.rank) * inter, (lay.moe_tp_rank(ps.rank) + 1) * inter)
+        self.router = torch.nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, dtype=dtype), requires_grad=False)
+        self.experts = ExpertShard(self.slots_per_rank, cfg.hidden_size, inter, dtype)
+        # replica table: logical expert -> physical slots holding it
+        reps: list[list[int]] = [[] for _ in range(cfg.num_experts)]
+        for s, e in enumerate(self.slots):
+            reps[e].append(s)
+        width = max(len(r) for r in reps)
+        self.register_buffer("rep_table", torch.tensor([r + [r[0]] * (width - len(r)) for r in reps]), persistent=False)
+        self.register_buffer("rep_count", torch.tensor([len(r) for r in reps]), persistent=False)
+        self.expert_counts = torch.zeros(cfg.num_experts, dtype=torch.long)  # tokens routed per logical expert
+        self.bytes_to = [0] * ps.world_size
+        self.exposed_s = 0.0
+        self.total_s = 0.0
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = (x @ self.router.T).float()
+        probs = torch.softmax(logits, dim=-1)
+        w, e = torch.topk(probs, self.cfg.top_k, dim=-1)
+        if self.cfg.norm_topk_prob:
+            w = w / w.sum(dim=-1, keepdim=True)
+        return w.to(x.dtype), e
+
+    def forward(self, x: torch.Tensor, token_offset: int = 0) -> torch.Tensor:
+        """x: the tokens this rank dispatches, [n, hidden]. `token_offset` spreads replicas."""
+        n, k = x.shape[0], self.cfg.top_k
+        w, e = self.route(x)
+        flat_e = e.reshape(-1)
+        self.expert_counts += torch.bincount(flat_e, minlength=self.cfg.num_experts)
+        pair = torch.arange(n * k) + token_offset * k
+        slot = self.rep_table[flat_e, pair % self.rep_count[flat_e]]
+        xs = x.repeat_interleave(k, dim=0)
+        y = self._exchange(xs, slot)
+        return (y.view(n, k, -1) * w.unsqueeze(-1)).sum(dim=1)
+
+    def _exchange(self, xs: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+        lay = self.ps.layout
+        ep_of_slot = slot // self.slots_per_rank
+        local = slot % self.slots_per_rank
+        if not self.ps.distributed:
+            # one rank; moe_tp > 1 is impossible here (world_size == 1)
+            return self.experts(xs, local)
+        world = lay.world_size
+        mtp = lay.moe_tp
+        # each pair goes to every moe_tp rank of its expert-parallel rank
+        dest = (ep_of_slot.unsqueeze(1) * mtp + torch.arange(mtp)).reshape(-1)
+        rows = xs.repeat_interleave(mtp, dim=0)
+        loc = local.repeat_interleave(mtp)
+        order = torch.argsort(dest, stable=True)
+        send = torch.cat([rows[order], loc[order].to(rows.dtype).unsqueeze(1)], dim=1)
+        send_counts = torch.bincount(dest, minlength=world)
+        t0 = time.perf_counter()
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts)
+        sc, rc = send_counts.tolist(), recv_counts.tolist()
+        recv = send.new_empty((sum(rc), send.shape[1]))
+        dist.all_to_all_single(recv, send, rc, sc)
+        t1 = time.perf_counter()
+        out = self.experts(recv[:, :-1].contiguous(), recv[:, -1].long())
+        t2 = time.perf_counter()
+        back = out.new_empty((sum(sc), out.shape[1]))
+        dist.all_to_all_single(back, out, sc, rc)
+        t3 = time.perf_counter()
+        elem = send.element_size() * send.shape[1]
+        for r, c in enumerate(sc):
+            self.bytes_to[r] += c * elem
+        self.total_s += (t1 - t0) + (t3 - t2)
+        self.exposed_s += (t1 - t0) + (t3 - t2)
+        res = torch.empty_like(back)
+        res[order] = back
+        # sum moe_tp partials in tp order: deterministic
+        return res.view(-1, mtp, res.shape[1]).sum(dim=1)

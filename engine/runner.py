@@ -1,0 +1,95 @@
+"""One rank's model and KV tensors; turns a scheduled step into logits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.config import ModelConfig
+from engine.kv_cache import BLOCK_SIZE, KVCache
+from engine.model import AttnMeta, MoEModel
+from engine.moe import SparseMoE
+from engine.parallel import ParallelState
+
+
+@dataclass
+class StepBatch:
+    """One attention data-parallel group's share of a step, in plain lists (cheap to send to ranks)."""
+
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    query_lens: list[int] = field(default_factory=list)
+    context_lens: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)
+    slot_mapping: list[int] = field(default_factory=list)
+    logits_at: list[int] = field(default_factory=list)  # flat token index whose logits are wanted
+
+    @property
+    def empty(self) -> bool:
+        return not self.input_ids
+
+
+class ModelRunner:
+    def __init__(self, cfg: ModelConfig, ps: ParallelState, model_dir: Path, num_blocks: int,
+                 device: torch.device, dtype: torch.dtype = torch.float32):
+        self.cfg, self.ps, self.device = cfg, ps, device
+        self.model = MoEModel(cfg, ps, dtype).to(device)
+        self.model.load(model_dir)
+        self.model.eval()
+        lo, hi = ps.layout.kv_head_range(ps.rank, cfg.num_kv_heads)
+        self.kv_range = (lo, hi)
+        self.kv = KVCache(cfg.num_layers, num_blocks, hi - lo, cfg.head_dim, dtype, device)
+
+    def execute(self, b: StepBatch) -> torch.Tensor:
+        dev = self.device
+        if b.empty:
+            # still take part in the experts' all-to-all
+            meta = AttnMeta(torch.empty(0, dtype=torch.long, device=dev), False,
+                            torch.empty(0, 1, dtype=torch.long, device=dev), torch.empty(0, dtype=torch.long), [])
+            return self.model(torch.empty(0, dtype=torch.long, device=dev), torch.empty(0, dtype=torch.long, device=dev),
+                              meta, self.kv, torch.empty(0, dtype=torch.long, device=dev)).cpu()
+        decode = all(q == 1 for q in b.query_lens)
+        maxb = max(len(t) for t in b.block_tables)
+        bt = torch.tensor([t + [0] * (maxb - len(t)) for t in b.block_tables], dtype=torch.long, device=dev)
+        meta = AttnMeta(
+            slots=torch.tensor(b.slot_mapping, dtype=torch.long, device=dev),
+            decode=decode,
+            block_tables=bt,
+            context_lens=torch.tensor(b.context_lens, dtype=torch.long, device=dev),
+            query_lens=b.query_lens,
+        )
+        ids = torch.tensor(b.input_ids, dtype=torch.long, device=dev)
+        pos = torch.tensor(b.positions, dtype=torch.long, device=dev)
+        at = torch.tensor(b.logits_at, dtype=torch.long, device=dev)
+        return self.model(ids, pos, meta, self.kv, at).cpu()
+
+    # ---- session KV in and out ----------------------------------------
+    def export_kv(self, blocks: list[int], tok_lo: int, tok_hi: int) -> torch.Tensor:
+        return self.kv.export_tokens(blocks, tok_lo, tok_hi).cpu()
+
+    def import_kv(self, blocks: list[int], tok_lo: int, kv_all_heads: torch.Tensor) -> None:
+        lo, hi = self.kv_range
+        self.kv.import_tokens(blocks, tok_lo, kv_all_heads[:, :, lo:hi])
+
+    # ---- measurements --------------------------------------------------
+    def moe_stats(self) -> dict:
+        counts, bytes_to, exposed, total = [], [], [], []
+        for layer in self.model.layers:
+            m = layer.mlp
+            if isinstance(m, SparseMoE):
+                counts.append(m.expert_counts.tolist())
+                bytes_to.append(list(m.bytes_to))
+                exposed.append(m.exposed_s)
+                total.append(m.total_s)
+            else:
+                counts.append([])
+                bytes_to.append([0] * self.ps.world_size)
+                exposed.append(0.0)
+                total.append(0.0)
+        return {"expert_counts": counts, "bytes_to": bytes_to, "exposed_s": exposed, "total_s": total}
+
+
+def kv_block_bytes(cfg: ModelConfig, kv_heads: int, dtype: torch.dtype = torch.float32) -> int:
+    return 2 * cfg.num_layers * BLOCK_SIZE * kv_heads * cfg.head_dim * torch.tensor([], dtype=dtype).element_size()

@@ -1,0 +1,38 @@
+"""Sampling with a generator that belongs to the session, so a session's tokens never
+depend on what else is batched with it, and survive checkpoint and migration."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.session import SessionState
+
+
+def new_rng_state(seed: int) -> bytes:
+    g = torch.Generator(device="cpu")
+    g.manual_seed(seed)
+    return bytes(g.get_state().tolist())
+
+
+def sample(logits: torch.Tensor, s: SessionState) -> int:
+    """One token for one session from its last-position logits [vocab] (float32, CPU)."""
+    p = s.sampling
+    if p.greedy:
+        return int(torch.argmax(logits).item())
+    x = logits / p.temperature
+    if p.top_k > 0 and p.top_k < x.shape[-1]:
+        kth = torch.topk(x, p.top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if p.top_p < 1.0:
+        sp, si = torch.sort(probs, descending=True)
+        keep = torch.cumsum(sp, dim=-1) - sp < p.top_p  # always keeps the top token
+        sp = sp * keep
+        probs = torch.zeros_like(probs).scatter_(0, si, sp)
+        probs = probs / probs.sum()
+    g = torch.Generator(device="cpu")
+    assert s.rng_state is not None, "sampled sessions get an RNG state at admission"
+    g.set_state(torch.tensor(list(s.rng_state), dtype=torch.uint8))
+    tok = int(torch.multinomial(probs, 1, generator=g).item())
+    s.rng_state = bytes(g.get_state().tolist())
+    return tok

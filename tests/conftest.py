@@ -1,0 +1,39 @@
+import os
+
+import pytest
+import torch
+
+# Keep 2-core CI machines responsive; every test process is small.
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+os.environ.setdefault("RELAYOUT_KV_BYTES", str(32 * 2**20))
+
+
+@pytest.fixture(scope="session")
+def hf_models(tmp_path_factory):
+    """Tiny random Qwen3-MoE (8 experts) and Mixtral written by transformers' save_pretrained."""
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    root = tmp_path_factory.mktemp("hf")
+    torch.manual_seed(1234)
+    q = Qwen3MoeConfig(vocab_size=300, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                       num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, eos_token_id=299,
+                       max_position_embeddings=2048)
+    mq = Qwen3MoeForCausalLM(q)
+    _scale(mq)
+    mq.save_pretrained(root / "qwen3moe")
+    m = MixtralConfig(vocab_size=300, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                      eos_token_id=299, max_position_embeddings=2048)
+    mm = MixtralForCausalLM(m)
+    _scale(mm)
+    mm.save_pretrained(root / "mixtral")
+    return {"qwen3moe": root / "qwen3moe", "mixtral": root / "mixtral"}
+
+
+def _scale(model):
+    # HF's init (std 0.02) makes near-uniform logits; larger weights give decisive, varied tokens
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.15)
