@@ -1,0 +1,254 @@
+"""Writing and reading checkpoints: chunks first, manifest last (the commit).
+
+Writers may slice KV however the source layout holds it (any head ranges, any token
+ranges); readers ask for the head range their own layout needs and get it assembled
+from whichever entries overlap, with every chunk hash verified.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from storage.chunks import dtype_name, pack_kv, unpack_kv
+from storage.errors import CorruptCheckpoint, ModelMismatch
+from storage.manifest import KVEntry, KVGeometry, Manifest, ModelRef, SessionEntry, coverage_gap
+from storage.store_base import Store, check_id
+
+ProgressFn = Callable[[int], None]  # called with the cumulative bytes written
+
+
+class CheckpointWriter:
+    """Collects KV chunks and session states, then commits a manifest.
+
+    ``put_kv`` is thread-safe, so a source may write layers/ranks concurrently. Until
+    ``commit`` the checkpoint is invisible; ``abort`` (or leaving a ``with`` block by an
+    exception) leaves only unreferenced chunks, which ``cleanup_incomplete`` removes.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        checkpoint_id: str,
+        codec: str = "none",
+        progress: ProgressFn | None = None,
+    ) -> None:
+        self.store = store
+        self.checkpoint_id = check_id(checkpoint_id)
+        self.codec = codec
+        self.progress = progress
+        self.bytes_written = 0  # stored (encoded) bytes of every chunk put, shared or new
+        self.raw_bytes = 0  # tensor payload bytes before the codec
+        self._lock = threading.Lock()
+        self._entries: list[KVEntry] = []
+        self._sessions: dict[str, SessionEntry] = {}
+        self._pinned: list[str] = []
+        self._dtype: torch.dtype | None = None
+        self._head_dim: int | None = None
+        self._closed = False
+
+    def __enter__(self) -> CheckpointWriter:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if not self._closed:
+            self.abort()
+
+    def put_kv(
+        self,
+        session_id: str,
+        layer: int,
+        head_lo: int,
+        head_hi: int,
+        tok_lo: int,
+        tok_hi: int,
+        tensor: torch.Tensor,
+    ) -> KVEntry:
+        """Store K and V ([2, head_hi-head_lo, tok_hi-tok_lo, head_dim]) for one slice."""
+        want = (2, head_hi - head_lo, tok_hi - tok_lo)
+        if tensor.dim() != 4 or tuple(tensor.shape[:3]) != want:
+            raise ValueError(
+                f"session {session_id} layer {layer}: tensor shape {list(tensor.shape)} does not match "
+                f"[2, {want[1]}, {want[2]}, head_dim] for heads [{head_lo},{head_hi}) tokens [{tok_lo},{tok_hi})"
+            )
+        self._check_open()
+        data, ref = pack_kv(tensor, self.codec)  # outside the lock: the expensive part
+        entry = KVEntry(
+            session_id=session_id, layer=layer, head_lo=head_lo, head_hi=head_hi,
+            tok_lo=tok_lo, tok_hi=tok_hi, chunk=ref,
+        )
+        with self._lock:
+            if self._dtype is None:
+                self._dtype, self._head_dim = tensor.dtype, int(tensor.shape[3])
+            elif (tensor.dtype, int(tensor.shape[3])) != (self._dtype, self._head_dim):
+                raise ValueError(
+                    f"session {session_id} layer {layer}: {dtype_name(tensor.dtype)}×{tensor.shape[3]} differs "
+                    f"from earlier chunks ({dtype_name(self._dtype)}×{self._head_dim})"
+                )
+            self.store.pin(ref.hash)  # before put: a concurrent delete must not drop a shared chunk
+            self._pinned.append(ref.hash)
+        self.store.put_chunk(ref.hash, data)
+        with self._lock:
+            self._entries.append(entry)
+            self.bytes_written += ref.size
+            self.raw_bytes += ref.raw_size
+            done = self.bytes_written
+        if self.progress is not None:
+            self.progress(done)
+        return entry
+
+    def add_session(self, session_id: str, state: dict[str, Any], num_kv_tokens: int) -> SessionEntry:
+        entry = SessionEntry(session_id=session_id, state=state, num_kv_tokens=num_kv_tokens)
+        with self._lock:
+            self._check_open()
+            if session_id in self._sessions:
+                raise ValueError(f"session {session_id} added twice to checkpoint {self.checkpoint_id}")
+            self._sessions[session_id] = entry
+        return entry
+
+    def commit(
+        self,
+        model: ModelRef,
+        source_layout: dict[str, Any],
+        kv: KVGeometry,
+        meta: dict[str, Any] | None = None,
+    ) -> Manifest:
+        """Validate completeness, then write the manifest (the checkpoint becomes visible)."""
+        with self._lock:
+            self._check_open()
+            if self._dtype is not None and (dtype_name(self._dtype), self._head_dim) != (kv.dtype, kv.head_dim):
+                raise ValueError(
+                    f"declared KV geometry {kv.dtype}×{kv.head_dim} differs from the chunks written "
+                    f"({dtype_name(self._dtype)}×{self._head_dim})"
+                )
+            entries = sorted(self._entries, key=lambda e: (e.session_id, e.layer, e.head_lo, e.tok_lo))
+            manifest = Manifest(
+                checkpoint_id=self.checkpoint_id,
+                created_at=time.time(),
+                model=model,
+                source_layout=source_layout,
+                kv=kv,
+                sessions=list(self._sessions.values()),
+                kv_entries=entries,
+                meta=dict(meta or {}),
+            )
+            gap = manifest.coverage_error()
+            if gap is not None:
+                raise ValueError(f"checkpoint {self.checkpoint_id} is incomplete: {gap}")
+            self.store.put_manifest(self.checkpoint_id, manifest.to_bytes())
+            self._release()
+        return manifest
+
+    def abort(self) -> None:
+        """Give up: nothing becomes visible; written chunks are left for garbage collection."""
+        with self._lock:
+            if not self._closed:
+                self._release()
+
+    def _release(self) -> None:
+        self._closed = True
+        self.store.unpin(self._pinned)
+        self._pinned = []
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"checkpoint writer {self.checkpoint_id} is already committed or aborted")
+
+
+class CheckpointReader:
+    """Reads a committed checkpoint; ``read_kv`` re-slices KV for any target head range."""
+
+    def __init__(self, store: Store, checkpoint_id: str | None = None, manifest: Manifest | None = None) -> None:
+        self.store = store
+        if manifest is None:
+            if checkpoint_id is None:
+                raise ValueError("CheckpointReader needs a checkpoint_id or a manifest")
+            manifest = Manifest.parse(store.get_manifest(check_id(checkpoint_id)))
+            if manifest.checkpoint_id != checkpoint_id:
+                raise CorruptCheckpoint(
+                    f"manifest stored as {checkpoint_id} names checkpoint {manifest.checkpoint_id}"
+                )
+        self.manifest = manifest
+        self._by_key: dict[tuple[str, int], list[KVEntry]] = {}
+        for e in manifest.kv_entries:
+            self._by_key.setdefault((e.session_id, e.layer), []).append(e)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return getattr(torch, self.manifest.kv.dtype)
+
+    def check_model(self, fingerprint: str) -> None:
+        m = self.manifest.model
+        if m.fingerprint != fingerprint:
+            raise ModelMismatch(
+                f"checkpoint {self.manifest.checkpoint_id} was taken from model {m.name!r} "
+                f"(fingerprint {m.fingerprint}); the target's fingerprint is {fingerprint}"
+            )
+
+    def read_kv(self, session_id: str, layer: int, head_lo: int, head_hi: int) -> torch.Tensor:
+        """K and V for heads [head_lo, head_hi) over all the session's tokens: [2, hi-lo, T, head_dim]."""
+        g = self.manifest.kv
+        try:
+            num_tokens = self.manifest.session(session_id).num_kv_tokens
+        except KeyError:
+            raise KeyError(f"session {session_id} is not in checkpoint {self.manifest.checkpoint_id}") from None
+        if not (0 <= layer < g.num_layers and 0 <= head_lo < head_hi <= g.num_kv_heads):
+            raise ValueError(
+                f"layer {layer} heads [{head_lo},{head_hi}) outside the checkpoint's "
+                f"{g.num_layers} layers × {g.num_kv_heads} KV heads"
+            )
+        entries = [e for e in self._by_key.get((session_id, layer), []) if e.head_lo < head_hi and e.head_hi > head_lo]
+        gap = coverage_gap(entries, head_lo, head_hi, num_tokens)
+        if gap is not None:
+            raise CorruptCheckpoint(f"checkpoint {self.manifest.checkpoint_id} session {session_id} layer {layer}: {gap}")
+        out = torch.empty((2, head_hi - head_lo, num_tokens, g.head_dim), dtype=self.dtype)
+        cache: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}  # fetch each chunk once per call
+        for e in entries:
+            shape = e.shape(g.head_dim)
+            key = (e.chunk.hash, shape)
+            t = cache.get(key)
+            if t is None:
+                t = self._load(e, shape)
+                cache[key] = t
+            lo, hi = max(head_lo, e.head_lo), min(head_hi, e.head_hi)
+            out[:, lo - head_lo : hi - head_lo, e.tok_lo : e.tok_hi] = t[:, lo - e.head_lo : hi - e.head_lo]
+        return out
+
+    def _load(self, e: KVEntry, shape: tuple[int, ...]) -> torch.Tensor:
+        try:
+            return unpack_kv(self.store.get_chunk(e.chunk.hash), e.chunk, shape, self.manifest.kv.dtype)
+        except CorruptCheckpoint as exc:
+            raise CorruptCheckpoint(f"{exc} (session {e.session_id}, layer {e.layer})") from None
+
+    def verify(self) -> int:
+        """Fetch and check every chunk (hash, codec, shape, dtype) and coverage; return bytes checked.
+
+        Run before touching a target replica, so a bad checkpoint changes nothing there.
+        """
+        gap = self.manifest.coverage_error()
+        if gap is not None:
+            raise CorruptCheckpoint(f"checkpoint {self.manifest.checkpoint_id} is incomplete: {gap}")
+        seen: set[tuple[str, tuple[int, ...]]] = set()
+        total = 0
+        for e in self.manifest.kv_entries:
+            shape = e.shape(self.manifest.kv.head_dim)
+            if (e.chunk.hash, shape) in seen:
+                continue
+            seen.add((e.chunk.hash, shape))
+            self._load(e, shape)
+            total += e.chunk.size
+        return total
+
+    def total_bytes(self) -> int:
+        """Stored bytes of the distinct chunks (what a transfer of this checkpoint moves)."""
+        return sum({e.chunk.hash: e.chunk.size for e in self.manifest.kv_entries}.values())
+
+
+__all__ = ["CheckpointWriter", "CheckpointReader"]

@@ -1,0 +1,82 @@
+"""KV chunks: one safetensors payload (tensor "kv", [2, heads, tokens, head_dim]) run through a codec.
+
+Chunks are content-addressed by the xxh3_128 of their STORED bytes, so identical chunks
+(e.g. the unchanged prefix of a session in an incremental checkpoint) are stored once and
+a corrupt chunk is caught before any decoding work is done.
+"""
+
+from __future__ import annotations
+
+import torch
+import xxhash
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from storage.codecs import decode, encode
+from storage.errors import CorruptCheckpoint
+from storage.manifest import ChunkRef
+
+TENSOR_NAME = "kv"
+
+
+def chunk_hash(data: bytes) -> str:
+    return xxhash.xxh3_128_hexdigest(data)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    found = getattr(torch, dtype, None)
+    if not isinstance(found, torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}")
+    return found
+
+
+def pack_kv(tensor: torch.Tensor, codec: str = "none") -> tuple[bytes, ChunkRef]:
+    """Serialise a [2, heads, tokens, head_dim] tensor (any device) into stored chunk bytes."""
+    if tensor.dim() != 4 or tensor.shape[0] != 2:
+        raise ValueError(f"KV chunk tensor must be [2, heads, tokens, head_dim], got {list(tensor.shape)}")
+    raw = st_save({TENSOR_NAME: tensor.detach().to("cpu").contiguous()})
+    data = encode(codec, raw, tensor.element_size())
+    ref = ChunkRef(hash=chunk_hash(data), size=len(data), raw_size=len(raw), codec=codec)  # type: ignore[arg-type]
+    return data, ref
+
+
+def verify_chunk(data: bytes, ref: ChunkRef) -> None:
+    """Check stored bytes against their reference (size, then hash)."""
+    if len(data) != ref.size:
+        raise CorruptCheckpoint(f"chunk {ref.hash}: {len(data)} bytes stored, manifest says {ref.size}")
+    actual = chunk_hash(data)
+    if actual != ref.hash:
+        raise CorruptCheckpoint(f"chunk {ref.hash}: hash mismatch (stored bytes hash to {actual})")
+
+
+def unpack_kv(
+    data: bytes,
+    ref: ChunkRef,
+    expect_shape: tuple[int, ...] | torch.Size,
+    expect_dtype: torch.dtype | str,
+) -> torch.Tensor:
+    """Verify, decode and parse one chunk; any mismatch is ``CorruptCheckpoint`` naming the chunk."""
+    verify_chunk(data, ref)  # hash first: never decode bytes we cannot vouch for
+    dtype = _as_dtype(expect_dtype)
+    try:
+        raw = decode(ref.codec, data, ref.raw_size, torch.empty((), dtype=dtype).element_size())
+    except CorruptCheckpoint as exc:
+        raise CorruptCheckpoint(f"chunk {ref.hash}: {exc}") from None
+    try:
+        tensors = st_load(raw)
+    except Exception as exc:  # safetensors raises its own (non-Storage) error types on bad headers
+        raise CorruptCheckpoint(f"chunk {ref.hash}: not a valid safetensors payload ({exc})") from None
+    if set(tensors) != {TENSOR_NAME}:
+        raise CorruptCheckpoint(f"chunk {ref.hash}: expected one tensor {TENSOR_NAME!r}, found {sorted(tensors)}")
+    t = tensors[TENSOR_NAME]
+    if tuple(t.shape) != tuple(expect_shape):
+        raise CorruptCheckpoint(f"chunk {ref.hash}: shape {list(t.shape)}, expected {list(expect_shape)}")
+    if t.dtype != dtype:
+        raise CorruptCheckpoint(f"chunk {ref.hash}: dtype {dtype_name(t.dtype)}, expected {dtype_name(dtype)}")
+    return t

@@ -1,0 +1,232 @@
+"""Live-migration wire form of a checkpoint: the same chunks and manifest, framed.
+
+Frame = magic (4 bytes, also the frame type)
+      + body length (8-byte big-endian: everything after this field)
+      + header length (4-byte big-endian) + header JSON + payload.
+
+CHUNK frames carry one stored chunk (header: its ChunkRef); the MANIFEST frame comes
+last and is the commit; ABORT carries a reason. Bytes may arrive in arbitrary pieces
+(HTTP bodies), so ``FrameDecoder`` is incremental, and it checks magic and lengths
+before buffering a frame's body, so a hostile or corrupt stream cannot make it buffer
+more than ``max_frame_bytes``.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Container, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+
+from storage.chunks import verify_chunk
+from storage.errors import ChunkMissing, CorruptCheckpoint, StorageError
+from storage.manifest import MAX_MANIFEST_BYTES, ChunkRef, Manifest
+from storage.store_base import Store
+
+MAGIC_CHUNK = b"RLC1"
+MAGIC_MANIFEST = b"RLM1"
+MAGIC_ABORT = b"RLA1"
+_KINDS = {MAGIC_CHUNK: "chunk", MAGIC_MANIFEST: "manifest", MAGIC_ABORT: "abort"}
+_PREFIX = struct.Struct(">4sQ")
+_HLEN = struct.Struct(">I")
+MAX_HEADER_BYTES = 64 * 1024
+DEFAULT_MAX_FRAME_BYTES = 512 * 1024 * 1024
+
+
+class StreamAborted(StorageError):
+    """The sender ended the stream with an ABORT frame."""
+
+
+@dataclass
+class Frame:
+    kind: str  # "chunk" | "manifest" | "abort"
+    header: dict[str, Any]
+    payload: bytes
+    ref: ChunkRef | None = field(default=None)  # set for chunk frames
+
+
+def _encode(magic: bytes, header: dict[str, Any], payload: bytes) -> bytes:
+    h = json.dumps(header, separators=(",", ":")).encode()
+    if len(h) > MAX_HEADER_BYTES:
+        raise ValueError(f"frame header of {len(h)} bytes exceeds {MAX_HEADER_BYTES}")
+    return b"".join((_PREFIX.pack(magic, _HLEN.size + len(h) + len(payload)), _HLEN.pack(len(h)), h, payload))
+
+
+def encode_chunk_frame(ref: ChunkRef, data: bytes) -> bytes:
+    if len(data) != ref.size:
+        raise ValueError(f"chunk {ref.hash}: {len(data)} bytes but ref says {ref.size}")
+    return _encode(MAGIC_CHUNK, ref.model_dump(), data)
+
+
+def encode_manifest_frame(manifest: Manifest, raw: bytes | None = None) -> bytes:
+    """MANIFEST frame; pass ``raw`` (the stored manifest bytes) to forward them unchanged."""
+    return _encode(MAGIC_MANIFEST, {"checkpoint_id": manifest.checkpoint_id}, raw if raw is not None else manifest.to_bytes())
+
+
+def encode_abort_frame(reason: str) -> bytes:
+    return _encode(MAGIC_ABORT, {"reason": reason[:4096]}, b"")
+
+
+class FrameDecoder:
+    """Incremental frame parser; ``feed`` returns the frames completed by each piece."""
+
+    def __init__(self, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
+        self.max_frame_bytes = max_frame_bytes
+        self._buf = bytearray()
+        self._error: CorruptCheckpoint | None = None
+
+    @property
+    def at_boundary(self) -> bool:
+        """True when no partial frame is buffered (a clean place for the stream to end)."""
+        return not self._buf
+
+    def feed(self, data: bytes) -> list[Frame]:
+        if self._error is not None:
+            raise self._error  # a broken stream stays broken: framing cannot resynchronise
+        self._buf += data
+        frames: list[Frame] = []
+        try:
+            while True:
+                frame = self._next()
+                if frame is None:
+                    return frames
+                frames.append(frame)
+        except CorruptCheckpoint as exc:
+            self._error = exc
+            self._buf = bytearray()
+            raise
+
+    def close(self) -> None:
+        """Declare end of input; a partial frame left over is a truncated stream."""
+        if self._buf:
+            raise CorruptCheckpoint(f"stream truncated inside a frame ({len(self._buf)} bytes buffered)")
+
+    def _next(self) -> Frame | None:
+        buf = self._buf
+        if len(buf) >= 4 and bytes(buf[:4]) not in _KINDS:
+            raise CorruptCheckpoint(f"bad frame magic {bytes(buf[:4])!r}")
+        if len(buf) < _PREFIX.size:
+            return None
+        magic, body_len = _PREFIX.unpack_from(buf)
+        if body_len > self.max_frame_bytes:
+            raise CorruptCheckpoint(f"frame of {body_len} bytes exceeds the {self.max_frame_bytes}-byte limit")
+        if body_len < _HLEN.size:
+            raise CorruptCheckpoint(f"frame body of {body_len} bytes is too short for its header length")
+        if len(buf) >= _PREFIX.size + _HLEN.size:
+            (hlen,) = _HLEN.unpack_from(buf, _PREFIX.size)
+            if hlen > min(MAX_HEADER_BYTES, body_len - _HLEN.size):
+                raise CorruptCheckpoint(f"frame header length {hlen} is out of bounds (body {body_len})")
+        end = _PREFIX.size + body_len
+        if len(buf) < end:
+            return None
+        hstart = _PREFIX.size + _HLEN.size
+        hraw = bytes(buf[hstart : hstart + hlen])
+        payload = bytes(buf[hstart + hlen : end])
+        del buf[:end]
+        return self._build(_KINDS[magic], hraw, payload)
+
+    @staticmethod
+    def _build(kind: str, hraw: bytes, payload: bytes) -> Frame:
+        try:
+            header = json.loads(hraw)
+        except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise CorruptCheckpoint(f"{kind} frame header is not valid JSON: {exc}") from None
+        if not isinstance(header, dict):
+            raise CorruptCheckpoint(f"{kind} frame header must be a JSON object")
+        ref = None
+        if kind == "chunk":
+            try:
+                ref = ChunkRef.model_validate(header)
+            except ValidationError as exc:
+                raise CorruptCheckpoint(f"chunk frame header is not a valid chunk reference: {exc.error_count()} errors") from None
+            if ref.size != len(payload):
+                raise CorruptCheckpoint(f"chunk {ref.hash}: frame carries {len(payload)} bytes, header says {ref.size}")
+        elif kind == "manifest" and len(payload) > MAX_MANIFEST_BYTES:
+            raise CorruptCheckpoint(f"manifest frame of {len(payload)} bytes exceeds {MAX_MANIFEST_BYTES}")
+        return Frame(kind=kind, header=header, payload=payload, ref=ref)
+
+
+class StreamReceiver:
+    """Feeds a framed stream into a Store; returns the Manifest once it is committed.
+
+    Every chunk is hash-checked on receipt; the manifest is committed only after every
+    chunk it references is present (received now, or already held from a pre-copy round).
+    """
+
+    def __init__(self, store: Store, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
+        self.store = store
+        self.decoder = FrameDecoder(max_frame_bytes)
+        self.manifest: Manifest | None = None
+        self.bytes_received = 0
+        self.chunks_received = 0
+        self._received: set[str] = set()
+        self._pinned: list[str] = []
+
+    def feed(self, data: bytes) -> Manifest | None:
+        self.bytes_received += len(data)
+        try:
+            for frame in self.decoder.feed(data):
+                if self.manifest is not None:
+                    raise CorruptCheckpoint("frame received after the manifest")
+                self._handle(frame)
+        except BaseException:
+            self._release()
+            raise
+        return self.manifest
+
+    def close(self) -> Manifest:
+        """End of input: the committed manifest, or an error if the stream stopped short."""
+        self.decoder.close()
+        if self.manifest is None:
+            self._release()
+            raise CorruptCheckpoint("stream ended before its manifest: nothing was committed")
+        return self.manifest
+
+    def _handle(self, frame: Frame) -> None:
+        if frame.kind == "abort":
+            raise StreamAborted(f"sender aborted the stream: {frame.header.get('reason', '')!s:.4096}")
+        if frame.kind == "chunk":
+            if frame.ref is None:  # the decoder always sets it; keep the invariant explicit
+                raise CorruptCheckpoint("chunk frame without a chunk reference")
+            verify_chunk(frame.payload, frame.ref)
+            self.store.pin(frame.ref.hash)
+            self._pinned.append(frame.ref.hash)
+            self.store.put_chunk(frame.ref.hash, frame.payload)
+            self._received.add(frame.ref.hash)
+            self.chunks_received += 1
+            return
+        manifest = Manifest.parse(frame.payload)
+        for e in manifest.kv_entries:
+            h = e.chunk.hash
+            if h not in self._received and not self.store.has_chunk(h):
+                raise ChunkMissing(
+                    f"manifest {manifest.checkpoint_id} references chunk {h} (session {e.session_id}, "
+                    f"layer {e.layer}) that the stream did not carry"
+                )
+        gap = manifest.coverage_error()
+        if gap is not None:
+            raise CorruptCheckpoint(f"streamed checkpoint {manifest.checkpoint_id} is incomplete: {gap}")
+        self.store.put_manifest(manifest.checkpoint_id, frame.payload)
+        self.manifest = manifest
+        self._release()
+
+    def _release(self) -> None:
+        self.store.unpin(self._pinned)
+        self._pinned = []
+
+
+def iter_checkpoint_frames(store: Store, checkpoint_id: str, skip: Container[str] = ()) -> Iterator[bytes]:
+    """Frames of a stored checkpoint: each distinct chunk (minus ``skip``), then the manifest."""
+    raw = store.get_manifest(checkpoint_id)
+    manifest = Manifest.parse(raw)
+    sent: set[str] = set()
+    for e in manifest.kv_entries:
+        h = e.chunk.hash
+        if h in sent or h in skip:
+            continue
+        sent.add(h)
+        yield encode_chunk_frame(e.chunk, store.get_chunk(h))
+    yield encode_manifest_frame(manifest, raw)
