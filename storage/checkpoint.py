@@ -7,6 +7,7 @@ from whichever entries overlap, with every chunk hash verified.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable
@@ -105,6 +106,10 @@ class CheckpointWriter:
         return entry
 
     def add_session(self, session_id: str, state: dict[str, Any], num_kv_tokens: int) -> SessionEntry:
+        try:  # normalise through JSON now, so commit cannot fail (or silently change NaN) later
+            state = json.loads(json.dumps(state, allow_nan=False))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"session {session_id}: state is not plain JSON ({exc})") from None
         entry = SessionEntry(session_id=session_id, state=state, num_kv_tokens=num_kv_tokens)
         with self._lock:
             self._check_open()
@@ -194,32 +199,43 @@ class CheckpointReader:
 
     def read_kv(self, session_id: str, layer: int, head_lo: int, head_hi: int) -> torch.Tensor:
         """K and V for heads [head_lo, head_hi) over all the session's tokens: [2, hi-lo, T, head_dim]."""
+        return self.read_kv_ranges(session_id, layer, [(head_lo, head_hi)])[0]
+
+    def read_kv_ranges(self, session_id: str, layer: int, ranges: list[tuple[int, int]]) -> list[torch.Tensor]:
+        """``read_kv`` for several head ranges of one layer (e.g. every target TP rank), fetching
+        each chunk once across all of them."""
         g = self.manifest.kv
         try:
             num_tokens = self.manifest.session(session_id).num_kv_tokens
         except KeyError:
             raise KeyError(f"session {session_id} is not in checkpoint {self.manifest.checkpoint_id}") from None
-        if not (0 <= layer < g.num_layers and 0 <= head_lo < head_hi <= g.num_kv_heads):
-            raise ValueError(
-                f"layer {layer} heads [{head_lo},{head_hi}) outside the checkpoint's "
-                f"{g.num_layers} layers × {g.num_kv_heads} KV heads"
-            )
-        entries = [e for e in self._by_key.get((session_id, layer), []) if e.head_lo < head_hi and e.head_hi > head_lo]
-        gap = coverage_gap(entries, head_lo, head_hi, num_tokens)
-        if gap is not None:
-            raise CorruptCheckpoint(f"checkpoint {self.manifest.checkpoint_id} session {session_id} layer {layer}: {gap}")
-        out = torch.empty((2, head_hi - head_lo, num_tokens, g.head_dim), dtype=self.dtype)
         cache: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}  # fetch each chunk once per call
-        for e in entries:
-            shape = e.shape(g.head_dim)
-            key = (e.chunk.hash, shape)
-            t = cache.get(key)
-            if t is None:
-                t = self._load(e, shape)
-                cache[key] = t
-            lo, hi = max(head_lo, e.head_lo), min(head_hi, e.head_hi)
-            out[:, lo - head_lo : hi - head_lo, e.tok_lo : e.tok_hi] = t[:, lo - e.head_lo : hi - e.head_lo]
-        return out
+        outs = []
+        for head_lo, head_hi in ranges:
+            if not (0 <= layer < g.num_layers and 0 <= head_lo < head_hi <= g.num_kv_heads):
+                raise ValueError(
+                    f"layer {layer} heads [{head_lo},{head_hi}) outside the checkpoint's "
+                    f"{g.num_layers} layers × {g.num_kv_heads} KV heads"
+                )
+            entries = [
+                e for e in self._by_key.get((session_id, layer), []) if e.head_lo < head_hi and e.head_hi > head_lo
+            ]
+            gap = coverage_gap(entries, head_lo, head_hi, num_tokens)
+            if gap is not None:
+                raise CorruptCheckpoint(
+                    f"checkpoint {self.manifest.checkpoint_id} session {session_id} layer {layer}: {gap}"
+                )
+            out = torch.empty((2, head_hi - head_lo, num_tokens, g.head_dim), dtype=self.dtype)
+            for e in entries:
+                shape = e.shape(g.head_dim)
+                key = (e.chunk.hash, shape)
+                t = cache.get(key)
+                if t is None:
+                    t = cache[key] = self._load(e, shape)
+                lo, hi = max(head_lo, e.head_lo), min(head_hi, e.head_hi)
+                out[:, lo - head_lo : hi - head_lo, e.tok_lo : e.tok_hi] = t[:, lo - e.head_lo : hi - e.head_lo]
+            outs.append(out)
+        return outs
 
     def _load(self, e: KVEntry, shape: tuple[int, ...]) -> torch.Tensor:
         try:

@@ -101,6 +101,38 @@ def test_read_fetches_each_chunk_once() -> None:
     assert len(calls) == 1
 
 
+def test_read_kv_ranges_shares_fetches_across_ranks() -> None:
+    store = MemoryStore()
+    kv = kv_tensor(20, 6)
+    write_checkpoint(store, "ck", {"a": kv})
+    calls: list[str] = []
+    orig = store.get_chunk
+    store.get_chunk = lambda h: (calls.append(h), orig(h))[1]  # type: ignore[method-assign]
+    outs = CheckpointReader(store, "ck").read_kv_ranges("a", 1, [(h, h + 1) for h in range(H)])
+    for h, out in enumerate(outs):
+        assert torch.equal(out, kv[1, :, h : h + 1])
+    assert len(calls) == len(set(calls)) == 2 * 3  # 2 head ranges × 3 token ranges, once each
+
+
+def test_concurrent_put_kv_and_state_must_be_json() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    store = MemoryStore()
+    kv = kv_tensor(21, 16)
+    w = CheckpointWriter(store, "ck", codec="zstd")
+    jobs = [(layer, h, t) for layer in range(L) for h in range(H) for t in range(0, 16, 4)]
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda j: w.put_kv("s", j[0], j[1], j[1] + 1, j[2], j[2] + 4, kv[j[0], :, j[1] : j[1] + 1, j[2] : j[2] + 4]), jobs))
+    with pytest.raises(ValueError, match="plain JSON"):
+        w.add_session("s", {"x": float("nan")}, 16)
+    with pytest.raises(ValueError, match="plain JSON"):
+        w.add_session("s", {"x": object()}, 16)
+    w.add_session("s", {"rng": (1, 2)}, 16)
+    m = w.commit(MODEL, LAYOUT, KVGeometry(num_layers=L, num_kv_heads=H, head_dim=D, dtype="float32"))
+    assert len(m.kv_entries) == len(jobs) and m.sessions[0].state == {"rng": [1, 2]}
+    assert torch.equal(CheckpointReader(store, "ck").read_kv("s", 1, 0, H), kv[1])
+
+
 def test_zero_token_session_and_empty_checkpoint() -> None:
     store = MemoryStore()
     w = CheckpointWriter(store, "empty")
