@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -252,8 +253,13 @@ def test_lying_sizes_are_refused() -> None:
 
     # A zstd frame that decodes to more than the declared raw_size is cut off, not buffered.
     bomb = encode("zstd", b"\0" * (64 * 1024 * 1024), 1)
+    with pytest.raises(CorruptCheckpoint, match="67108864 bytes, declared 1000"):
+        decode("zstd", bomb, 1000, 1)
+    # Same without a content size in the frame header: the streaming path stops past raw_size.
+    bomb = zstandard.ZstdCompressor(write_content_size=False).compress(b"\0" * (64 * 1024 * 1024))
     with pytest.raises(CorruptCheckpoint, match="more than the declared 1000"):
         decode("zstd", bomb, 1000, 1)
+    assert decode("zstd", zstandard.ZstdCompressor(write_content_size=False).compress(b"abc"), 3, 1) == b"abc"
     with pytest.raises(CorruptCheckpoint, match="decodes to"):
         decode("zstd", encode("zstd", b"abc", 1), 10, 1)
     # A chunk whose declared raw_size is slightly smaller than its payload.
