@@ -118,6 +118,10 @@ class Layout:
                 kw["placement"] = tuple(tuple(int(x) for x in row) for row in p)
             except (TypeError, ValueError):
                 raise LayoutError("placement", "expert ids must be integers") from None
+        if "moe_ep" not in kw:
+            # experts default to expert parallelism over every rank the attention split uses
+            world = kw.get("attn_dp", 1) * kw.get("attn_tp", 1)
+            kw["moe_ep"] = max(1, world // kw.get("moe_tp", 1))
         lay = cls(**kw)
         if "world_size" in d and int(d["world_size"]) != lay.world_size:
             raise LayoutError("world_size", f"{d['world_size']} != attn_dp*attn_tp = {lay.world_size}")
