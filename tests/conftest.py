@@ -1,4 +1,6 @@
 import os
+import socket
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -37,3 +39,43 @@ def _scale(model):
         for name, p in model.named_parameters():
             if p.dim() >= 2:
                 p.normal_(0, 0.15)
+
+
+S3_BUCKET = "relayout-test"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    """moto's S3 server, reached over real HTTP on loopback."""
+    from moto import server as moto_server
+
+    port = _free_port()
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.stop()
+
+
+@pytest.fixture()
+def s3_env(s3_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    import boto3
+
+    # exactly what a user would set: the standard boto3 variables, nothing in code
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    for var in ("AWS_PROFILE", "AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(var, raising=False)
+    client = boto3.client("s3")
+    if S3_BUCKET not in {b["Name"] for b in client.list_buckets().get("Buckets", [])}:
+        client.create_bucket(Bucket=S3_BUCKET)
+    return s3_endpoint
