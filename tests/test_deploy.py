@@ -301,6 +301,14 @@ def test_k8s_controller_and_gateway(rendered):
     assert _one(docs, "Service", "relayout-agent")["spec"]["clusterIP"] == "None"
 
 
+def test_k8s_topology_example_parses():
+    """The ConfigMap's topology.yaml is a valid fleet topology (when the planner's model is present)."""
+    topology = pytest.importorskip("migrate.topology")
+    cm = _one(render(K8S_BASE), "ConfigMap", "relayout-config")
+    topo = topology.Topology.from_dict(yaml.safe_load(cm["data"]["topology.yaml"]))
+    assert len(topo.devices()) == 16
+
+
 def test_k8s_secret_placeholder_is_refused_by_preflight():
     docs = render(K8S_BASE)
     token = _one(docs, "Secret", "relayout-token")["stringData"]["token"]
