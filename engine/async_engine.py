@@ -47,6 +47,7 @@ class _Snap:
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine):
+        self.migrated_to: dict[str, str] = {}  # session id -> replica URL it moved to
         self.engine = engine
         self._lock = threading.Lock()  # guards _snaps, _calls, _aborts, _stopping
         self._wake = threading.Condition(self._lock)

@@ -124,6 +124,31 @@ class LLMEngine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def pause(self, session_ids: list[str]) -> None:
+        """Hold sessions at this step boundary (checkpoint with stop, migration cutover)."""
+        for sid in session_ids:
+            s = self.sessions.get(sid)
+            if s is None or s.is_finished:
+                raise KeyError(f"session {sid} is not running on this replica")
+        for sid in session_ids:
+            s = self.sessions[sid]
+            if s in self.scheduler.waiting:
+                self.scheduler.waiting.remove(s)
+                self.scheduler.paused_waiting.append(s)
+            s.status = SessionStatus.PAUSED
+
+    def resume(self, session_ids: list[str]) -> None:
+        for sid in session_ids:
+            s = self.sessions.get(sid)
+            if s is None or s.status != SessionStatus.PAUSED:
+                continue
+            if s in self.scheduler.paused_waiting:
+                self.scheduler.paused_waiting.remove(s)
+                s.status = SessionStatus.WAITING
+                self.scheduler.waiting.appendleft(s)
+            else:
+                s.status = SessionStatus.RUNNING if s.num_computed else SessionStatus.WAITING
+
     def _finish(self, s: SessionState, reason: str, status: SessionStatus = SessionStatus.FINISHED) -> None:
         s.status = status
         s.finish_reason = reason if status == SessionStatus.FINISHED else s.finish_reason

@@ -29,6 +29,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_prefill_tokens = max_prefill_tokens
         self.waiting: deque[SessionState] = deque()
+        self.paused_waiting: list[SessionState] = []  # paused before they were admitted
         self.running: list[list[SessionState]] = [[] for _ in allocators]
         self.tables: dict[str, KVBlockTable] = {}
         self.num_preemptions = 0
@@ -50,6 +51,8 @@ class Scheduler:
         """Forget a session and free its blocks (finished, aborted, or moved away)."""
         if s in self.waiting:
             self.waiting.remove(s)
+        if s in self.paused_waiting:
+            self.paused_waiting.remove(s)
         for g, run in enumerate(self.running):
             if s in run:
                 run.remove(s)

@@ -194,6 +194,9 @@ def create_app(aengine: AsyncEngine, model_name: str) -> FastAPI:
             await aengine.stop()
 
     app = FastAPI(title="relayout replica", lifespan=lifespan)
+    from engine.session_routes import install_session_routes
+
+    install_session_routes(app, aengine)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError):
@@ -275,7 +278,10 @@ def create_app(aengine: AsyncEngine, model_name: str) -> FastAPI:
     @app.get("/v1/sessions/{sid}")
     async def session(sid: str):
         s = snapshot(sid)
-        return {**s, "state": _LIVE.get(s["state"], s["state"])}
+        out = {**s, "state": _LIVE.get(s["state"], s["state"])}
+        if sid in aengine.migrated_to:
+            out["migrated_to"] = aengine.migrated_to[sid]
+        return out
 
     @app.get("/v1/sessions/{sid}/stream")
     async def session_stream(sid: str, request: Request, from_token: int = 0, return_token_ids: bool = False):

@@ -46,9 +46,10 @@ def _live(engine: LLMEngine, session_ids: list[str] | None) -> list[SessionState
     out = []
     for sid in session_ids:
         s = engine.sessions.get(sid)
-        if s is None or s.is_finished:
-            raise KeyError(f"session {sid} is not running on this replica")
-        out.append(s)
+        if s is None:
+            raise KeyError(f"session {sid} is not on this replica")
+        if not s.is_finished:  # one that finished meanwhile has nothing left to move
+            out.append(s)
     return out
 
 
@@ -197,3 +198,109 @@ def release(engine: LLMEngine, session_ids: list[str], status: SessionStatus = S
 
 def new_checkpoint_id() -> str:
     return f"ckpt-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(4)}"
+
+
+# ---- live transfer (pre-copy rounds, then a final round) ------------------------------------------
+@dataclass
+class OutgoingTransfer:
+    """Source side: what earlier rounds already sent."""
+
+    transfer_id: str
+    sent_upto: dict[str, int] = field(default_factory=dict)
+    entries: list = field(default_factory=list)  # KVEntry of every chunk sent so far
+    sent_hashes: set[str] = field(default_factory=set)
+    rounds: int = 0
+
+
+@dataclass
+class IncomingTransfer:
+    """Target side: blocks reserved for incoming sessions and how much KV is already in them."""
+
+    transfer_id: str
+    store: object  # storage.stores.MemoryStore staging chunks until imported
+    blocks: dict[str, tuple[int, list[int]]] = field(default_factory=dict)  # sid -> (group, blocks)
+    upto: dict[str, int] = field(default_factory=dict)
+    placed: list[str] = field(default_factory=list)  # sessions imported by the final round (held paused)
+
+
+def import_range(engine: LLMEngine, store, manifest: Manifest, sid: str, group: int, blocks: list[int],
+                 a: int, b: int) -> None:
+    """Import tokens [a, b) of one session from whichever chunks cover them."""
+    from storage.chunks import unpack_kv
+
+    if b <= a:
+        return
+    c = engine.cfg
+    kv = torch.empty((c.num_layers, 2, c.num_kv_heads, b - a, c.head_dim), dtype=engine.dtype)
+    covered = 0
+    for e in manifest.kv_entries:
+        if e.session_id != sid or e.tok_hi <= a or e.tok_lo >= b:
+            continue
+        t = unpack_kv(store.get_chunk(e.chunk.hash), e.chunk, e.shape(c.head_dim), engine.dtype)
+        lo, hi = max(a, e.tok_lo), min(b, e.tok_hi)
+        kv[e.layer, :, e.head_lo:e.head_hi, lo - a:hi - a] = t[:, :, lo - e.tok_lo:hi - e.tok_lo]
+        covered += (hi - lo) * (e.head_hi - e.head_lo)
+    if covered != c.num_layers * c.num_kv_heads * (b - a):
+        raise CorruptCheckpoint(f"session {sid}: chunks do not cover tokens [{a}, {b}) exactly once")
+    engine.executor.import_kv(group, blocks, a, kv)
+
+
+def receive_round(engine: LLMEngine, t: IncomingTransfer, manifest: Manifest, final: bool) -> dict:
+    """Target, engine thread: reserve blocks for new sessions, import KV that arrived, and in the
+    final round place the sessions (paused until the source commits). Refusals free nothing
+    the replica had before."""
+    check_compatible(engine, manifest)
+    c = engine.cfg
+    states = {e.session_id: (SessionState.from_dict(e.state), e.num_kv_tokens) for e in manifest.sessions}
+    # 1. room first, for every session, before importing anything
+    for sid, (st, n_kv) in states.items():
+        if any(x >= c.vocab_size for x in st.all_token_ids):
+            raise CorruptCheckpoint(f"session {sid} holds token ids outside the vocabulary")
+        need = blocks_needed(max(n_kv, st.num_tokens) + 1)
+        if sid not in t.blocks:
+            old = engine.sessions.get(sid)
+            if old is not None and not old.is_finished:
+                raise RestoreError(f"session {sid} is already live on this replica")
+            # headroom for the tokens the source decodes while pre-copy goes on
+            want = need + 2
+            cands = sorted(range(len(engine.allocators)), key=lambda g: (engine.scheduler.group_load(g), g))
+            g = next((g for g in cands if engine.allocators[g].can_allocate(want)), None)
+            if g is None:
+                raise RestoreError(f"not enough free KV blocks for session {sid}: needs {want}, "
+                                   f"largest free pool has {max(a.num_free for a in engine.allocators)}")
+            t.blocks[sid] = (g, engine.allocators[g].allocate(want))
+            t.upto[sid] = 0
+        g, blocks = t.blocks[sid]
+        if need > len(blocks):
+            if not engine.allocators[g].can_allocate(need - len(blocks)):
+                raise RestoreError(f"not enough free KV blocks for session {sid} to grow to {need}")
+            blocks += engine.allocators[g].allocate(need - len(blocks))
+    # 2. import what arrived
+    imported = 0
+    for sid, (_st, n_kv) in states.items():
+        g, blocks = t.blocks[sid]
+        import_range(engine, t.store, manifest, sid, g, blocks, t.upto[sid], n_kv)
+        imported += n_kv - t.upto[sid]
+        t.upto[sid] = n_kv
+    # 3. final: the sessions exist here now, held until the source commits
+    if final:
+        for sid, (st, n_kv) in states.items():
+            g, blocks = t.blocks.pop(sid)
+            st.num_computed = n_kv
+            st.status = SessionStatus.PAUSED
+            engine.sessions[sid] = st
+            engine.scheduler.place(st, g, blocks)
+            t.placed.append(sid)
+    return {"sessions": sorted(states), "imported_tokens": imported}
+
+
+def abort_incoming(engine: LLMEngine, t: IncomingTransfer) -> None:
+    """Target, engine thread: release reservations and drop sessions not yet committed."""
+    for g, blocks in t.blocks.values():
+        engine.allocators[g].free(blocks)
+    t.blocks.clear()
+    for sid in t.placed:
+        s = engine.sessions.pop(sid, None)
+        if s is not None:
+            engine.scheduler.remove(s)
+    t.placed.clear()
