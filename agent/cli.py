@@ -88,13 +88,16 @@ def bench_engine(
     model: str = typer.Option("builtin:bench", "--model", "-m"),
     new_tokens: int = typer.Option(32, "--new-tokens", help="tokens generated per sequence"),
     prompt_len: int = typer.Option(32, "--prompt-len"),
+    threads: int = typer.Option(None, "--threads", help="torch CPU threads for both sides (default: torch's)"),
+    reps: int = typer.Option(2, "--reps", help="best of this many runs per figure"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object on the last line"),
 ) -> None:
     """Decode tokens/s of this engine vs Hugging Face transformers generate (batch 1 and 16)."""
     from engine import bench_engine as be
 
     try:
-        res = be.run(model, new_tokens=new_tokens, prompt_len=prompt_len, log=err.print)
+        res = be.run(model, new_tokens=new_tokens, prompt_len=prompt_len, threads=threads, reps=max(1, reps),
+                     log=err.print)
     except be.MissingDependency as e:
         _fail(str(e))
     be.print_table(res, Console())
@@ -102,5 +105,142 @@ def bench_engine(
         print(json.dumps(res), flush=True)
 
 
+
+
+# ---- gateway and live migration ------------------------------------------------------------------
+@app.command()
+def gateway(
+    agent: list[str] = typer.Option([], "--agent", help="agent URL whose replicas to serve (repeatable)"),
+    replica: list[str] = typer.Option([], "--replica", help="a replica URL to serve directly (repeatable)"),
+    host: str = typer.Option("127.0.0.1", "--host"),
+    port: int = typer.Option(8000, "--port"),
+) -> None:
+    """The clients' /v1/completions in front of the replicas; streams survive migrations."""
+    from migrate.gateway import run_gateway
+
+    if not agent and not replica:
+        _fail("give at least one --agent or --replica")
+    run_gateway(agent, replica, host, port)
+
+
+@app.command("migrate-replica")
+def migrate_replica(
+    source: str = typer.Argument(..., help="source replica URL"),
+    target: str = typer.Argument(..., help="target replica URL (already launched, any layout)"),
+    session: list[str] = typer.Option(None, "--session", help="session ids (default: all)"),
+    mode: str = typer.Option("live", "--mode", help="live (pre-copy) or cold"),
+) -> None:
+    """Move sessions between two replicas directly (no agent), with a progress display."""
+    import os
+
+    from rich.progress import Progress
+
+    from migrate.live import MigrationError, migrate_live
+
+    with Progress(transient=True) as bar:
+        task = bar.add_task("migrating", total=None)
+        try:
+            res = migrate_live(source, target, session or None, token=os.environ.get("RELAYOUT_TOKEN"), mode=mode,
+                               progress=lambda phase, n: bar.update(task, description=f"{phase} {n / 2**20:.1f} MiB"))
+        except MigrationError as e:
+            _fail(str(e), 1)
+    print(json.dumps({"sessions": res.sessions, "rounds": [r.__dict__ for r in res.rounds],
+                      "bytes": res.bytes_total, "stall_ms": round(res.stall_ms, 2)}))
+
+
 if __name__ == "__main__":
     app()
+
+
+# ---- node agent ------------------------------------------------------------------------------------
+def _token(token_file: Path | None) -> str | None:
+    import os
+
+    if token_file is not None:
+        try:
+            return token_file.read_text().strip() or None
+        except OSError as e:
+            _fail(f"cannot read --token-file: {e}")
+    return os.environ.get("RELAYOUT_TOKEN") or None
+
+
+@app.command()
+def agent(
+    host: str = typer.Option("127.0.0.1", "--host"),
+    port: int = typer.Option(8100, "--port", help="0 picks a free port (the printed URL shows it)"),
+    data_dir: Path = typer.Option(Path.home() / ".relayout", "--data-dir", help="registry, logs, checkpoint store"),
+    token_file: Path = typer.Option(None, "--token-file", help="bearer token file (else RELAYOUT_TOKEN)"),
+) -> None:
+    """Run the node agent: launches replicas and runs checkpoint/restore/migration operations."""
+    from agent.agent import serve_agent
+
+    serve_agent(host, port, data_dir, _token(token_file))
+
+
+def _run_operation(agent_url: str, path: str, body: dict, token_file: Path | None) -> dict:
+    import time
+
+    import httpx
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
+
+    tok = _token(token_file)
+    headers = {"Authorization": f"Bearer {tok}"} if tok else {}
+    base = agent_url.rstrip("/")
+    try:
+        resp = httpx.post(f"{base}{path}", json=body, headers=headers, timeout=60)
+    except httpx.HTTPError as e:
+        _fail(f"cannot reach agent {base}: {e}", 1)
+    if resp.status_code != 202:
+        try:
+            msg = resp.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            msg = resp.text[:300]
+        _fail(f"{resp.status_code}: {msg}", 1)
+    oid = resp.json()["operation_id"]
+    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), console=err) as prog:
+        task = prog.add_task(oid, total=None)
+        while True:
+            try:
+                op = httpx.get(f"{base}/v1/operations/{oid}", headers=headers, timeout=30).json()
+            except (httpx.HTTPError, ValueError) as e:
+                _fail(f"lost the agent while polling {oid}: {e}", 1)
+            prog.update(task, description=f"{op.get('kind')} {op.get('phase')}", completed=op.get("bytes_done") or 0,
+                        total=op.get("bytes_total") or None)
+            if op.get("state") in ("succeeded", "failed", "aborted"):
+                break
+            time.sleep(0.3)
+    if op["state"] != "succeeded":
+        _fail(f"{op.get('kind')} {op['state']}: {op.get('error')}", 1)
+    print(json.dumps(op.get("result"), indent=1))
+    return op
+
+
+@app.command()
+def checkpoint(
+    replica: str = typer.Argument(..., help="replica id on the agent"),
+    agent_url: str = typer.Option("http://127.0.0.1:8100", "--agent"),
+    destination: str = typer.Option(None, "--destination", help="file:///abs/path or s3://bucket/prefix"),
+    stop: bool = typer.Option(False, "--stop", help="end the sessions on the source once committed"),
+    token_file: Path = typer.Option(None, "--token-file"),
+) -> None:
+    """Checkpoint a replica's sessions to a store; prints the checkpoint URI."""
+    body: dict = {"stop": stop}
+    if destination:
+        body["destination"] = destination
+    _run_operation(agent_url, f"/v1/replicas/{replica}/checkpoint", body, token_file)
+
+
+@app.command()
+def restore(
+    checkpoint_uri: str = typer.Argument(..., help="<store URI>/<checkpoint id>"),
+    replica: str = typer.Option(None, "--replica", help="existing replica id"),
+    model: str = typer.Option(None, "--model", help="launch a new replica of this model"),
+    layout: str = typer.Option(None, "--layout", help="layout of the new replica"),
+    agent_url: str = typer.Option("http://127.0.0.1:8100", "--agent"),
+    token_file: Path = typer.Option(None, "--token-file"),
+) -> None:
+    """Restore a checkpoint's sessions into a replica (an existing one, or a new one)."""
+    if (replica is None) == (model is None):
+        _fail("give either --replica ID or --model M [--layout L]")
+    target = replica if replica is not None else {"model": model, "layout": layout}
+    _run_operation(agent_url, "/v1/restore", {"checkpoint": checkpoint_uri, "replica": target}, token_file)
