@@ -86,8 +86,10 @@ class SparseMoE(torch.nn.Module):
         w, e = self.route(x)
         flat_e = e.reshape(-1)
         self.expert_counts += torch.bincount(flat_e, minlength=self.cfg.num_experts)
-        pair = torch.arange(n * k) + token_offset * k
-        slot = self.rep_table[flat_e, pair % self.rep_count[flat_e]]
+        # spread a replicated expert's tokens round-robin by token index (not by pair index,
+        # which would tie the replica to the token's choice rank when top_k and replicas share a factor)
+        tok = torch.arange(n).repeat_interleave(k) + token_offset
+        slot = self.rep_table[flat_e, tok % self.rep_count[flat_e]]
         xs = x.repeat_interleave(k, dim=0)
         y = self._exchange(xs, slot)
         return (y.view(n, k, y.shape[-1]) * w.unsqueeze(-1)).sum(dim=1)

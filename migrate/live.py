@@ -1,0 +1,146 @@
+"""Live migration of sessions between two replicas (any two layouts), over their HTTP routes.
+
+Pre-copy rounds stream every KV chunk the target lacks while the source keeps decoding;
+once a round is small (or after `max_rounds`), the source pauses the sessions at a step
+boundary and the final round carries the remainder and their state. The target imports
+and acknowledges (sessions held paused); then the source releases them (the commit) and
+the target resumes them. Before the commit the source owns the sessions: any failure
+aborts the target's reservations and resumes the sessions on the source.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx
+
+
+class MigrationError(RuntimeError):
+    def __init__(self, phase: str, message: str):
+        super().__init__(f"migration failed during {phase}: {message}")
+        self.phase = phase
+
+
+@dataclass
+class PreCopyRound:
+    index: int
+    bytes: int
+    seconds: float
+    final: bool
+
+
+@dataclass
+class MigrationResult:
+    transfer_id: str
+    sessions: list[str] = field(default_factory=list)
+    rounds: list[PreCopyRound] = field(default_factory=list)
+    bytes_total: int = 0
+    stall_ms: float = 0.0  # the sessions' pause: from the source's hold to the target's resume
+    phase: str = "done"
+
+
+Progress = Callable[[str, int], None]  # (phase, bytes so far)
+
+
+def _headers(token: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def _check(r: httpx.Response, what: str) -> dict:
+    if r.status_code >= 400:
+        try:
+            msg = r.json()["error"]["message"]
+        except Exception:  # noqa: BLE001 - any non-JSON error body
+            msg = r.text[:500]
+        raise RuntimeError(f"{what}: HTTP {r.status_code}: {msg}")
+    return r.json()
+
+
+def _round(client: httpx.Client, src: str, dst: str, transfer: str, sessions: list[str] | None, final: bool,
+           codec: str, token: str | None) -> tuple[dict, int]:
+    """Stream one round source → target without holding it in memory; returns (target reply, bytes)."""
+    body = {"transfer": transfer, "sessions": sessions, "pause": final, "codec": codec}
+    moved = 0
+
+    with client.stream("POST", f"{src}/v1/sessions/export", json=body, headers=_headers(token)) as resp:
+        if resp.status_code >= 400:
+            resp.read()
+            _check(resp, "source export")
+
+        def pieces():
+            nonlocal moved
+            for piece in resp.iter_bytes():
+                moved += len(piece)
+                yield piece
+
+        reply = client.post(f"{dst}/v1/sessions/import", params={"transfer": transfer, "final": final},
+                            content=pieces(), headers=_headers(token))
+    return _check(reply, "target import"), moved
+
+
+def migrate_live(source_url: str, target_url: str, sessions: list[str] | None = None, *, token: str | None = None,
+                 mode: str = "live", max_rounds: int = 4, small_bytes: int = 1 << 20, codec: str = "none",
+                 progress: Progress | None = None, timeout_s: float = 300.0) -> MigrationResult:
+    if mode not in ("live", "cold"):
+        raise ValueError("mode must be 'live' or 'cold'")
+    src, dst = source_url.rstrip("/"), target_url.rstrip("/")
+    res = MigrationResult(transfer_id=f"mig-{uuid.uuid4().hex[:16]}")
+    t = res.transfer_id
+    phase = "pre-copy"
+    paused: list[str] = []
+    committed = False
+    with httpx.Client(timeout=timeout_s) as client:
+        try:
+            ids = sessions
+            if ids is None:  # name them now, so an abort knows exactly what to resume
+                rep = _check(client.get(f"{src}/v1/replica", headers=_headers(token)), "source replica")
+                ids = [s["id"] for s in rep["sessions"]]
+            if mode == "live":
+                for i in range(max_rounds):
+                    t0 = time.perf_counter()
+                    reply, n = _round(client, src, dst, t, ids, False, codec, token)
+                    res.rounds.append(PreCopyRound(i, n, time.perf_counter() - t0, False))
+                    res.bytes_total += n
+                    if progress:
+                        progress(phase, res.bytes_total)
+                    if n <= small_bytes or not ids:
+                        break
+            phase = "stop-and-copy"
+            t_hold = time.perf_counter()
+            paused = list(ids)
+            reply, n = _round(client, src, dst, t, ids, True, codec, token)
+            res.sessions = paused = list(reply.get("placed", reply["sessions"]))
+            res.rounds.append(PreCopyRound(len(res.rounds), n, time.perf_counter() - t_hold, True))
+            res.bytes_total += n
+            phase = "commit"
+            _check(client.post(f"{src}/v1/sessions/release", json={"sessions": res.sessions, "migrated_to": dst},
+                               headers=_headers(token)), "source release")
+            committed = True
+            _check(client.post(f"{dst}/v1/sessions/transfers/{t}/commit", headers=_headers(token)), "target commit")
+            res.stall_ms = (time.perf_counter() - t_hold) * 1000
+            client.request("DELETE", f"{src}/v1/sessions/transfers/{t}", headers=_headers(token))
+            if progress:
+                progress("done", res.bytes_total)
+            return res
+        except Exception as e:
+            if committed:
+                # the target owns the sessions; it holds them paused until told to resume
+                raise MigrationError(phase, f"{e} (sessions committed to the target; resume them there)") from e
+            _abort(client, src, dst, t, paused, token)
+            raise MigrationError(phase, f"{e}; the sessions continue on the source") from e
+
+
+def _abort(client: httpx.Client, src: str, dst: str, transfer: str, paused: list[str], token: str | None) -> None:
+    for url in (f"{dst}/v1/sessions/transfers/{transfer}", f"{src}/v1/sessions/transfers/{transfer}"):
+        try:
+            client.request("DELETE", url, headers=_headers(token), timeout=10)
+        except httpx.HTTPError:
+            pass  # a dead target's reservations die with it
+    try:
+        # resume everything we may have paused (a no-op for sessions that were never paused)
+        client.post(f"{src}/v1/sessions/resume", json={"sessions": paused}, headers=_headers(token), timeout=10)
+    except httpx.HTTPError:
+        pass
