@@ -588,17 +588,18 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
             tr = resp.json()
             op["phase"] = "migrating"
 
-            def progress(**kw):
-                for k in ("phase", "bytes_done", "bytes_total"):
-                    if k in kw:
-                        op[k] = kw[k]
+            def progress(phase=None, bytes_done=None, *_, **__):  # migrate_live calls progress(phase, bytes)
+                if phase is not None:
+                    op["phase"] = phase
+                if bytes_done is not None:
+                    op["bytes_done"] = bytes_done
 
             res = await asyncio.to_thread(migrate_live, r["url"], tr["url"], sessions=body.sessions,
                                           token=ag.token, mode=body.mode, progress=progress)
             get = (lambda k, d=None: res.get(k, d)) if isinstance(res, dict) else (lambda k, d=None: getattr(res, k, d))
             op["stall_ms"] = get("stall_ms")
-            if get("bytes") is not None:
-                op["bytes_done"] = get("bytes")
+            if get("bytes_total") is not None:
+                op["bytes_done"] = op["bytes_total"] = get("bytes_total")
             return {"replica": tr["id"], "sessions": list(get("sessions", []) or [])}
 
         return {"operation_id": ag.new_op("migrate", rid, work)}
