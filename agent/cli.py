@@ -105,6 +105,40 @@ def bench_engine(
         print(json.dumps(res), flush=True)
 
 
+@bench_app.command("overlap")
+def bench_overlap(
+    model: str = typer.Option("builtin:bench", "--model", "-m"),
+    new_tokens: int = typer.Option(16, "--new-tokens", help="decode steps per run"),
+    quick: bool = typer.Option(False, "--quick", help="one layout, one batch, a few steps (smoke test)"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object on the last line"),
+) -> None:
+    """Share of the experts' all-to-all hidden by two-micro-batch overlap (off vs on, same decode)."""
+    from engine import bench_overlap as bo
+
+    res = bo.run(model, new_tokens=new_tokens, quick=quick, log=err.print)
+    bo.print_table(res, Console())
+    if as_json:
+        print(json.dumps(res), flush=True)
+
+
+@bench_app.command("snapshot")
+def bench_snapshot(
+    model: str = typer.Option("builtin:bench", "--model", "-m"),
+    sessions: int = typer.Option(4, "--sessions"),
+    tokens: int = typer.Option(2048, "--tokens", help="KV tokens per session"),
+    reps: int = typer.Option(3, "--reps", help="best of this many tries per figure"),
+    quick: bool = typer.Option(False, "--quick", help="tiny sizes (smoke test)"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object on the last line"),
+) -> None:
+    """GB/s to snapshot and restore session KV next to a plain memory copy; codec ratios."""
+    from engine import bench_snapshot as bs
+
+    res = bs.run(model, sessions=sessions, tokens=tokens, reps=max(1, reps), quick=quick, log=err.print)
+    bs.print_table(res, Console())
+    if as_json:
+        print(json.dumps(res), flush=True)
+
+
 
 
 # ---- gateway and live migration ------------------------------------------------------------------

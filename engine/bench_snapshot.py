@@ -1,0 +1,176 @@
+"""`relayout bench snapshot`: GB/s to snapshot and restore session KV vs a plain memory copy.
+
+One process, one run: prefill a few sessions on a world-1 engine, then time
+- memcpy: `copy_` of the same number of bytes into a preallocated buffer (the ceiling);
+- snapshot: take_snapshot + write_snapshot + commit into a MemoryStore, codec "none"
+  (copy out of the KV pool, safetensors pack, xxh3 hash) — the full path, fresh store per try;
+- restore: restore() of that checkpoint into a second engine, chunk verification included.
+Each figure is the best of `reps` (on a shared machine the fastest try is the least disturbed).
+Codec ratios are measured on (up to 32 MiB of) the prefilled KV, in float32 and rounded to bf16.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from engine.config import ModelConfig
+from engine.engine import LLMEngine
+from engine.session import SamplingParams
+from engine.snapshot import (
+    checkpoint,
+    geometry,
+    model_ref,
+    new_checkpoint_id,
+    release,
+    restore,
+    take_snapshot,
+    write_snapshot,
+)
+from engine.weights import resolve_model
+from storage.checkpoint import CheckpointReader, CheckpointWriter
+from storage.codecs import CODECS, measure_codecs
+from storage.stores import MemoryStore
+
+CODEC_SAMPLE_BYTES = 32 * 2**20  # zstd at ~0.3-1 GB/s on 2 cores: a sample keeps the bench short
+
+
+def _best(fn: Callable[[], float], reps: int) -> float:
+    return min(fn() for _ in range(reps))
+
+
+def _memcpy_s(nbytes: int, reps: int) -> float:
+    src = torch.randn(nbytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # fault the pages in first: we want the copy, not the allocator
+
+    def once() -> float:
+        t = time.perf_counter()
+        dst.copy_(src)
+        return time.perf_counter() - t
+
+    return _best(once, reps)
+
+
+def _fill(eng: LLMEngine, sessions: int, tokens: int, prefill: int) -> tuple[list[str], torch.Tensor]:
+    """`sessions` live sessions of `tokens` tokens of KV each.
+
+    Prefilling 8k+ tokens of builtin:bench takes minutes on 2 shared cores, so each session
+    prefills `prefill` real tokens (not a divisor of the chunk size, so chunks stay distinct) and is grown to `tokens` by restoring it (through the
+    public checkpoint path) with that real KV tiled along the tokens: real values for the
+    codecs, the exact sizes and block layout for the copies. Also returns the prefilled (untiled)
+    KV, flat: codecs are measured on that, as tiles would flatter zstd."""
+    g = torch.Generator().manual_seed(0)
+    seeds = []
+    for i in range(sessions):
+        prompt = torch.randint(32, 127, (min(prefill, tokens),), generator=g).tolist()
+        seeds.append(eng.add_session(prompt, SamplingParams(max_tokens=8, ignore_eos=True), f"seed-{i}").session_id)
+    while any(not eng.sessions[s].output_token_ids for s in seeds):  # prefill done once each has sampled
+        eng.step()
+    snaps = take_snapshot(eng, seeds)
+    real = torch.cat([t.reshape(-1) for sn in snaps for _, _, t in sn.kv])
+    release(eng, seeds)
+    store = MemoryStore()
+    w = CheckpointWriter(store, new_checkpoint_id())
+    for i, sn in enumerate(snaps):
+        reps = -(-tokens // sn.num_kv_tokens)
+        st = sn.state
+        st.session_id, st.prompt_token_ids = f"snap-{i}", (st.prompt_token_ids * reps)[:tokens]
+        st.num_computed = sn.num_kv_tokens = tokens
+        sn.kv = [(lo, hi, t.repeat(1, 1, 1, reps, 1)[:, :, :, :tokens].contiguous()) for lo, hi, t in sn.kv]
+    write_snapshot(snaps, w)
+    w.commit(model_ref(eng), eng.layout.to_dict(), geometry(eng), {})
+    return restore(eng, CheckpointReader(store, w.checkpoint_id)), real
+
+
+def _codecs(t: torch.Tensor) -> dict[str, dict[str, float]]:
+    raw = t.view(torch.uint8).numpy().tobytes()
+    res = measure_codecs(raw, t.element_size())
+    return {k: {"ratio": round(v["ratio"], 3), "gbps": round(v["gbps"], 3)} for k, v in res.items()}
+
+
+def run(model: str = "builtin:bench", sessions: int = 4, tokens: int = 2048, prefill: int = 200, reps: int = 3,
+        quick: bool = False, log: Callable[[str], None] = print) -> dict:
+    if quick:  # smoke-test size: a few seconds end to end
+        sessions, tokens, prefill, reps = 2, 64, 24, 1
+    total_tokens = sessions * tokens
+    log(f"loading {model} twice (source and restore target)…")
+    cfg = ModelConfig.from_dir(resolve_model(model))
+    per_tok = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4  # float32, all KV heads
+    kv_bytes = total_tokens * per_tok
+    room = int(kv_bytes * 1.25) + 64 * per_tok * sessions  # block rounding + a few decode tokens each
+    src = LLMEngine(model, kv_cache_bytes=room, max_prefill_tokens=max(512, tokens))
+    dst = LLMEngine(model, kv_cache_bytes=room, max_prefill_tokens=max(512, tokens))
+    res: dict = {"model": model, "sessions": sessions, "tokens_per_session": tokens, "prefilled_per_session": prefill,
+                 "kv_bytes": kv_bytes,
+                 "threads": torch.get_num_threads(), "reps": reps}
+    try:
+        log(f"filling {sessions} sessions × {tokens} tokens ({kv_bytes / 2**20:.0f} MiB of KV; {prefill} prefilled each)…")
+        ids, real = _fill(src, sessions, tokens, prefill)
+        _ = src.fingerprint, dst.fingerprint  # hashes the weights once: not part of a snapshot's cost
+        ids_kv = sum(src.sessions[s].num_computed for s in ids) * per_tok
+        log("memcpy…")
+        t_mem = _memcpy_s(ids_kv, reps)
+        log("snapshot…")
+        store = MemoryStore()
+        ckpt_ids: list[str] = []
+
+        def snap_once() -> float:
+            nonlocal store
+            store = MemoryStore()  # fresh: no chunk dedup against an earlier try
+            w = CheckpointWriter(store, new_checkpoint_id(), codec="none")
+            t = time.perf_counter()
+            checkpoint(src, w, ids)
+            dt = time.perf_counter() - t
+            ckpt_ids.append(w.checkpoint_id)
+            return dt
+
+        t_snap = _best(snap_once, reps)
+        log("restore…")
+
+        def restore_once() -> float:
+            r = CheckpointReader(store, ckpt_ids[-1])
+            t = time.perf_counter()
+            got = restore(dst, r, verify=True)
+            dt = time.perf_counter() - t
+            release(dst, got)  # free the blocks for the next try
+            return dt
+
+        t_rest = _best(restore_once, reps)
+        gb = ids_kv / 1e9
+        res.update(kv_bytes=ids_kv, memcpy_gbps=round(gb / t_mem, 3), snapshot_gbps=round(gb / t_snap, 3),
+                   restore_gbps=round(gb / t_rest, 3))
+        res["snapshot_vs_memcpy"] = round(res["snapshot_gbps"] / res["memcpy_gbps"], 3)
+        res["restore_vs_memcpy"] = round(res["restore_gbps"] / res["memcpy_gbps"], 3)
+        log("codecs…")
+        sample = real[: CODEC_SAMPLE_BYTES // real.element_size()].contiguous()
+        res["codec_sample_bytes"] = sample.numel() * sample.element_size()
+        res["codecs"] = _codecs(sample)
+        res["codecs_bf16"] = _codecs(sample.to(torch.bfloat16))  # what a bf16 engine's KV would compress to
+    finally:
+        src.shutdown()
+        dst.shutdown()
+    return res
+
+
+def print_table(res: dict, console) -> None:
+    from rich.table import Table
+
+    t = Table(title=f"KV snapshot/restore — {res['model']}, {res['sessions']} sessions × "
+                    f"{res['tokens_per_session']} tokens = {res['kv_bytes'] / 2**20:.0f} MiB, "
+                    f"{res['threads']} threads, best of {res['reps']}")
+    for col in ("path", "GB/s", "vs memcpy"):
+        t.add_column(col, justify="right")
+    t.add_row("memcpy (torch copy_)", f"{res['memcpy_gbps']:.2f}", "1.00x")
+    t.add_row("snapshot (codec none)", f"{res['snapshot_gbps']:.2f}", f"{res['snapshot_vs_memcpy']:.2f}x")
+    t.add_row("restore (verify incl.)", f"{res['restore_gbps']:.2f}", f"{res['restore_vs_memcpy']:.2f}x")
+    console.print(t)
+    c = Table(title=f"codecs on {res['codec_sample_bytes'] / 2**20:.0f} MiB of this KV (encode+decode GB/s)")
+    for col in ("codec", "ratio fp32", "GB/s fp32", "ratio bf16", "GB/s bf16"):
+        c.add_column(col, justify="right")
+    for name in CODECS:
+        a, b = res["codecs"][name], res["codecs_bf16"][name]
+        c.add_row(name, f"{a['ratio']:.3f}", f"{a['gbps']:.2f}", f"{b['ratio']:.3f}", f"{b['gbps']:.2f}")
+    console.print(c)

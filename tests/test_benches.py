@@ -1,0 +1,30 @@
+"""Smoke tests: each bench runs at tiny sizes and returns its documented JSON keys (no timing gates)."""
+
+import json
+
+from engine import bench_overlap, bench_snapshot
+
+
+def test_bench_snapshot_quick():
+    res = bench_snapshot.run("builtin:tiny", quick=True, log=lambda _: None)
+    json.dumps(res)  # the CLI prints it as one JSON line
+    for k in ("memcpy_gbps", "snapshot_gbps", "restore_gbps"):
+        assert res[k] > 0, k
+    assert res["snapshot_vs_memcpy"] > 0
+    for table in ("codecs", "codecs_bf16"):
+        assert set(res[table]) == {"none", "zstd", "zstd-planes"}
+        for v in res[table].values():
+            assert v["ratio"] > 0 and v["gbps"] > 0
+    assert res["codecs"]["none"]["ratio"] == 1.0
+
+
+def test_bench_overlap_quick():
+    res = bench_overlap.run("builtin:tiny", quick=True, log=lambda _: None)
+    json.dumps(res)
+    assert 0.0 <= res["hidden_fraction"] <= 1.0
+    assert res["tokens_match"] is True
+    assert res["cases"] and res["hidden_fraction_case"]
+    for c in res["cases"]:
+        assert 0.0 <= c["hidden_fraction"] <= 1.0
+        assert c["tokens_match"] is True
+        assert c["decode_steps"] > 0 and c["off_total_ms"] > 0 and c["on_exposed_ms"] >= 0
