@@ -83,6 +83,22 @@ class KVCache:
         shape = (num_blocks, block_size, kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # reused gather buffers: allocating a fresh multi-MB tensor per layer per step costs
+        # more (page faults) than the copy itself
+        self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def gather_blocks(self, layer: int, flat_blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of the given blocks, [n_blocks, block_size, kv_heads, head_dim], in reused buffers
+        (valid until the next call)."""
+        n = flat_blocks.numel()
+        k_pool, v_pool = self.k[layer], self.v[layer]
+        if self._scratch is None or self._scratch[0].shape[0] < n:
+            cap = max(n, 2 * (self._scratch[0].shape[0] if self._scratch else 0), 16)
+            self._scratch = (k_pool.new_empty((cap, *k_pool.shape[1:])), v_pool.new_empty((cap, *v_pool.shape[1:])))
+        kb, vb = self._scratch[0][:n], self._scratch[1][:n]
+        torch.index_select(k_pool, 0, flat_blocks, out=kb)
+        torch.index_select(v_pool, 0, flat_blocks, out=vb)
+        return kb, vb
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         kf = self.k[layer].view(-1, *self.k[layer].shape[2:])
@@ -92,9 +108,9 @@ class KVCache:
 
     def gather(self, layer: int, blocks: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of one session: [num_tokens, kv_heads, head_dim]."""
-        k = self.k[layer][blocks].flatten(0, 1)[:num_tokens]
-        v = self.v[layer][blocks].flatten(0, 1)[:num_tokens]
-        return k, v
+        nb = (num_tokens + self.block_size - 1) // self.block_size
+        kb, vb = self.gather_blocks(layer, blocks[:nb])
+        return kb.flatten(0, 1)[:num_tokens], vb.flatten(0, 1)[:num_tokens]
 
     def export_tokens(self, blocks: list[int], tok_lo: int, tok_hi: int) -> torch.Tensor:
         """KV of tokens [tok_lo, tok_hi) for every layer: [layers, 2, kv_heads, tokens, head_dim]."""

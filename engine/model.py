@@ -73,7 +73,8 @@ class Attention(torch.nn.Module):
         self.q_range = (ps.tp_rank * self.n_heads, (ps.tp_rank + 1) * self.n_heads)
         d, h = cfg.head_dim, cfg.hidden_size
         p = lambda *s: torch.nn.Parameter(torch.empty(*s, dtype=dtype), requires_grad=False)  # noqa: E731
-        self.q_proj, self.k_proj, self.v_proj = p(self.n_heads * d, h), p(self.n_kv * d, h), p(self.n_kv * d, h)
+        # q, k and v in one weight: one matmul per layer instead of three
+        self.qkv_proj = p((self.n_heads + 2 * self.n_kv) * d, h)
         self.o_proj = p(h, self.n_heads * d)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
@@ -81,9 +82,10 @@ class Attention(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMeta, kv: KVCache) -> torch.Tensor:
         T, d = x.shape[0], self.cfg.head_dim
-        q = (x @ self.q_proj.T).view(T, self.n_heads, d)
-        k = (x @ self.k_proj.T).view(T, self.n_kv, d)
-        v = (x @ self.v_proj.T).view(T, self.n_kv, d)
+        qkv = x @ self.qkv_proj.T
+        q = qkv[:, : self.n_heads * d].view(T, self.n_heads, d)
+        k = qkv[:, self.n_heads * d : (self.n_heads + self.n_kv) * d].view(T, self.n_kv, d)
+        v = qkv[:, (self.n_heads + self.n_kv) * d :].reshape(T, self.n_kv, d)
         if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         c, s = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
@@ -93,8 +95,10 @@ class Attention(torch.nn.Module):
         gqa = self.n_heads != self.n_kv
         if meta.decode:
             B = q.shape[0]
-            kc = kv.k[self.layer][meta.block_tables].flatten(1, 2).transpose(1, 2)  # [B, kv, ctx, d]
-            vc = kv.v[self.layer][meta.block_tables].flatten(1, 2).transpose(1, 2)
+            # index_select of whole blocks is a plain memcpy (advanced indexing is several times slower)
+            kb, vb = kv.gather_blocks(self.layer, meta.block_tables.reshape(-1))
+            kc = kb.view(B, -1, self.n_kv, d).transpose(1, 2)  # [B, kv, ctx, d]
+            vc = vb.view(B, -1, self.n_kv, d).transpose(1, 2)
             ctx = kc.shape[2]
             mask = (torch.arange(ctx, device=x.device)[None, :] < meta.context_lens[:, None]).view(B, 1, 1, ctx)
             o = F.scaled_dot_product_attention(q.view(B, self.n_heads, 1, d), kc, vc, attn_mask=mask, enable_gqa=gqa)
@@ -173,7 +177,7 @@ class MoEModel(torch.nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta, kv: KVCache,
                 logits_at: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens[input_ids]
+        x = F.embedding(input_ids, self.embed_tokens)
         cos, sin = self.rotary(positions)
         for layer in self.layers:
             x = layer(x, cos, sin, meta, kv)
@@ -219,9 +223,11 @@ class MoEModel(torch.nn.Module):
                 a = layer.attn
                 ql, qh = a.q_range
                 kl, kh = a.kv_range
-                a.q_proj.copy_(load_weight_slice(model_dir, p + "self_attn.q_proj.weight", 0, ql * d, qh * d))
-                a.k_proj.copy_(load_weight_slice(model_dir, p + "self_attn.k_proj.weight", 0, kl * d, kh * d))
-                a.v_proj.copy_(load_weight_slice(model_dir, p + "self_attn.v_proj.weight", 0, kl * d, kh * d))
+                a.qkv_proj.copy_(torch.cat([
+                    load_weight_slice(model_dir, p + "self_attn.q_proj.weight", 0, ql * d, qh * d),
+                    load_weight_slice(model_dir, p + "self_attn.k_proj.weight", 0, kl * d, kh * d),
+                    load_weight_slice(model_dir, p + "self_attn.v_proj.weight", 0, kl * d, kh * d),
+                ]))
                 a.o_proj.copy_(load_weight_slice(model_dir, p + "self_attn.o_proj.weight", 1, ql * d, qh * d))
                 if cfg.qk_norm:
                     a.q_norm.weight.copy_(w[p + "self_attn.q_norm.weight"])
@@ -232,8 +238,8 @@ class MoEModel(torch.nn.Module):
                     il, ih = m.inter_range
                     for s, e in enumerate(m.local_slots):
                         q = p + f"{mlp}.experts.{e}."
-                        m.experts.w_gate[s].copy_(w[q + f"{gate_n}.weight"][il:ih])
-                        m.experts.w_up[s].copy_(w[q + f"{up_n}.weight"][il:ih])
+                        m.experts.w_gate_up[s].copy_(torch.cat([w[q + f"{gate_n}.weight"][il:ih],
+                                                                w[q + f"{up_n}.weight"][il:ih]]))
                         m.experts.w_down[s].copy_(w[q + f"{down_n}.weight"][:, il:ih])
                 else:
                     for n in ("gate_proj", "up_proj", "down_proj"):

@@ -23,8 +23,9 @@ class ExpertShard(torch.nn.Module):
 
     def __init__(self, num_slots: int, hidden: int, inter: int, dtype: torch.dtype):
         super().__init__()
-        self.w_gate = torch.nn.Parameter(torch.empty(num_slots, inter, hidden, dtype=dtype), requires_grad=False)
-        self.w_up = torch.nn.Parameter(torch.empty(num_slots, inter, hidden, dtype=dtype), requires_grad=False)
+        # gate and up projections stacked: one matmul per expert instead of two
+        self.w_gate_up = torch.nn.Parameter(torch.empty(num_slots, 2 * inter, hidden, dtype=dtype), requires_grad=False)
+        self.inter = inter
         self.w_down = torch.nn.Parameter(torch.empty(num_slots, hidden, inter, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor, local_slot: torch.Tensor) -> torch.Tensor:
@@ -32,7 +33,7 @@ class ExpertShard(torch.nn.Module):
         if x.shape[0] == 0:
             return out
         order = torch.argsort(local_slot, stable=True)
-        counts = torch.bincount(local_slot, minlength=self.w_gate.shape[0]).tolist()
+        counts = torch.bincount(local_slot, minlength=self.w_gate_up.shape[0]).tolist()
         xs = x[order]
         ys = []
         start = 0
@@ -40,7 +41,8 @@ class ExpertShard(torch.nn.Module):
             if n == 0:
                 continue
             h = xs[start : start + n]
-            h = F.silu(h @ self.w_gate[s].T) * (h @ self.w_up[s].T)
+            gu = h @ self.w_gate_up[s].T
+            h = F.silu(gu[:, : self.inter]) * gu[:, self.inter :]
             ys.append(h @ self.w_down[s].T)
             start += n
         out[order] = torch.cat(ys)
