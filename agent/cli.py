@@ -182,9 +182,6 @@ def migrate_replica(
                       "bytes": res.bytes_total, "stall_ms": round(res.stall_ms, 2)}))
 
 
-if __name__ == "__main__":
-    app()
-
 
 # ---- node agent ------------------------------------------------------------------------------------
 def _token(token_file: Path | None) -> str | None:
@@ -278,3 +275,80 @@ def restore(
         _fail("give either --replica ID or --model M [--layout L]")
     target = replica if replica is not None else {"model": model, "layout": layout}
     _run_operation(agent_url, "/v1/restore", {"checkpoint": checkpoint_uri, "replica": target}, token_file)
+
+
+# ---- layout planning and the re-layout controller -------------------------------------------------
+@app.command()
+def plan(
+    input_json: str = typer.Argument("-", metavar="[INPUT.json|-]",
+                                     help="{topology, load, needs, ...} as JSON; - reads stdin"),
+    as_json: bool = typer.Option(False, "--json", help="print the plan as one JSON object on the last line"),
+) -> None:
+    """Expert load + fleet topology -> layout, device set and the reason (or why nothing is placeable)."""
+    import sys
+
+    from migrate.plan_cli import format_plan_table, plan_main
+
+    try:
+        text = sys.stdin.read() if input_json == "-" else Path(input_json).read_text()
+        inp = json.loads(text)
+    except OSError as e:
+        _fail(f"cannot read {input_json}: {e}")
+    except json.JSONDecodeError as e:
+        _fail(f"{input_json}: not valid JSON: {e}")
+    if not isinstance(inp, dict):
+        _fail("the plan input must be a JSON object {topology, load, needs, ...}")
+    res = plan_main(inp)
+    Console(stderr=as_json).print(format_plan_table(res))
+    if as_json:
+        print(json.dumps(res), flush=True)
+    if "error" in res:
+        raise typer.Exit(1)
+
+
+@bench_app.command("placement")
+def bench_placement(
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object on the last line"),
+    engine_trace: bool = typer.Option(True, "--engine-trace/--no-engine-trace",
+                                      help="also plan a trace recorded from builtin:tiny"),
+) -> None:
+    """Balance and cross-node traffic of the planner's placement vs an EPLB-style baseline."""
+    from migrate.bench_placement import run_bench
+
+    run_bench(json_out=as_json, include_engine=engine_trace)
+
+
+@app.command()
+def controller(
+    replica: str = typer.Option(..., "--replica", help="URL of the replica to watch"),
+    interval: float = typer.Option(10.0, "--interval", help="seconds between polls"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="log the decisions, never relayout"),
+    margin: float = typer.Option(1.5, "--margin", help="relayout when gain > cost x margin"),
+    consecutive: int = typer.Option(3, "--consecutive", help="... for this many polls in a row"),
+    cooldown: float = typer.Option(600.0, "--cooldown", help="seconds between relayouts"),
+    horizon: float = typer.Option(600.0, "--horizon", help="seconds of traffic the gain is counted over"),
+) -> None:
+    """Relayout a replica when a better expert placement pays for the move (one JSON line per poll)."""
+    import signal
+    import threading
+
+    from migrate.controller import Controller, SubprocessLauncher
+    from migrate.policy import PolicyConfig, RelayoutPolicy
+
+    if interval <= 0 or consecutive < 1 or margin <= 0:
+        _fail("--interval and --margin must be positive, --consecutive at least 1")
+    pol = RelayoutPolicy(PolicyConfig(margin=margin, consecutive=consecutive, cooldown_s=cooldown, horizon_s=horizon))
+    ctl = Controller(replica, SubprocessLauncher(), pol, interval, dry_run=dry_run,
+                     log=lambda line: print(line, flush=True))
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    err.print(f"relayout controller watching {replica} every {interval:g}s" + (" (dry run)" if dry_run else ""))
+    try:
+        ctl.run_forever(stop)
+    except KeyboardInterrupt:
+        pass
+    err.print(f"controller stopped; replica now at {ctl.replica_url}")
+
+
+if __name__ == "__main__":
+    app()

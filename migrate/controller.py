@@ -1,0 +1,253 @@
+"""Re-layout controller (SPEC §6): poll a replica, feed the policy, act on its decisions.
+
+On "relayout": launch a replica with the new layout through `launcher(model, layout) -> url`,
+live-migrate every session onto it (`migrate_live`, swept again for sessions that arrived
+meanwhile), switch the controlled URL to it and stop the old replica (`launcher.stop(url)`,
+after `stop_grace_s` so clients following `migrated_to` can still ask the old replica where
+their session went). The default launcher starts `relayout serve` subprocesses on this host;
+the node agent plugs its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx
+
+from engine.layout import Layout
+from migrate.live import MigrationError, MigrationResult, migrate_live
+from migrate.policy import Decision, RelayoutPolicy
+
+__all__ = ["Controller", "LaunchError", "Step", "SubprocessLauncher"]
+
+_URL_RE = re.compile(r"serving .* on (http://\S+)")
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+class SubprocessLauncher:
+    """`relayout serve --model M --layout <JSON> --port 0` on this host; the replica's output goes
+    to a log file (so it outlives the controller); `stop(url)` sends SIGTERM."""
+
+    def __init__(self, host: str = "127.0.0.1", startup_timeout_s: float = 180.0, log_dir: str | None = None,
+                 extra_args: tuple[str, ...] = ()):
+        self.host = host
+        self.startup_timeout_s = startup_timeout_s
+        self.log_dir = log_dir or tempfile.mkdtemp(prefix="relayout-replicas-")
+        self.extra_args = tuple(extra_args)
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.logs: dict[str, str] = {}
+
+    def __call__(self, model: str, layout: Layout) -> str:
+        fd, log = tempfile.mkstemp(prefix="replica-", suffix=".log", dir=self.log_dir)
+        with os.fdopen(fd, "w") as out:
+            p = subprocess.Popen(
+                [sys.executable, "-m", "agent.cli", "serve", "--model", model, "--layout", json.dumps(layout.to_dict()),
+                 "--host", self.host, "--port", "0", *self.extra_args],
+                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < self.startup_timeout_s:
+            with open(log) as f:
+                m = _URL_RE.search(f.read())
+            if m:
+                url = m.group(1).rstrip("/")
+                self.procs[url], self.logs[url] = p, log
+                return url
+            if p.poll() is not None:
+                with open(log) as f:
+                    tail = f.read()[-2000:]
+                raise LaunchError(f"replica exited with {p.returncode}: {tail}")
+            time.sleep(0.1)
+        self._kill(p)
+        raise LaunchError(f"replica did not print its URL within {self.startup_timeout_s:g}s (log: {log})")
+
+    def stop(self, url: str) -> bool:
+        """Stop a replica this launcher started (False for any other URL)."""
+        p = self.procs.pop(url.rstrip("/"), None)
+        if p is None:
+            return False
+        self._kill(p)
+        return True
+
+    def stop_all(self) -> None:
+        for url in list(self.procs):
+            self.stop(url)
+
+    @staticmethod
+    def _kill(p: subprocess.Popen) -> None:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
+
+
+@dataclass
+class Step:
+    """What one poll did."""
+    replica: str
+    decision: Decision
+    acted: bool = False
+    new_replica: str | None = None
+    migrations: list[MigrationResult] = field(default_factory=list)
+    launch_s: float = 0.0
+    error: str | None = None
+
+    def to_dict(self) -> dict:
+        return {"replica": self.replica, "decision": self.decision.to_dict(), "acted": self.acted,
+                "new_replica": self.new_replica, "launch_s": round(self.launch_s, 2),
+                "migrated_sessions": [s for m in self.migrations for s in m.sessions],
+                "bytes": sum(m.bytes_total for m in self.migrations),
+                "stall_ms": round(max((m.stall_ms for m in self.migrations), default=0.0), 2), "error": self.error}
+
+
+class Controller:
+    def __init__(self, replica_url: str, launcher: Callable[[str, Layout], str] | None = None,
+                 policy: RelayoutPolicy | None = None, interval: float = 10.0, *, dry_run: bool = False,
+                 token: str | None = None, mode: str = "live", stop_grace_s: float = 5.0, sweeps: int = 3,
+                 log: Callable[[str], None] | None = None):
+        self.replica_url = replica_url.rstrip("/")
+        self.launcher = launcher if launcher is not None else SubprocessLauncher()
+        self.policy = policy if policy is not None else RelayoutPolicy()
+        self.interval = interval
+        self.dry_run = dry_run
+        self.token = token if token is not None else os.environ.get("RELAYOUT_TOKEN")
+        self.mode = mode
+        self.stop_grace_s = stop_grace_s
+        self.sweeps = sweeps
+        self.log = log or (lambda s: None)
+        self.history: list[Step] = []
+        self._model_filled = False
+        self._stopping: list[threading.Thread] = []
+
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
+
+    def _get_replica(self, url: str) -> dict:
+        r = httpx.get(f"{url}/v1/replica", headers=self._headers(), timeout=30)
+        r.raise_for_status()
+        return r.json()
+
+    def _fill_model_facts(self, model: str) -> None:
+        """top_k and KV bytes per token from the model's config, unless configured."""
+        if self._model_filled:
+            return
+        self._model_filled = True
+        try:
+            from engine.config import ModelConfig
+            from engine.weights import resolve_model
+
+            cfg = ModelConfig.from_dir(resolve_model(model))
+        except Exception as e:  # noqa: BLE001 - a model this host cannot read: keep the configured facts
+            self.log(f"controller: cannot read model {model!r} ({e}); using configured top_k / KV bytes")
+            return
+        pc = self.policy.cfg
+        pc.top_k = cfg.top_k
+        if not pc.kv_bytes_per_token:
+            pc.kv_bytes_per_token = cfg.kv_bytes_per_token
+
+    # ---- one poll ------------------------------------------------------------------------------
+    def run_once(self) -> Step:
+        url = self.replica_url
+        try:
+            rep = self._get_replica(url)
+        except (httpx.HTTPError, ValueError) as e:
+            step = Step(url, Decision("stay", None, 0.0, 0.0, f"replica unreachable: {e}"), error=str(e))
+            self._record(step)
+            return step
+        model = rep.get("model", "")
+        self._fill_model_facts(model)
+        decision = self.policy.observe(rep)
+        step = Step(url, decision)
+        if decision.action == "relayout" and decision.new_layout is not None and not self.dry_run:
+            self._relayout(step, model, decision.new_layout)
+        self._record(step)
+        return step
+
+    def _record(self, step: Step) -> None:
+        self.history.append(step)
+        self.log(json.dumps(step.to_dict()))
+
+    def _relayout(self, step: Step, model: str, layout: Layout) -> None:
+        old = self.replica_url
+        t0 = time.monotonic()
+        try:
+            new = self.launcher(model, layout)
+        except Exception as e:  # noqa: BLE001 - any launcher failure leaves the old replica serving
+            step.error = f"launch failed: {e}"
+            self.policy.aborted()
+            return
+        step.launch_s = time.monotonic() - t0
+        step.new_replica = new = new.rstrip("/")
+        try:
+            for _ in range(max(1, self.sweeps)):  # sweep again for sessions that arrived meanwhile
+                left = [s["id"] for s in self._get_replica(old)["sessions"]
+                        if s.get("state") not in ("finished", "migrated")]
+                if not left:
+                    break
+                step.migrations.append(migrate_live(old, new, left, token=self.token, mode=self.mode))
+        except (MigrationError, httpx.HTTPError, ValueError) as e:
+            step.error = f"migration failed: {e}"
+            if not step.migrations:
+                # nothing moved: the old replica keeps serving everything; drop the new one
+                self._stop(new, 0.0)
+                self.policy.aborted()
+                return
+            # some sessions already live on the new replica: keep both running, switch over
+        step.acted = True
+        self.replica_url = new
+        moved = sum(len(m.sessions) for m in step.migrations)
+        self.policy.committed(layout, launch_s=step.launch_s,
+                              stall_ms=max((m.stall_ms for m in step.migrations), default=None), sessions=moved)
+        if step.error is None:
+            self._stop(old, self.stop_grace_s)
+
+    def _stop(self, url: str, after_s: float) -> None:
+        stop = getattr(self.launcher, "stop", None)
+        if stop is None:
+            return
+
+        def go():
+            time.sleep(after_s)
+            try:
+                stop(url)
+            except Exception as e:  # noqa: BLE001 - report, never crash the loop
+                self.log(f"controller: stopping {url} failed: {e}")
+
+        if after_s <= 0:
+            go()
+            return
+        t = threading.Thread(target=go, name=f"stop-{url}", daemon=True)
+        t.start()
+        self._stopping.append(t)
+
+    def wait_stopped(self, timeout: float | None = None) -> None:
+        """Join the delayed stops of old replicas (tests, shutdown)."""
+        for t in self._stopping:
+            t.join(timeout)
+
+    # ---- the loop --------------------------------------------------------------------------------
+    def run_forever(self, stop: threading.Event | None = None) -> None:
+        stop = stop or threading.Event()
+        while not stop.is_set():
+            t0 = time.monotonic()
+            try:
+                self.run_once()
+            except Exception as e:  # noqa: BLE001 - one bad poll must not end the controller
+                self.log(f"controller: poll failed: {e}")
+            stop.wait(max(0.0, self.interval - (time.monotonic() - t0)))
