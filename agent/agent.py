@@ -103,7 +103,7 @@ class MigrateBody(BaseModel):
 
 class DrainBody(BaseModel):
     model_config = _STRICT
-    target_agent: str = Field(..., max_length=2048)
+    target_agent: str = Field(..., pattern=r"^https?://[^\s]+$", max_length=2048)
 
 
 def _check_session_ids(ids: list[str] | None) -> None:
@@ -174,6 +174,8 @@ class Agent:
         self.busy: dict[str, str] = {}  # replica id -> operation id
         self.tasks: set[asyncio.Task] = set()
         self.draining = False
+        self.drain_op: str | None = None
+        self.agent_id = secrets.token_hex(8)  # tells a drain that its target is this very agent
         self.metrics = CollectorRegistry(auto_describe=True)
         self.m_ops = Counter("relayout_agent_operations", "Operations by kind and outcome", ["kind", "outcome"],
                              registry=self.metrics)
@@ -385,6 +387,147 @@ class Agent:
         return data
 
 
+DRAIN_PASSES = 8  # re-list and retry: sessions that finish or arrive while a replica is moved
+
+
+async def drain_node(ag: Agent, op: dict, target: str) -> dict:
+    """Move every session of every replica on this node to new replicas (same model and layout) on
+    `target`. Progress per replica is in op["result"] while it runs; a session that cannot be moved
+    is listed in `sessions_not_moved` (the op then fails), never dropped silently."""
+    from migrate.live import MigrationError, migrate_live
+
+    res: dict[str, Any] = {"target_agent": target, "replicas": [], "sessions_moved": 0, "sessions_not_moved": []}
+    op["result"] = res
+    rids = [rid for rid in list(ag.reg.replicas) if ag.refresh(rid).get("status") == "running"]
+    entries = {rid: {"replica": rid, "state": "pending", "target_replica": None, "target_url": None,
+                     "sessions_moved": [], "sessions_finished_here": [], "sessions_not_moved": [], "error": None}
+               for rid in rids}
+    res["replicas"] = list(entries.values())
+    for rid, r in ag.reg.replicas.items():
+        if rid not in entries and r.get("status") in ("dead", "starting"):
+            res["replicas"].append({"replica": rid, "state": "skipped", "error": f"replica is {r.get('status')}"})
+
+    async def sessions_of(url: str) -> list[str]:
+        async with httpx.AsyncClient(timeout=30.0) as c:
+            info = (await c.get(f"{url}/v1/replica", headers=ag.headers())).json()
+        return [s["id"] for s in info.get("sessions", [])]
+
+    async def session_state(url: str, sid: str) -> str:
+        try:
+            async with httpx.AsyncClient(timeout=10.0) as c:
+                return (await c.get(f"{url}/v1/sessions/{sid}", headers=ag.headers())).json().get("state", "unknown")
+        except (httpx.HTTPError, ValueError):
+            return "unknown"
+
+    async def wait_not_busy(rid: str) -> None:
+        end = time.monotonic() + 300
+        while rid in ag.busy and time.monotonic() < end:
+            await asyncio.sleep(0.2)
+        if rid in ag.busy:
+            raise AgentError(409, f"replica {rid} stayed busy with operation {ag.busy[rid]}")
+
+    async def launch_target(rid: str) -> None:
+        e, r = entries[rid], ag.reg.replicas[rid]
+        e["state"] = "launching"
+        async with httpx.AsyncClient(timeout=OP_TIMEOUT) as c:
+            resp = await c.post(f"{target}/v1/replicas", headers=ag.headers(),
+                                json={"model": r["model"], "layout": r.get("layout")})
+        if resp.status_code >= 400:
+            raise AgentError(502, f"target agent refused the replica ({resp.status_code}): {resp.text[:300]}")
+        tr = resp.json()
+        e.update(target_replica=tr["id"], target_url=tr["url"], state="launched")
+
+    async def move(rid: str) -> None:
+        e, src = entries[rid], ag.reg.replicas[rid]["url"]
+        e["state"] = "migrating"
+        op["phase"] = f"migrating {rid}"
+        failed: dict[str, str] = {}  # sessions given up on (a move of them alone failed), with the reason
+        last_err: dict[str, str] = {}
+        strikes = 0
+        for _ in range(DRAIN_PASSES):
+            ids = [s for s in await sessions_of(src) if s not in failed]
+            if not ids:
+                break
+            # all at once; after two failed tries one by one, so one bad session cannot hold back the rest
+            for group in ([ids] if strikes < 2 else [[s] for s in ids]):
+                base = op["bytes_done"] or 0
+
+                def progress(phase=None, nbytes=None, *_, _base=base, **__):
+                    if phase is not None:
+                        op["phase"] = f"{rid}: {phase}"
+                    if nbytes is not None:
+                        op["bytes_done"] = _base + nbytes
+
+                try:
+                    mr = await asyncio.to_thread(migrate_live, src, e["target_url"], group, token=ag.token,
+                                                 mode="live", progress=progress)
+                except MigrationError as err:
+                    # often a session finished between the pre-copy and the cutover: the next pass lists again
+                    for sid in group:
+                        last_err[sid] = str(err)
+                    if len(group) == 1:
+                        failed[group[0]] = str(err)
+                    else:
+                        strikes += 1
+                    continue
+                op["bytes_done"] = base + mr.bytes_total
+                op["stall_ms"] = max(op.get("stall_ms") or 0.0, mr.stall_ms)
+                e["sessions_moved"] += [s for s in mr.sessions if s not in e["sessions_moved"]]
+                for sid in group:
+                    if sid not in mr.sessions and sid not in e["sessions_finished_here"]:
+                        if await session_state(src, sid) == "finished":
+                            e["sessions_finished_here"].append(sid)
+        left = [s for s in await sessions_of(src)]
+        for sid in left:
+            why = failed.get(sid) or last_err.get(sid) or f"still on the source after {DRAIN_PASSES} passes"
+            e["sessions_not_moved"].append({"id": sid, "error": why})
+        e["state"] = "failed" if left else "drained"
+
+    try:
+        op["phase"] = "launching target replicas"
+        launched = await asyncio.gather(*(launch_target(rid) for rid in rids), return_exceptions=True)
+        for rid, out in zip(rids, launched):
+            if isinstance(out, BaseException):
+                msg = out.message if isinstance(out, AgentError) else f"{type(out).__name__}: {out}"
+                entries[rid].update(state="failed", error=msg)
+        for rid in rids:
+            e = entries[rid]
+            if e["state"] != "launched":
+                continue
+            try:
+                await wait_not_busy(rid)
+            except AgentError as err:
+                e.update(state="failed", error=err.message)
+                continue
+            ag.busy[rid] = op["id"]
+            try:
+                await move(rid)
+            except (httpx.HTTPError, ValueError, KeyError) as err:
+                e.update(state="failed", error=f"{type(err).__name__}: {err}")
+            finally:
+                ag.busy.pop(rid, None)
+        # replicas that failed before moving anything: their live sessions are reported too
+        for rid in rids:
+            e = entries[rid]
+            if e["state"] == "failed" and not e["sessions_not_moved"]:
+                try:
+                    left = await sessions_of(ag.reg.replicas[rid]["url"])
+                except (httpx.HTTPError, ValueError):
+                    left = []
+                e["sessions_not_moved"] = [{"id": s, "error": e["error"]} for s in left]
+    finally:
+        res["sessions_moved"] = sum(len(e["sessions_moved"]) for e in entries.values())
+        res["sessions_not_moved"] = [s for e in entries.values() for s in e["sessions_not_moved"]]
+        res["sessions"] = [s for e in entries.values() for s in e["sessions_moved"]]
+        ag.reg.save()
+    bad = [e for e in entries.values() if e["state"] == "failed"]
+    if bad:
+        raise AgentError(502, f"drain incomplete: {len(res['sessions_not_moved'])} session(s) not moved, "
+                              f"replica(s) {', '.join(e['replica'] for e in bad)} failed; see result")
+    op["phase"] = "drained"
+    return res
+
+
 def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "127.0.0.1") -> FastAPI:
     ag = Agent(Path(data_dir), token or None, advertise_host)
 
@@ -448,7 +591,7 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
 
     @app.get("/healthz")
     async def healthz():
-        return {"status": "ok", "draining": ag.draining}
+        return {"status": "ok", "draining": ag.draining, "agent_id": ag.agent_id}
 
     @app.get("/metrics")
     async def metrics():
@@ -468,7 +611,9 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
     # ---- replicas ------------------------------------------------------------------------
     @v1.get("/replicas")
     async def list_replicas():
-        return {"replicas": [dict(ag.refresh(rid)) for rid in list(ag.reg.replicas)]}
+        # `draining` per replica: the gateway sends no new sessions to a draining node's replicas
+        return {"draining": ag.draining,
+                "replicas": [{**ag.refresh(rid), "draining": ag.draining} for rid in list(ag.reg.replicas)]}
 
     @v1.post("/replicas", status_code=201)
     async def create_replica(body: ReplicaBody):
@@ -616,12 +761,30 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
             raise AgentError(404, f"no operation {oid!r}")
         return op
 
-    @v1.post("/drain")
+    @v1.post("/drain", status_code=202)
     async def drain(body: DrainBody):
-        raise AgentError(501, "drain is not implemented yet")
+        if ag.drain_op is not None and ag.reg.operations.get(ag.drain_op, {}).get("state") in ("pending", "running"):
+            raise AgentError(409, f"a drain is already running: operation {ag.drain_op}")
+        target = body.target_agent.rstrip("/")
+        try:
+            async with httpx.AsyncClient(timeout=httpx.Timeout(5.0)) as c:
+                h = (await c.get(f"{target}/healthz")).json()
+        except (httpx.HTTPError, ValueError) as e:
+            raise AgentError(400, f"target_agent {target} is unreachable: {type(e).__name__}") from None
+        if not isinstance(h, dict) or h.get("status") != "ok":
+            raise AgentError(400, f"target_agent {target} is not a healthy relayout agent")
+        if h.get("agent_id") == ag.agent_id:
+            raise AgentError(400, "target_agent is this agent: drain to another node")
+        if h.get("draining"):
+            raise AgentError(409, f"target_agent {target} is draining itself")
+        ag.draining = True  # from now on: no new replicas here, and the gateways stop routing here
+        ag.drain_op = ag.new_op("drain", None, lambda op: drain_node(ag, op, target))
+        return {"operation_id": ag.drain_op}
 
     @v1.post("/undrain")
     async def undrain():
+        if ag.drain_op is not None and ag.reg.operations.get(ag.drain_op, {}).get("state") in ("pending", "running"):
+            raise AgentError(409, f"drain operation {ag.drain_op} is still running")
         ag.draining = False
         return {"draining": False}
 
@@ -689,3 +852,119 @@ def serve_agent(host: str, port: int, data_dir: Path, token: str | None) -> None
         ag: Agent = app.state.agent
         if any(r.get("status") == "running" and r["id"] in ag.procs for r in ag.reg.replicas.values()):
             ag.stop_all()
+
+
+# ---- relayout up: agent + one replica + gateway on this machine ----------------------------------------------
+def _die_with_parent() -> None:
+    """preexec: the child gets SIGTERM if `relayout up` dies without cleaning up (Linux)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _start_child(args: list[str], pattern: str, what: str, timeout: float = 120.0) -> tuple[subprocess.Popen, str]:
+    """Start a relayout server in its own process group; wait for the URL line it prints once ready, then
+    forward the rest of its output to stderr."""
+    import threading
+
+    p = subprocess.Popen(_relayout_cmd() + args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         stdin=subprocess.DEVNULL, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                         start_new_session=True, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+    rx = re.compile(pattern)
+    lines: list[str] = []
+    box: dict[str, str] = {}
+    ready = threading.Event()
+
+    def pump():
+        assert p.stdout is not None
+        for line in p.stdout:
+            if not ready.is_set():
+                lines.append(line)
+                m = rx.search(line)
+                if m:
+                    box["url"] = m.group(1)
+                    ready.set()
+                continue
+            sys.stderr.write(f"[{what}] {line}")
+        ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    ready.wait(timeout)
+    if "url" not in box:
+        _stop_child(p)
+        tail = "".join(lines)[-1500:].strip()
+        raise RuntimeError(f"{what} did not start (exit {p.returncode}): {tail}")
+    return p, box["url"]
+
+
+def _stop_child(p: subprocess.Popen | None, timeout: float = 30.0) -> None:
+    if p is None or p.poll() is not None:
+        return
+    p.terminate()
+    try:
+        p.wait(timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+
+
+def run_up(host: str, port: int, agent_port: int, data_dir: Path, model: str = "builtin:tiny",
+           layout: str | None = None, log=print) -> int:
+    """`relayout up`: the node agent on `agent_port`, one replica launched through it, the gateway on `port`
+    in front (`--agent`). Prints `relayout up ready: gateway URL, agent URL`; SIGTERM/SIGINT stop all three.
+    Returns the exit code (0 on a signal, 1 when a part failed)."""
+    import threading
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    token = os.environ.get("RELAYOUT_TOKEN") or None
+    hdr = {"Authorization": f"Bearer {token}"} if token else {}
+    agent_p = gw_p = None
+    agent_url = rid = None
+    code = 0
+    try:
+        log(f"starting the agent on {host}:{agent_port} (data dir {data_dir})")
+        agent_p, agent_url = _start_child(["agent", "--host", host, "--port", str(agent_port), "--data-dir",
+                                           str(data_dir)], r"relayout agent on (http://\S+)", "agent")
+        log(f"launching a {model} replica through the agent")
+        body: dict[str, Any] = {"model": model}
+        if layout:
+            body["layout"] = layout
+        r = httpx.post(f"{agent_url}/v1/replicas", json=body, headers=hdr, timeout=LAUNCH_TIMEOUT + 30)
+        if r.status_code != 201:
+            try:
+                msg = r.json()["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                msg = r.text[:500]
+            raise RuntimeError(f"the agent could not launch the replica ({r.status_code}): {msg}")
+        rid = r.json()["id"]
+        log(f"replica {rid} on {r.json()['url']}; starting the gateway on {host}:{port}")
+        gw_p, gw_url = _start_child(["gateway", "--agent", agent_url, "--host", host, "--port", str(port)],
+                                    r"relayout gateway on (http://\S+)", "gateway")
+        print(f"relayout up ready: gateway {gw_url}, agent {agent_url}", flush=True)
+        while not stop.wait(0.5):
+            for name, p in (("agent", agent_p), ("gateway", gw_p)):
+                if p.poll() is not None:
+                    log(f"the {name} exited ({p.returncode}); stopping")
+                    code = 1
+                    stop.set()
+    except (RuntimeError, httpx.HTTPError) as e:
+        if not stop.is_set():
+            log(f"error: {e}")
+            code = 1
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)  # a second signal must not cut the cleanup short
+        _stop_child(gw_p, 10)
+        if rid and agent_p is not None and agent_p.poll() is None:
+            try:  # removes it from the registry too (the agent would otherwise keep a stopped record)
+                httpx.delete(f"{agent_url}/v1/replicas/{rid}", headers=hdr, timeout=30)
+            except httpx.HTTPError:
+                pass
+        _stop_child(agent_p, 40)  # stops any other replica it launched
+        log("stopped")
+    return code

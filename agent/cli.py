@@ -55,13 +55,17 @@ def serve(
 
 @app.command()
 def up(
-    host: str = typer.Option("127.0.0.1", "--host"),
-    port: int = typer.Option(8000, "--port"),
+    host: str = typer.Option("127.0.0.1", "--host", help="address of the gateway, agent and replica"),
+    port: int = typer.Option(8000, "--port", help="the gateway's port (0: a free one)"),
+    agent_port: int = typer.Option(7070, "--agent-port", help="the agent's port (0: a free one)"),
+    model: str = typer.Option("builtin:tiny", "--model", "-m", help="the replica's model"),
+    layout: str = typer.Option(None, "--layout", "-l", help="the replica's layout"),
+    data_dir: Path = typer.Option(Path.home() / ".relayout", "--data-dir", help="the agent's data dir"),
 ) -> None:
-    """Everything on one machine: for now one builtin:tiny replica (agent and gateway come later)."""
-    # TODO(agent, gateway): start the node agent, let it launch the builtin:tiny replica on a free
-    # port, and put the gateway on `port` in front of it; until then `up` is `serve`.
-    serve(model="builtin:tiny", layout=None, host=host, port=port, kv_cache_mb=None, device=None)
+    """Everything on one machine: node agent, one replica launched through it, gateway in front."""
+    from agent.agent import run_up
+
+    raise typer.Exit(run_up(host, port, agent_port, data_dir, model, layout, log=lambda m: err.print(f"up: {m}")))
 
 
 # ---- models ----------------------------------------------------------------------------------------
@@ -208,7 +212,7 @@ def agent(
     serve_agent(host, port, data_dir, _token(token_file))
 
 
-def _run_operation(agent_url: str, path: str, body: dict, token_file: Path | None) -> dict:
+def _run_operation(agent_url: str, path: str, body: dict, token_file: Path | None, wait: bool = True) -> dict:
     import time
 
     import httpx
@@ -228,6 +232,9 @@ def _run_operation(agent_url: str, path: str, body: dict, token_file: Path | Non
             msg = resp.text[:300]
         _fail(f"{resp.status_code}: {msg}", 1)
     oid = resp.json()["operation_id"]
+    if not wait:
+        print(json.dumps({"operation_id": oid}))
+        return {"id": oid}
     with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), console=err) as prog:
         task = prog.add_task(oid, total=None)
         while True:
@@ -241,6 +248,8 @@ def _run_operation(agent_url: str, path: str, body: dict, token_file: Path | Non
                 break
             time.sleep(0.3)
     if op["state"] != "succeeded":
+        if op.get("result"):
+            print(json.dumps(op["result"], indent=1))
         _fail(f"{op.get('kind')} {op['state']}: {op.get('error')}", 1)
     print(json.dumps(op.get("result"), indent=1))
     return op
@@ -275,6 +284,81 @@ def restore(
         _fail("give either --replica ID or --model M [--layout L]")
     target = replica if replica is not None else {"model": model, "layout": layout}
     _run_operation(agent_url, "/v1/restore", {"checkpoint": checkpoint_uri, "replica": target}, token_file)
+
+
+@app.command()
+def migrate(
+    replica: str = typer.Argument(..., help="replica id on the agent"),
+    agent_url: str = typer.Option("http://127.0.0.1:8100", "--agent", help="the source replica's agent"),
+    target_agent: str = typer.Option(None, "--target-agent", help="default: the same agent"),
+    layout: str = typer.Option(None, "--layout", help="launch a new replica with this layout on the target"),
+    target_replica: str = typer.Option(None, "--target-replica", help="an existing replica id on the target"),
+    session: list[str] = typer.Option(None, "--session", help="session ids (default: all)"),
+    mode: str = typer.Option("live", "--mode", help="live (pre-copy) or cold"),
+    token_file: Path = typer.Option(None, "--token-file"),
+) -> None:
+    """Move a replica's sessions to another replica (new, with --layout; or existing) through the agent."""
+    if (layout is None) == (target_replica is None):
+        _fail("give either --layout L (a new replica) or --target-replica ID")
+    if mode not in ("live", "cold"):
+        _fail("--mode is live or cold")
+    target: dict = {"agent": (target_agent or agent_url).rstrip("/")}
+    target.update({"layout": layout} if layout is not None else {"replica": target_replica})
+    body: dict = {"target": target, "mode": mode}
+    if session:
+        body["sessions"] = session
+    _run_operation(agent_url, f"/v1/replicas/{replica}/migrate", body, token_file)
+
+
+def _drain_target(agent_url: str, headers: dict) -> str:
+    """A drain target from RELAYOUT_DRAIN_TARGET or RELAYOUT_AGENTS (comma/space separated; a name that resolves to
+    several addresses, like a headless Service, counts as each of them): the first healthy agent that is neither
+    this one nor draining."""
+    import os
+    import re
+    import socket
+    from urllib.parse import urlsplit
+
+    import httpx
+
+    try:
+        me = httpx.get(f"{agent_url}/healthz", timeout=10).json().get("agent_id")
+    except (httpx.HTTPError, ValueError, AttributeError) as e:
+        _fail(f"cannot reach agent {agent_url}: {e}", 1)
+    raw = os.environ.get("RELAYOUT_DRAIN_TARGET") or os.environ.get("RELAYOUT_AGENTS") or ""
+    for url in [u for u in re.split(r"[,\s]+", raw) if u]:
+        parts = urlsplit(url.rstrip("/"))
+        try:
+            addrs = sorted({a[4][0] for a in socket.getaddrinfo(parts.hostname, parts.port or 80, type=socket.SOCK_STREAM)})
+        except (socket.gaierror, UnicodeError, TypeError):
+            continue
+        for a in addrs:
+            cand = f"{parts.scheme}://{'[' + a + ']' if ':' in a else a}:{parts.port or 80}"
+            try:
+                h = httpx.get(f"{cand}/healthz", timeout=5).json()
+            except (httpx.HTTPError, ValueError):
+                continue
+            if h.get("status") == "ok" and h.get("agent_id") != me and not h.get("draining"):
+                return cand
+    _fail("no drain target: give --target-agent URL (or set RELAYOUT_DRAIN_TARGET / RELAYOUT_AGENTS)")
+    return ""
+
+
+@app.command()
+def drain(
+    agent_url: str = typer.Option("http://127.0.0.1:8100", "--agent", help="the agent (node) to drain"),
+    target_agent: str = typer.Option(None, "--target-agent",
+                                     help="agent to move the sessions to (default: RELAYOUT_DRAIN_TARGET or "
+                                          "another agent of RELAYOUT_AGENTS)"),
+    wait: bool = typer.Option(True, "--wait/--no-wait", help="follow the operation to its end (default)"),
+    token_file: Path = typer.Option(None, "--token-file"),
+) -> None:
+    """Move every session of every replica on a node to new replicas on another agent (live), then the node
+    refuses new replicas and sessions until `POST /v1/undrain`. Prints per-replica results."""
+    tok = _token(token_file)
+    base = agent_url.rstrip("/")
+    target = target_agent or _drain_target(base, {"Authorization": f"Bearer {tok}"} if tok else {})
+    _run_operation(base, "/v1/drain", {"target_agent": target.rstrip("/")}, token_file, wait=wait)
 
 
 # ---- layout planning and the re-layout controller -------------------------------------------------
