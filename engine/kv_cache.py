@@ -94,7 +94,9 @@ class KVCache:
         k_pool, v_pool = self.k[layer], self.v[layer]
         if self._scratch is None or self._scratch[0].shape[0] < n:
             cap = max(n, 2 * (self._scratch[0].shape[0] if self._scratch else 0), 16)
-            self._scratch = (k_pool.new_empty((cap, *k_pool.shape[1:])), v_pool.new_empty((cap, *v_pool.shape[1:])))
+            with torch.inference_mode(False):  # a normal tensor: usable by forward and by exports alike
+                self._scratch = (k_pool.new_empty((cap, *k_pool.shape[1:])),
+                                 v_pool.new_empty((cap, *v_pool.shape[1:])))
         kb, vb = self._scratch[0][:n], self._scratch[1][:n]
         torch.index_select(k_pool, 0, flat_blocks, out=kb)
         torch.index_select(v_pool, 0, flat_blocks, out=vb)
@@ -113,18 +115,26 @@ class KVCache:
         return kb.flatten(0, 1)[:num_tokens], vb.flatten(0, 1)[:num_tokens]
 
     def export_tokens(self, blocks: list[int], tok_lo: int, tok_hi: int) -> torch.Tensor:
-        """KV of tokens [tok_lo, tok_hi) for every layer: [layers, 2, kv_heads, tokens, head_dim]."""
+        """KV of tokens [tok_lo, tok_hi) for every layer: [layers, 2, kv_heads, tokens, head_dim].
+
+        One copy per layer and K/V into the result (a second, into a reused buffer, only when
+        the blocks are not consecutive in the pool)."""
         bs = self.block_size
         b0, b1 = tok_lo // bs, (tok_hi + bs - 1) // bs
-        idx = torch.tensor(blocks[b0:b1], dtype=torch.long, device=self.k[0].device)
-        off = tok_lo - b0 * bs
-        n = tok_hi - tok_lo
-        out = []
-        for k, v in zip(self.k, self.v, strict=True):
-            kk = k[idx].flatten(0, 1)[off : off + n]
-            vv = v[idx].flatten(0, 1)[off : off + n]
-            out.append(torch.stack((kk, vv)).transpose(1, 2))  # [2, heads, tokens, d]
-        return torch.stack(out)
+        ids = blocks[b0:b1]
+        off, n = tok_lo - b0 * bs, tok_hi - tok_lo
+        k0 = self.k[0]
+        out = torch.empty((len(self.k), 2, k0.shape[2], n, k0.shape[3]), dtype=k0.dtype, device=k0.device)
+        consecutive = all(b == ids[0] + i for i, b in enumerate(ids))
+        idx = None if consecutive else torch.tensor(ids, dtype=torch.long, device=k0.device)
+        for layer in range(len(self.k)):
+            if consecutive:
+                kk, vv = self.k[layer][ids[0] : ids[0] + len(ids)], self.v[layer][ids[0] : ids[0] + len(ids)]
+            else:
+                kk, vv = self.gather_blocks(layer, idx)
+            out[layer, 0].copy_(kk.flatten(0, 1)[off : off + n].transpose(0, 1))
+            out[layer, 1].copy_(vv.flatten(0, 1)[off : off + n].transpose(0, 1))
+        return out
 
     def import_tokens(self, blocks: list[int], tok_lo: int, kv: torch.Tensor) -> None:
         """Inverse of export_tokens; kv: [layers, 2, kv_heads, tokens, head_dim]."""

@@ -51,15 +51,21 @@ def _st_bytes(t: torch.Tensor) -> bytes:
     head = json.dumps({TENSOR_NAME: {"dtype": code, "shape": list(t.shape), "data_offsets": [0, n]}},
                       separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # safetensors pads the header to 8-byte alignment
-    body = t.view(torch.uint8).reshape(-1).numpy() if n else b""  # bf16 has no numpy dtype: view as bytes
-    return b"".join((len(head).to_bytes(8, "little"), head, memoryview(body)))
+    prefix = len(head).to_bytes(8, "little") + head
+    # one copy, straight from the (possibly strided) tensor into the final buffer
+    buf = bytearray(len(prefix) + n)
+    buf[: len(prefix)] = prefix
+    if n:
+        torch.frombuffer(buf, dtype=torch.uint8, offset=len(prefix), count=n).view(t.dtype).view(t.shape).copy_(t)
+    return buf  # type: ignore[return-value]  # bytes-like, spared the copy bytes() would make
 
 
 def pack_kv(tensor: torch.Tensor, codec: str = "none") -> tuple[bytes, ChunkRef]:
     """Serialise a [2, heads, tokens, head_dim] tensor (any device) into stored chunk bytes."""
     if tensor.dim() != 4 or tensor.shape[0] != 2:
         raise ValueError(f"KV chunk tensor must be [2, heads, tokens, head_dim], got {list(tensor.shape)}")
-    raw = _st_bytes(tensor.detach().to("cpu").contiguous())
+    t = tensor.detach().to("cpu")
+    raw = _st_bytes(t) if t.dtype in _ST_DTYPES else _st_bytes(t.contiguous())
     data = encode(codec, raw, tensor.element_size())
     ref = ChunkRef(hash=chunk_hash(data), size=len(data), raw_size=len(raw), codec=codec)  # type: ignore[arg-type]
     return data, ref

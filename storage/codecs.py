@@ -38,7 +38,7 @@ def _unshuffle(data: bytes, itemsize: int) -> bytes:
 
 def encode(codec: str, raw: bytes, itemsize: int) -> bytes:
     if codec == "none":
-        return bytes(raw)
+        return raw  # bytes-like as given: no copy
     if codec == "zstd":
         return zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(raw)
     if codec == "zstd-planes":
