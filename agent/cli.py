@@ -91,7 +91,7 @@ def model_create(
 def bench_engine(
     model: str = typer.Option("builtin:bench", "--model", "-m"),
     new_tokens: int = typer.Option(32, "--new-tokens", help="tokens generated per sequence"),
-    prompt_len: int = typer.Option(32, "--prompt-len"),
+    prompt_len: str = typer.Option("32,512", "--prompt-len", help="prompt lengths to measure, comma-separated"),
     threads: int = typer.Option(None, "--threads", help="torch CPU threads for both sides (default: torch's)"),
     reps: int = typer.Option(2, "--reps", help="best of this many runs per figure"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object on the last line"),

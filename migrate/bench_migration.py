@@ -1,0 +1,492 @@
+"""`relayout bench migration` (SPEC §9): the stall a session sees when it moves between two
+replicas of different layouts, live (pre-copy) vs cold (stop-and-copy) vs recompute (abort and
+re-prefill on the target), at several context lengths.
+
+Everything is measured from the client's side, on the session's own token stream: the stall
+is the time from its last token on the source to its first token on the target. A second,
+short session decodes on the source through the live move's pre-copy rounds; its tokens/s
+then, over its tokens/s just before, is `decode_ratio`.
+
+The replicas are real `relayout serve` processes (source `attn_dp=1`, target `attn_tp=2`);
+each migrated session's tokens are checked against the same greedy request run undisturbed
+on the target (`tokens_match`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import re
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx
+
+URL_RE = re.compile(r"(http://[\d.]+:\d+)")
+SOURCE_LAYOUT = "attn_dp=1"
+TARGET_LAYOUT = "attn_tp=2"
+DEFAULT_MODEL = "builtin:bench"
+QUICK_MODEL = "builtin:tiny"
+DEFAULT_CONTEXTS = (1024, 4096, 16384)
+QUICK_CONTEXTS = (256, 1024)
+MAX_ROUNDS = 4  # migrate_live's defaults, passed explicitly: the bench predicts its last pre-copy round
+SMALL_BYTES = 1 << 20
+MAX_TOKENS = 1024  # "large": sessions are stopped by the bench, never by max_tokens
+
+Log = Callable[[str], None]
+
+
+class BenchError(RuntimeError):
+    pass
+
+
+# ---- replicas --------------------------------------------------------------------------------------
+class Replica:
+    def __init__(self, model: str, layout: str, kv_cache_mb: int, device: str | None = None):
+        args = [sys.executable, "-m", "agent.cli", "serve", "--model", model, "--layout", layout, "--port", "0",
+                "--kv-cache-mb", str(kv_cache_mb)]
+        if device:
+            args += ["--device", device]
+        self.layout = layout
+        self.tail: list[str] = []
+        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.url = ""
+
+    def wait_ready(self, timeout: float = 300.0) -> str:
+        t0 = time.time()
+        assert self.proc.stdout is not None
+        while time.time() - t0 < timeout:
+            line = self.proc.stdout.readline()
+            if not line and self.proc.poll() is not None:
+                raise BenchError(f"replica {self.layout} exited with {self.proc.returncode}: {''.join(self.tail[-20:])}")
+            self.tail = (self.tail + [line])[-50:]
+            m = URL_RE.search(line)
+            if m and "serving" in line:
+                self.url = m.group(1)
+                threading.Thread(target=self._drain, daemon=True).start()
+                return self.url
+        raise BenchError(f"replica {self.layout} did not start within {timeout:.0f}s")
+
+    def _drain(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.tail = (self.tail + [line])[-50:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+# ---- one session's token stream, timestamped on arrival ---------------------------------------------------
+class TokenStream(threading.Thread):
+    """Consumes one SSE stream (POST /v1/completions or GET /v1/sessions/{id}/stream) in a thread,
+    recording every token id with its arrival time. It disconnects by itself after `stop_after`
+    tokens (the replica then aborts the session), or after `stop()` at the next token."""
+
+    def __init__(self, method: str, url: str, body: dict | None = None, stop_after: int | None = None,
+                 retry_404_s: float = 0.0, then: Callable[[TokenStream], None] | None = None):
+        super().__init__(daemon=True)
+        self.method, self.url, self.body = method, url, body
+        self.stop_after, self.retry_404_s, self.then = stop_after, retry_404_s, then
+        self.follower: TokenStream | None = None  # what `then` started, if anything
+        self.tokens: list[int] = []
+        self.times: list[float] = []
+        self.sid: str | None = None
+        self.done = False  # [DONE] seen: finished here (not migrated)
+        self.error: BaseException | None = None
+        self.started_at = time.perf_counter()
+        self.opened_at: float | None = None  # response headers in
+        self.closed_at: float | None = None
+        self._stopping = False
+        self._cond = threading.Condition()
+        self.start()
+
+    def run(self) -> None:
+        try:
+            with httpx.Client(timeout=httpx.Timeout(None, connect=30.0)) as client:
+                deadline = time.perf_counter() + self.retry_404_s
+                while True:
+                    with client.stream(self.method, self.url, json=self.body) as r:
+                        if r.status_code == 404 and time.perf_counter() < deadline:
+                            r.read()
+                            time.sleep(0.005)
+                            continue
+                        if r.status_code >= 400:
+                            r.read()
+                            raise BenchError(f"{self.method} {self.url}: HTTP {r.status_code}: {r.text[:300]}")
+                        self.opened_at = time.perf_counter()
+                        self._consume(r)
+                        self.closed_at = time.perf_counter()
+                    break
+            if self.then is not None and not self.done:
+                self.then(self)  # at once, on this thread: e.g. reattach to the session on the target
+        except BaseException as e:  # noqa: BLE001 - reported to the waiting side
+            self.error = e
+        finally:
+            with self._cond:
+                if self.closed_at is None:
+                    self.closed_at = time.perf_counter()
+                self._cond.notify_all()
+
+    def _consume(self, r: httpx.Response) -> None:
+        for line in r.iter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                self.done = True
+                return
+            now = time.perf_counter()
+            obj = json.loads(data)
+            if "error" in obj:
+                raise BenchError(f"stream error: {obj['error']}")
+            ids = (obj.get("choices") or [{}])[0].get("token_ids") or []
+            with self._cond:
+                self.sid = self.sid or obj.get("id")
+                self.tokens += ids
+                self.times += [now] * len(ids)
+                self._cond.notify_all()
+            if self._stopping or (self.stop_after is not None and len(self.tokens) >= self.stop_after):
+                return  # leaving the `with` closes the connection: the replica aborts the session
+
+    def wait_tokens(self, n: int, timeout: float) -> None:
+        with self._cond:
+            ok = self._cond.wait_for(lambda: len(self.tokens) >= n or not self.is_alive() or self.error is not None,
+                                     timeout)
+        if self.error is not None:
+            raise BenchError(f"stream {self.url}: {self.error}") from self.error
+        if not ok or len(self.tokens) < n:
+            raise BenchError(f"stream {self.url}: {len(self.tokens)} tokens, wanted {n} (timeout {timeout:.0f}s)")
+
+    def finish(self, timeout: float) -> None:
+        self.join(timeout)
+        if self.is_alive():
+            raise BenchError(f"stream {self.url} did not end within {timeout:.0f}s")
+        if self.error is not None:
+            raise BenchError(f"stream {self.url}: {self.error}") from self.error
+
+    def stop(self) -> None:
+        self._stopping = True
+
+
+def gaps(times: list[float]) -> list[tuple[float, float]]:
+    """(start, end) of each inter-token gap (tokens that arrived in one batch share a time)."""
+    ts = sorted(set(times))
+    return list(zip(ts, ts[1:], strict=False))
+
+
+def median_gap_ms(times: list[float]) -> float | None:
+    g = [b - a for a, b in gaps(times)]
+    return round(statistics.median(g) * 1000, 2) if g else None
+
+
+def prompt(n: int, salt: int = 0) -> list[int]:
+    rng = random.Random(1000 + salt)
+    return [rng.randrange(32, 127) for _ in range(n)]  # printable bytes of the builtin byte vocabulary
+
+
+def kv_bytes_per_token(model: str) -> int:
+    from engine.config import ModelConfig
+    from engine.weights import resolve_model
+
+    c = ModelConfig.from_dir(resolve_model(model))
+    return c.num_layers * c.num_kv_heads * c.head_dim * 4 * 2  # fp32, K and V
+
+
+# ---- the measurements -------------------------------------------------------------------------------
+@dataclass
+class Ctx:
+    src: str
+    dst: str
+    L: int
+    ids: list[int]
+    warm: int  # tokens on the source before a move
+    after: int  # tokens on the target after a move
+    timeout: float
+    log: Log
+    sessions: dict = field(default_factory=dict)  # mode -> all tokens the session produced, in order
+
+
+def _completion(ids: list[int], max_tokens: int) -> dict:
+    return {"prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "return_token_ids": True}
+
+
+def _wait_idle(*urls: str, timeout: float = 30.0) -> None:
+    """Until no replica holds a live session (aborts land at the next step boundary)."""
+    t0 = time.time()
+    for u in urls:
+        while time.time() - t0 < timeout:
+            if not httpx.get(f"{u}/v1/replica", timeout=30).json()["sessions"]:
+                break
+            time.sleep(0.05)
+
+
+def _wait_gone(url: str, sid: str | None, timeout: float = 10.0) -> None:
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if sid not in {x["id"] for x in httpx.get(f"{url}/v1/replica", timeout=30).json()["sessions"]}:
+            return
+        time.sleep(0.02)
+
+
+def measure_move(c: Ctx, mode: str, with_second: bool) -> dict:
+    from migrate.live import migrate_live
+
+    def reattach(src_stream: TokenStream) -> None:
+        # the moment the source's stream ends without [DONE], follow the session on the target
+        src_stream.follower = TokenStream(
+            "GET", f"{c.dst}/v1/sessions/{src_stream.sid}/stream?from_token={len(src_stream.tokens)}"
+            "&return_token_ids=true", stop_after=c.after, retry_404_s=10.0)
+
+    s = TokenStream("POST", f"{c.src}/v1/completions", _completion(c.ids, MAX_TOKENS), then=reattach)
+    s.wait_tokens(c.warm, c.timeout)
+    second = None
+    base: list[tuple[float, float]] = []
+    if with_second:
+        # a short session decoding next to the long one; its gaps just before the move are the baseline
+        second = TokenStream("POST", f"{c.src}/v1/completions", _completion(prompt(32, salt=7), MAX_TOKENS))
+        second.wait_tokens(2, c.timeout)
+        t_base = second.times[-1]
+        second.wait_tokens(len(second.tokens) + 6, c.timeout)
+        base = [g for g in gaps(second.times) if g[0] >= t_base]
+    attached = _attach_early(c.dst, s.sid)
+    marks: list[tuple[str, float]] = []
+    t0 = time.perf_counter()
+    def progress(phase: str, total: int) -> None:
+        marks.append((phase, time.perf_counter()))
+        if second is None or phase != "pre-copy":
+            return
+        pre = [m for m in marks if m[0] == "pre-copy"]
+        last_bytes = total - progress.total  # type: ignore[attr-defined]
+        progress.total = total  # type: ignore[attr-defined]
+        if last_bytes <= SMALL_BYTES or len(pre) >= MAX_ROUNDS:
+            # the final round comes next: end the second session first, so that it does not compete
+            # with the target for this machine's cores while the moved session resumes there
+            second.stop()
+            second.join(c.timeout)
+            _wait_gone(c.src, second.sid)
+
+    progress.total = 0  # type: ignore[attr-defined]
+    res = migrate_live(c.src, c.dst, [s.sid], mode=mode, progress=progress, max_rounds=MAX_ROUNDS,
+                       small_bytes=SMALL_BYTES, timeout_s=max(300.0, c.timeout))
+    t_done = time.perf_counter()
+    s.finish(60)
+    if s.done or not res.sessions:
+        raise BenchError(f"{mode}: the session finished on the source before it moved")
+    k = len(s.tokens)
+    t = s.follower
+    assert t is not None
+    t.wait_tokens(1, c.timeout)
+    first_batch = t.times.count(t.times[0])
+    t.finish(c.timeout)
+    early = attached()
+    out = {
+        "stall_ms": round((t.times[0] - s.times[-1]) * 1000, 2),
+        # the same, for a client that was already attached on the target when the session resumed there
+        # (no reattach latency): how long the session itself produced nothing
+        "stall_attached_ms": round((early.times[0] - s.times[-1]) * 1000, 2) if early and early.times else None,
+        "server_stall_ms": round(res.stall_ms, 2),  # migrate_live: source hold -> target commit returned
+        "final_round_ms": round(res.rounds[-1].seconds * 1000, 2),  # pause + export + transfer + import
+        "commit_ms": round(res.stall_ms - res.rounds[-1].seconds * 1000, 2),  # release + commit (resume)
+        # source hold -> first token there, as the target saw it (final round + commit + one target step)
+        "resume_to_first_token_ms": round((t.times[0] - t_done) * 1000, 2),
+        # where the client-side stall went: last source token -> source stream closed -> target stream
+        # requested -> its headers -> first token
+        "timeline_ms": {
+            "source_stream_end": round((s.closed_at - s.times[-1]) * 1000, 2),
+            "target_request": round((t.started_at - s.times[-1]) * 1000, 2),
+            "target_headers": round(((t.opened_at or t.started_at) - s.times[-1]) * 1000, 2),
+            "migrate_returned": round((t_done - s.times[-1]) * 1000, 2),
+            "first_token": round((t.times[0] - s.times[-1]) * 1000, 2),
+        },
+        "rounds": [{"index": r.index, "bytes": r.bytes, "ms": round(r.seconds * 1000, 2), "final": r.final}
+                   for r in res.rounds],
+        "bytes": res.bytes_total,
+        "migrate_ms": round((t_done - t0) * 1000, 2),
+        "source_itl_ms": median_gap_ms(s.times),
+        "target_itl_ms": median_gap_ms(t.times),
+        "tokens_at_move": k,
+        "first_target_batch": first_batch,  # >1: the bench attached late, the stall is overstated
+    }
+    c.sessions[mode] = s.tokens + t.tokens
+    server = httpx.get(f"{c.dst}/v1/sessions/{s.sid}", timeout=30).json().get("token_ids", [])
+    out["stream_matches_server"] = server[: len(c.sessions[mode])] == c.sessions[mode]
+    if second is not None:
+        # pre-copy: from the start of the move to the end of its last non-final round
+        pre_end = max([t0] + [m for ph, m in marks if ph == "pre-copy"])
+        second.stop()
+        second.finish(c.timeout)
+        during = [g for g in gaps(second.times) if g[1] > t0 and g[0] < pre_end]
+        normal = statistics.mean(b - a for a, b in base) if base else None
+        dur = statistics.mean(b - a for a, b in during) if during else None
+        out["precopy_ms"] = round((pre_end - t0) * 1000, 2)
+        out["decode_gaps_precopy"] = len(during)
+        out["decode_ratio"] = round(normal / dur, 3) if normal and dur else None
+    _wait_idle(c.src, c.dst)
+    return out
+
+
+def _attach_early(dst: str, sid: str) -> Callable[[], TokenStream | None]:
+    """Watch the target from the start of a move; once the session exists there (placed, held
+    paused by the final round) stream it from its current token on. Returns a function that
+    ends the watch and gives that stream (None if it never attached)."""
+    box: dict = {}
+    quit_ = threading.Event()
+
+    def watch() -> None:
+        try:
+            with httpx.Client(timeout=30) as client:
+                while not quit_.is_set():
+                    r = client.get(f"{dst}/v1/sessions/{sid}")
+                    if r.status_code == 200:
+                        k = len(r.json()["token_ids"])
+                        box["s"] = TokenStream("GET", f"{dst}/v1/sessions/{sid}/stream?from_token={k}"
+                                               "&return_token_ids=true")
+                        return
+                    quit_.wait(0.01)
+        except httpx.HTTPError:
+            return  # the target went away: nothing to attach to (the move fails and says why)
+
+    th = threading.Thread(target=watch, daemon=True)
+    th.start()
+
+    def done() -> TokenStream | None:
+        quit_.set()
+        th.join(30)
+        st = box.get("s")
+        if st is not None:
+            st.stop()
+            st.join(30)
+        return st
+
+    return done
+
+
+def measure_recompute(c: Ctx) -> dict:
+    s = TokenStream("POST", f"{c.src}/v1/completions", _completion(c.ids, MAX_TOKENS), stop_after=c.warm)
+    s.finish(c.timeout)
+    t_abort = s.closed_at or time.perf_counter()  # the disconnect aborts the session on the source
+    k = list(s.tokens)
+    t = TokenStream("POST", f"{c.dst}/v1/completions", _completion(c.ids + k, MAX_TOKENS - len(k)),
+                    stop_after=c.after)
+    t.wait_tokens(1, c.timeout)
+    t.finish(c.timeout)
+    c.sessions["recompute"] = k + t.tokens
+    _wait_idle(c.src, c.dst)
+    return {"recompute_ms": round((t.times[0] - t_abort) * 1000, 2),
+            "recompute_from_last_token_ms": round((t.times[0] - s.times[-1]) * 1000, 2)}
+
+
+def reference(c: Ctx) -> list[int]:
+    n = max(len(v) for v in c.sessions.values())
+    r = httpx.post(f"{c.dst}/v1/completions", json={**_completion(c.ids, n), "stream": False}, timeout=c.timeout)
+    if r.status_code >= 400:
+        raise BenchError(f"reference request: HTTP {r.status_code}: {r.text[:300]}")
+    return r.json()["choices"][0]["token_ids"]
+
+
+def run_context(src: str, dst: str, L: int, *, warm: int, after: int, timeout: float, log: Log,
+                second: bool = True) -> dict:
+    c = Ctx(src, dst, L, prompt(L), warm, after, timeout, log)
+    log(f"context {L}: live move")
+    live = measure_move(c, "live", with_second=second)
+    log(f"context {L}: live stall {live['stall_ms']:.1f} ms; cold move")
+    cold = measure_move(c, "cold", with_second=False)
+    log(f"context {L}: cold stall {cold['stall_ms']:.1f} ms; recompute")
+    rec = measure_recompute(c)
+    log(f"context {L}: recompute {rec['recompute_ms']:.1f} ms; undisturbed reference on the target")
+    ref = reference(c)
+    match = {m: toks == ref[: len(toks)] for m, toks in c.sessions.items()}
+    out = {
+        "live_stall_ms": live["stall_ms"],
+        "cold_stall_ms": cold["stall_ms"],
+        "live_stall_attached_ms": live["stall_attached_ms"],
+        "cold_stall_attached_ms": cold["stall_attached_ms"],
+        "recompute_ms": rec["recompute_ms"],
+        "live_rounds": len(live["rounds"]),
+        "live_bytes": live["bytes"],
+        "cold_bytes": cold["bytes"],
+        "tokens_match": all(match[m] for m in ("live", "cold")) and live["stream_matches_server"]
+        and cold["stream_matches_server"],
+        "tokens_match_detail": match,
+        "decode_ratio": live.get("decode_ratio"),
+        "live": live,
+        "cold": cold,
+        "recompute": rec,
+    }
+    return out
+
+
+def run(model: str | None = None, contexts: list[int] | None = None, quick: bool = False, device: str | None = None,
+        log: Log = lambda s: None) -> dict:
+    model = model or (QUICK_MODEL if quick else DEFAULT_MODEL)
+    contexts = sorted(contexts or (QUICK_CONTEXTS if quick else DEFAULT_CONTEXTS))
+    warm, after = (3, 4) if quick else (4, 8)
+    per_tok = kv_bytes_per_token(model)
+    # room for two sessions of the longest context at once (a move's two copies, the reference) + a short one
+    kv_mb = max(8, math.ceil((2 * (max(contexts) + MAX_TOKENS) + 2 * MAX_TOKENS) * per_tok / 2**20) + 8)
+    timeout = 600.0
+    log(f"launching {model} replicas ({SOURCE_LAYOUT} -> {TARGET_LAYOUT}, {kv_mb} MiB KV each)")
+    reps = [Replica(model, SOURCE_LAYOUT, kv_mb, device), Replica(model, TARGET_LAYOUT, kv_mb, device)]
+    try:
+        src, dst = (r.wait_ready() for r in reps)
+        results = {}
+        for L in contexts:
+            try:
+                results[str(L)] = run_context(src, dst, L, warm=warm, after=after, timeout=timeout, log=log)
+            except Exception as e:  # noqa: BLE001 - with what the replicas said
+                time.sleep(0.5)
+                tails = "".join(f"--- {r.layout} replica:\n{''.join(r.tail[-15:])}" for r in reps)
+                raise BenchError(f"context {L}: {type(e).__name__}: {e}\n{tails}") from e
+    finally:
+        for r in reps:
+            r.stop()
+    lo, hi = results[str(contexts[0])], results[str(contexts[-1])]
+    ratio = hi["decode_ratio"]
+    out = {
+        "contexts": results,
+        "decode_during_precopy_ratio": ratio,
+        "model": model,
+        "layouts": {"source": SOURCE_LAYOUT, "target": TARGET_LAYOUT},
+        "kv_bytes_per_token": per_tok,
+        "kv_cache_mb": kv_mb,
+        "device": device or "default",
+        "goals": {
+            f"live_stall_{contexts[-1]}_le_1.5x_{contexts[0]}": hi["live_stall_ms"] <= 1.5 * lo["live_stall_ms"],
+            f"live_stall_{contexts[-1]}_le_recompute_div_10": hi["live_stall_ms"] <= hi["recompute_ms"] / 10,
+            "decode_during_precopy_ge_0.9": ratio is not None and ratio >= 0.9,
+        },
+    }
+    return out
+
+
+def print_table(res: dict, console) -> None:
+    from rich.table import Table
+
+    t = Table(title=f"migration stall, {res['model']} {res['layouts']['source']} -> {res['layouts']['target']}")
+    for col in ("context", "live ms", "live attached ms", "cold ms", "recompute ms", "rounds", "live MiB", "final round ms",
+                "commit ms", "target ITL ms", "tokens match"):
+        t.add_column(col, justify="right")
+    for L, r in res["contexts"].items():
+        t.add_row(L, f"{r['live_stall_ms']:.1f}", str(r["live_stall_attached_ms"]), f"{r['cold_stall_ms']:.1f}", f"{r['recompute_ms']:.1f}",
+                  str(r["live_rounds"]), f"{r['live_bytes'] / 2**20:.1f}", f"{r['live']['final_round_ms']:.1f}",
+                  f"{r['live']['commit_ms']:.1f}", str(r["live"]["target_itl_ms"]), str(r["tokens_match"]))
+    console.print(t)
+    ratio = res["decode_during_precopy_ratio"]
+    console.print(f"decode during pre-copy: {ratio if ratio is not None else 'n/a'} of normal tokens/s")
+    for goal, ok in res["goals"].items():
+        console.print(f"  {goal}: {'met' if ok else 'NOT met'}")

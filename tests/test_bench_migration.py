@@ -1,0 +1,34 @@
+"""`relayout bench migration --quick --json`: runs end to end and reports the documented keys (SPEC §9).
+
+No wall-clock thresholds: only that the figures exist and are sane."""
+
+import json
+import os
+import subprocess
+import sys
+
+
+def test_quick_bench_reports_documented_keys():
+    p = subprocess.run([sys.executable, "-m", "agent.cli", "bench", "migration", "--quick", "--contexts", "128",
+                        "--json"], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    assert res["model"] == "builtin:tiny"
+    assert res["layouts"]["source"] != res["layouts"]["target"]
+    assert set(res["contexts"]) == {"128"}
+    for L, r in res["contexts"].items():
+        for key in ("live_stall_ms", "cold_stall_ms", "recompute_ms"):
+            assert isinstance(r[key], float) and 0 < r[key] < 120_000, (L, key, r[key])
+        assert r["tokens_match"] is True, (L, r["tokens_match_detail"])
+        rounds = r["live"]["rounds"]
+        assert len(rounds) >= 2 and rounds[-1]["final"] and not any(x["final"] for x in rounds[:-1])
+        assert r["live_rounds"] == len(rounds)
+        assert r["live_bytes"] == sum(x["bytes"] for x in rounds) > 0
+        # the first pre-copy round carries the bulk: at least the prompt's KV
+        assert rounds[0]["bytes"] >= int(L) * res["kv_bytes_per_token"]
+        assert len(r["cold"]["rounds"]) == 1 and r["cold"]["rounds"][0]["final"]
+        assert r["cold_bytes"] >= int(L) * res["kv_bytes_per_token"]
+    ratio = res["decode_during_precopy_ratio"]
+    assert ratio is None or 0 < ratio < 100
+    assert set(res["goals"]) and all(isinstance(v, bool) for v in res["goals"].values())
