@@ -91,7 +91,7 @@ def model_create(
 def bench_engine(
     model: str = typer.Option("builtin:bench", "--model", "-m"),
     new_tokens: int = typer.Option(32, "--new-tokens", help="tokens generated per sequence"),
-    prompt_len: str = typer.Option("32,512", "--prompt-len", help="prompt lengths to measure, comma-separated"),
+    prompt_len: int = typer.Option(32, "--prompt-len"),
     threads: int = typer.Option(None, "--threads", help="torch CPU threads for both sides (default: torch's)"),
     reps: int = typer.Option(2, "--reps", help="best of this many runs per figure"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object on the last line"),
@@ -105,6 +105,32 @@ def bench_engine(
     except be.MissingDependency as e:
         _fail(str(e))
     be.print_table(res, Console())
+    if as_json:
+        print(json.dumps(res), flush=True)
+
+
+@bench_app.command("migration")
+def bench_migration(
+    model: str = typer.Option(None, "--model", "-m", help="default builtin:bench (builtin:tiny with --quick)"),
+    contexts: str = typer.Option(None, "--contexts", help="context lengths in tokens, e.g. 1024,4096,16384"),
+    quick: bool = typer.Option(False, "--quick", help="short contexts (256,1024) on builtin:tiny"),
+    device: str = typer.Option(None, "--device", help="the replicas' device (default: cuda when present)"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object on the last line"),
+) -> None:
+    """Stall per session for live, cold and recompute moves between two layouts, at several context lengths."""
+    from migrate import bench_migration as bm
+
+    try:
+        ctx = [int(x) for x in contexts.split(",") if x.strip()] if contexts else None
+    except ValueError:
+        _fail(f"--contexts must be comma-separated integers, got {contexts!r}")
+    if ctx is not None and (not ctx or min(ctx) < 16):
+        _fail("--contexts needs at least one length of 16 tokens or more")
+    try:
+        res = bm.run(model, ctx, quick=quick, device=device, log=err.print)
+    except bm.BenchError as e:
+        _fail(str(e), 1)
+    bm.print_table(res, Console(stderr=as_json))
     if as_json:
         print(json.dumps(res), flush=True)
 
