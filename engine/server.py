@@ -178,6 +178,18 @@ class _Snapshot:
                 for e, n in enumerate(row):
                     c.add_metric([str(layer), str(e)], n)
             yield c
+            c = CounterMetricFamily("relayout_a2a_bytes", "All-to-all bytes sent from one rank to another",
+                                    labels=["src", "dst"])
+            for src, row in enumerate(self.stats["a2a_bytes"]):
+                for dst, n in enumerate(row):
+                    c.add_metric([str(src), str(dst)], n)
+            yield c
+            c = CounterMetricFamily("relayout_a2a_seconds", "Expert exchange time per layer, exposed (ranks "
+                                    "waited) or in flight (total)", labels=["layer", "kind"])
+            for layer, (ex, tot) in enumerate(zip(self.stats["exposed_s"], self.stats["total_s"], strict=True)):
+                c.add_metric([str(layer), "exposed"], ex)
+                c.add_metric([str(layer), "total"], tot)
+            yield c
 
 
 # ---- app ------------------------------------------------------------------------------------------
@@ -269,6 +281,8 @@ def create_app(aengine: AsyncEngine, model_name: str) -> FastAPI:
                              for sid, s in e.sessions.items() if not s.is_finished],
                 "expert_counts": st["expert_counts"],
                 "a2a_bytes": st["a2a_bytes"],
+                "a2a_exposed_s": st["exposed_s"],
+                "a2a_total_s": st["total_s"],
                 "kv_blocks_used": e.kv_blocks_used(),
                 "num_blocks": e.num_blocks,
             }
