@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import socket
-from collections.abc import Iterator
-
-import boto3
 import pytest
 import torch
 
@@ -13,43 +9,11 @@ from storage.checkpoint import CheckpointReader, CheckpointWriter
 from storage.errors import CheckpointNotFound, ChunkMissing, CorruptCheckpoint
 from storage.manifest import KVGeometry, ModelRef
 from storage.stores import S3Store, open_store
+from tests.conftest import S3_BUCKET
 
-moto_server = pytest.importorskip("moto.server")
+pytest.importorskip("moto.server")
 
-BUCKET = "relayout-test"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@pytest.fixture(scope="module")
-def endpoint() -> Iterator[str]:
-    port = _free_port()
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.stop()
-
-
-@pytest.fixture()
-def s3_env(endpoint: str, monkeypatch: pytest.MonkeyPatch) -> str:
-    # Exactly what a user would set: the standard boto3 variables, nothing in code.
-    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    for var in ("AWS_PROFILE", "AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN"):
-        monkeypatch.delenv(var, raising=False)
-    client = boto3.client("s3")
-    existing = {b["Name"] for b in client.list_buckets().get("Buckets", [])}
-    if BUCKET not in existing:
-        client.create_bucket(Bucket=BUCKET)
-    return endpoint
+BUCKET = S3_BUCKET  # the conftest's moto server and s3_env fixture serve every S3 test
 
 
 def _write(store: S3Store, cid: str, kv: torch.Tensor, codec: str = "none") -> None:
