@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import os
 import re
+import time
+from collections import OrderedDict
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -21,13 +25,16 @@ from pydantic import BaseModel, ConfigDict, Field
 from engine.async_engine import AsyncEngine
 from engine.engine import LLMEngine
 from engine.snapshot import (
+    CHUNK_TOKENS,
     IncomingTransfer,
     OutgoingTransfer,
     RestoreError,
     abort_incoming,
+    check_compatible,
     geometry,
     model_ref,
     new_checkpoint_id,
+    plan_restore,
     receive_round,
     release,
     restore,
@@ -38,10 +45,21 @@ from storage.checkpoint import CheckpointReader, CheckpointWriter
 from storage.errors import StorageError
 from storage.store_base import Store
 from storage.stores import MemoryStore, open_store
-from storage.stream import StreamReceiver, encode_chunk_frame, encode_manifest_frame
+from storage.stream import StreamReceiver, encode_abort_frame, encode_chunk_frame, encode_manifest_frame
 
 ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+SOURCE_RE = re.compile(r"^https?://[A-Za-z0-9.\-\[\]:]+(/[A-Za-z0-9._~/\-]*)?$")
 MAX_TRANSFERS = 64
+MAX_BODY = 1 << 20  # JSON bodies of the session routes (the import route streams and has its own bound)
+DONE_KEEP = 1024  # finished transfers remembered (for a target that asks how one ended)
+
+
+def transfer_ttl() -> float:
+    """Seconds a live transfer may sit idle before the replica decides it alone (its migrator is gone)."""
+    try:
+        return max(0.5, float(os.environ.get("RELAYOUT_TRANSFER_TTL_S", "60")))
+    except ValueError:
+        return 60.0
 
 
 class RouteError(Exception):
@@ -118,6 +136,77 @@ class SinkWriter(CheckpointWriter):
         return entry
 
 
+@dataclass
+class _Out:
+    """Source-side bookkeeping of one outgoing transfer (the lease)."""
+
+    t: OutgoingTransfer
+    last: float = field(default_factory=time.monotonic)
+    busy: int = 0  # export streams in progress (never expired under them)
+    paused: list[str] = field(default_factory=list)  # held by a final round, until release or resume
+
+
+@dataclass
+class _In:
+    """Target-side bookkeeping of one incoming transfer."""
+
+    t: IncomingTransfer
+    source: str | None = None
+    last: float = field(default_factory=time.monotonic)
+    busy: int = 0
+    staged: int = 0  # bytes received into the staging store, all rounds together
+    final: bool = False  # the final round was imported: the sessions are placed, held until commit
+    first_doubt: float | None = None
+
+
+class _BodyLimit:
+    """ASGI middleware: JSON bodies of /v1/sessions/* routes are at most MAX_BODY bytes (413),
+    read before the route runs; the streamed import route is bounded by its own limit."""
+
+    def __init__(self, app, limit: int = MAX_BODY):
+        self.app, self.limit = app, limit
+
+    async def _too_large(self, send) -> None:
+        body = json.dumps({"error": {"message": f"request body over {self.limit} bytes", "type": "invalid_request_error",
+                                     "code": 413}}).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+    async def __call__(self, scope, receive, send):
+        path = scope.get("path", "") if scope["type"] == "http" else ""
+        if (not path.startswith("/v1/sessions/") or path == "/v1/sessions/import"
+                or scope.get("method") not in ("POST", "PUT", "PATCH")):
+            return await self.app(scope, receive, send)
+        for k, v in scope.get("headers", []):
+            if k == b"content-length":
+                try:
+                    if int(v) > self.limit:
+                        return await self._too_large(send)
+                except ValueError:
+                    pass  # the server itself refuses a malformed content-length
+        body = bytearray()
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            body += msg.get("body", b"")
+            if len(body) > self.limit:
+                return await self._too_large(send)
+            if not msg.get("more_body", False):
+                break
+        done = False
+
+        async def replay():
+            nonlocal done
+            if not done:
+                done = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
 class CheckpointBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     destination: str | None = Field(None, max_length=4096)
@@ -145,12 +234,59 @@ class SessionsBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     sessions: list[str] = Field(..., max_length=4096)
     migrated_to: str | None = Field(None, max_length=2048)
+    transfer: str | None = Field(None, max_length=128)  # release: the commit of this transfer (refused if expired)
+
+
+def _import_limits(engine: LLMEngine) -> tuple[int, int]:
+    """(bytes one incoming transfer may stage, all rounds together; largest frame). A transfer
+    can never need more than the KV this replica could hold, so a stream that declares or
+    sends more is refused before it is buffered."""
+    from engine.kv_cache import BLOCK_SIZE
+    from storage.manifest import MAX_MANIFEST_BYTES
+
+    c = engine.cfg
+    item = torch_itemsize(engine.dtype)
+    tokens = engine.num_blocks * BLOCK_SIZE * engine.layout.attn_dp
+    kv_bytes = tokens * c.num_layers * 2 * c.num_kv_heads * c.head_dim * item
+    chunk = 2 * c.num_kv_heads * CHUNK_TOKENS * c.head_dim * item + (64 << 10)
+    frame = max(MAX_MANIFEST_BYTES, 2 * chunk) + (1 << 20)
+    limit = 2 * kv_bytes + MAX_MANIFEST_BYTES
+    env = os.environ.get("RELAYOUT_MAX_IMPORT_BYTES")
+    if env and env.isdigit():
+        limit = int(env)
+    return limit, min(frame, limit)
+
+
+def torch_itemsize(dtype) -> int:
+    import torch
+
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _precheck_restore(engine: LLMEngine, manifest, sessions: list[str] | None) -> None:
+    """Refusals that need no chunk: model, geometry, ids, room, and KV no longer than the
+    session's tokens (so no declared size can make verify() decode more than the replica holds)."""
+    from engine.session import SessionState
+    from storage.errors import CorruptCheckpoint
+
+    check_compatible(engine, manifest)
+    plan_restore(engine, manifest, sessions)
+    for e in manifest.sessions:
+        if sessions is None or e.session_id in sessions:
+            n = SessionState.from_dict(e.state).num_tokens
+            if e.num_kv_tokens > n:
+                raise CorruptCheckpoint(f"session {e.session_id} declares {e.num_kv_tokens} KV tokens but holds "
+                                        f"only {n} tokens")
 
 
 def install_session_routes(app: FastAPI, aengine: AsyncEngine, token: str | None = None) -> None:
     token = token if token is not None else os.environ.get("RELAYOUT_TOKEN") or None
-    outgoing: dict[str, OutgoingTransfer] = {}
-    incoming: dict[str, IncomingTransfer] = {}
+    outgoing: dict[str, _Out] = {}
+    incoming: dict[str, _In] = {}
+    out_done: OrderedDict[str, str] = OrderedDict()  # transfer -> released | aborted | expired
+    in_done: OrderedDict[str, str] = OrderedDict()  # transfer -> committed | aborted | expired
+    sweeper: list[asyncio.Task] = []
+    import_limit, frame_limit = _import_limits(aengine.engine)
 
     def auth(request: Request) -> None:
         if token is None:
@@ -159,6 +295,110 @@ def install_session_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
         if not hmac.compare_digest(got.encode(), f"Bearer {token}".encode()):
             raise RouteError(401, "missing or wrong bearer token")
 
+    def _remember(done: OrderedDict[str, str], tid: str, state: str) -> None:
+        done[tid] = state
+        done.move_to_end(tid)
+        while len(done) > DONE_KEEP:
+            done.popitem(last=False)
+
+    async def _resume(ids: list[str]) -> None:
+        if ids:
+            try:
+                await aengine.call(lambda e: e.resume(ids))
+            except Exception:  # noqa: BLE001 - a dead engine has nothing left to resume
+                pass
+
+    async def end_outgoing(tid: str, state: str) -> None:
+        """Source: forget the transfer; sessions it paused and nobody released run here again."""
+        o = outgoing.pop(tid, None)
+        if o is None:
+            return
+        _remember(out_done, tid, state)
+        await _resume(o.paused)
+
+    async def drop_incoming(tid: str, state: str) -> None:
+        """Target: free the reservations and uncommitted sessions of a transfer."""
+        i = incoming.pop(tid, None)
+        if i is None:
+            return
+        _remember(in_done, tid, state)
+        try:
+            await aengine.call(lambda e: abort_incoming(e, i.t))
+        except Exception:  # noqa: BLE001 - a dead engine holds nothing any more
+            pass
+
+    async def commit_incoming_now(tid: str) -> list[str]:
+        i = incoming.pop(tid)
+        t = i.t
+        _remember(in_done, tid, "committed")
+
+        def commit(e: LLMEngine) -> None:
+            t.placed, placed = [], t.placed  # committed: abort_incoming must only free spare reservations
+            abort_incoming(e, t)
+            e.resume(placed)
+            t.placed = placed
+
+        await aengine.call(commit)
+        return list(t.placed)
+
+    async def ask_source(tid: str, i: _In) -> str | None:
+        """In doubt (placed, no commit, the migrator gone): how did the source end the transfer?
+        "commit", "abort", or None (no answer yet)."""
+        if i.source is None:
+            return "abort"  # nobody to ask: the source's lease expired and it resumed them
+        import httpx
+
+        try:
+            async with httpx.AsyncClient(timeout=5.0) as c:
+                resp = await c.get(f"{i.source.rstrip('/')}/v1/sessions/transfers/{tid}",
+                                   headers={"Authorization": f"Bearer {token}"} if token else {})
+            if resp.status_code != 200:
+                return None
+            state = resp.json().get("outgoing")
+        except Exception:  # noqa: BLE001 - unreachable, or not a replica: keep asking
+            return None
+        if state == "released":
+            return "commit"
+        if state is None:
+            return "commit"  # the source restarted: it lost the sessions, this copy is the only one
+        if state in ("aborted", "expired"):
+            return "abort"
+        return None  # still active on the source
+
+    async def sweep_once() -> None:
+        now, ttl = time.monotonic(), transfer_ttl()
+        for tid, o in list(outgoing.items()):
+            if now - o.last > ttl:
+                await end_outgoing(tid, "expired")
+        for tid, i in list(incoming.items()):
+            if now - i.last <= ttl:
+                continue
+            if not i.final:
+                await drop_incoming(tid, "expired")
+                continue
+            if now - i.last <= 2 * ttl:  # by then the source has either released or resumed them
+                continue
+            i.first_doubt = i.first_doubt or now
+            verdict = await ask_source(tid, i)
+            if tid not in incoming:
+                continue
+            if verdict == "commit":
+                await commit_incoming_now(tid)
+            elif verdict == "abort" or now - i.first_doubt > 10 * ttl:
+                await drop_incoming(tid, "expired")
+
+    async def sweep_loop() -> None:
+        while outgoing or incoming:
+            await asyncio.sleep(min(1.0, transfer_ttl() / 4))
+            try:
+                await sweep_once()
+            except Exception:  # noqa: BLE001 - keep sweeping
+                pass
+
+    def ensure_sweeper() -> None:
+        if not sweeper or sweeper[0].done():
+            sweeper[:] = [asyncio.get_running_loop().create_task(sweep_loop())]
+
     r = APIRouter(dependencies=[Depends(auth)])
 
     @r.post("/v1/sessions/checkpoint")
@@ -166,6 +406,8 @@ def install_session_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
         check_ids(body.sessions)
         cid = body.checkpoint_id or new_checkpoint_id()
         check_ids([cid], "checkpoint id")
+        if body.stop and outgoing:
+            raise RouteError(409, f"a migration (transfer {next(iter(outgoing))}) is in flight on this replica")
         dest = body.destination or allowed_roots()[0].joinpath("checkpoints").as_uri()
         try:
             store = open_store(dest, allowed_roots())
@@ -192,10 +434,14 @@ def install_session_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
 
         try:
             nbytes = await asyncio.to_thread(write)
-        except BaseException:
+        except BaseException as e:
             if body.stop:
-                await aengine.call(lambda e: e.resume(ids))  # nothing committed: the source keeps serving
-            raise
+                await _resume(ids)  # nothing committed: the source keeps serving
+            if isinstance(e, (StorageError, RouteError)) or not isinstance(e, Exception):
+                raise
+            # the store failed (disk full, S3 gone): a clear error, never a stack trace
+            raise RouteError(502, f"checkpoint {cid} was not written to {dest}: {type(e).__name__}: {e}; "
+                                  f"nothing was committed" + ("; the sessions continue here" if body.stop else "")) from None
         if body.stop:
             await aengine.call(lambda e: release(e, ids))
         return {"checkpoint": f"{dest.rstrip('/')}/{cid}", "checkpoint_id": cid, "sessions": ids, "bytes": nbytes}
@@ -209,6 +455,9 @@ def install_session_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
         except ValueError as e:
             raise RouteError(400, str(e)) from None
         reader = await asyncio.to_thread(CheckpointReader, store, cid)
+        # cheap refusals first (model, geometry, ids, room): the sizes a manifest declares are
+        # bounded by what this replica can hold before any chunk is fetched or decoded
+        await aengine.call(lambda e: _precheck_restore(e, reader.manifest, body.sessions))
         await asyncio.to_thread(reader.verify)  # hashes checked before the engine is touched
         ids = await aengine.call(lambda e: restore(e, reader, body.sessions, verify=False))
         return {"sessions": ids}
@@ -217,95 +466,157 @@ def install_session_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
     async def export_route(body: ExportBody):
         check_ids([body.transfer], "transfer id")
         check_ids(body.sessions)
-        t = outgoing.get(body.transfer)
-        if t is None:
-            if len(outgoing) >= MAX_TRANSFERS:
-                raise RouteError(429, "too many transfers in flight")
-            t = outgoing[body.transfer] = OutgoingTransfer(body.transfer)
+        o = outgoing.get(body.transfer)
+        if o is None:
+            if body.transfer in out_done:
+                raise RouteError(409, f"transfer {body.transfer} already ended ({out_done[body.transfer]})")
+            if outgoing:
+                raise RouteError(409, f"this replica is already migrating out (transfer {next(iter(outgoing))}): "
+                                      "one outgoing migration at a time")
+            o = outgoing[body.transfer] = _Out(OutgoingTransfer(body.transfer))
+            ensure_sweeper()
+        if o.paused:
+            raise RouteError(409, f"transfer {body.transfer} already ran its final round")
+        o.last = time.monotonic()
+        t = o.t
         sent = dict(t.sent_upto)
 
         def cut(e: LLMEngine):
+            paused: list[str] = []
             if body.pause:
-                e.pause(body.sessions or [s.session_id for s in e.sessions.values() if not s.is_finished])
-            snaps = take_snapshot(e, body.sessions, sent)
-            return snaps, model_ref(e), e.layout.to_dict(), geometry(e)
+                if body.sessions is None:
+                    paused = [s.session_id for s in e.sessions.values() if not s.is_finished]
+                else:
+                    for sid in body.sessions:
+                        if sid not in e.sessions:
+                            raise KeyError(f"session {sid} is not on this replica")
+                    # one that finished since the last round has nothing left to move
+                    paused = [sid for sid in body.sessions if not e.sessions[sid].is_finished]
+                e.pause(paused)
+            snaps = take_snapshot(e, paused if body.pause else body.sessions, sent)
+            return paused, snaps, model_ref(e), e.layout.to_dict(), geometry(e)
 
         try:
-            snaps, mref, lay, geo = await aengine.call(cut)
+            paused, snaps, mref, lay, geo = await aengine.call(cut)
         except KeyError as e:
             raise RouteError(404, str(e.args[0])) from None
+        if outgoing.get(body.transfer) is not o:  # expired or aborted meanwhile: give them back
+            await _resume(paused)
+            raise RouteError(409, f"transfer {body.transfer} ended while its round was cut")
+        o.paused = paused
         t.rounds += 1
 
         def frames() -> Iterator[bytes]:
-            sink = FrameSink(t.sent_hashes)
-            w = SinkWriter(sink, f"{body.transfer}-r{t.rounds}", codec=body.codec)
-            w.carry(list(t.entries))
-            for snap in snaps:
-                write_snapshot([snap], w, sent)
-                yield from sink.frames
-                sink.frames.clear()
-            m = w.commit(mref, lay, geo, {"transfer": body.transfer, "round": t.rounds, "final": body.pause})
+            try:
+                sink = FrameSink(t.sent_hashes)
+                w = SinkWriter(sink, f"{body.transfer}-r{t.rounds}", codec=body.codec)
+                # earlier rounds' chunks, of the sessions still moving (one that finished since
+                # has no entry in this manifest; the target frees its reservation)
+                moving = {snap.state.session_id for snap in snaps}
+                w.carry([e for e in t.entries if e.session_id in moving])
+                for snap in snaps:
+                    write_snapshot([snap], w, sent)
+                    o.last = time.monotonic()
+                    yield from sink.frames
+                    sink.frames.clear()
+                m = w.commit(mref, lay, geo, {"transfer": body.transfer, "round": t.rounds, "final": body.pause})
+            except Exception as e:  # noqa: BLE001 - tell the receiver why, in-band, instead of a torn stream
+                yield encode_abort_frame(f"source failed to export round {t.rounds}: {type(e).__name__}: {e}")
+                return
             t.entries = list(m.kv_entries)
             for snap in snaps:
                 t.sent_upto[snap.state.session_id] = snap.num_kv_tokens
+            o.last = time.monotonic()
             yield from sink.frames
 
         return StreamingResponse(frames(), media_type="application/x-relayout-frames")
 
     @r.post("/v1/sessions/import")
-    async def import_route(request: Request, transfer: str, final: bool = False):
+    async def import_route(request: Request, transfer: str, final: bool = False, source: str | None = None):
         check_ids([transfer], "transfer id")
-        t = incoming.get(transfer)
-        if t is None:
+        if source is not None and (len(source) > 2048 or not SOURCE_RE.fullmatch(source)):
+            raise RouteError(400, "source must be the source replica's http(s) URL")
+        cl = request.headers.get("content-length")
+        if cl is not None and cl.isdigit() and int(cl) > import_limit:
+            raise RouteError(413, f"transfer round of {cl} bytes exceeds this replica's import limit of {import_limit}")
+        i = incoming.get(transfer)
+        if i is None:
+            if transfer in in_done:
+                raise RouteError(409, f"transfer {transfer} already ended ({in_done[transfer]})")
             if len(incoming) >= MAX_TRANSFERS:
                 raise RouteError(429, "too many transfers in flight")
-            t = incoming[transfer] = IncomingTransfer(transfer, MemoryStore())
-        recv = StreamReceiver(t.store)  # type: ignore[arg-type]
-        manifest = None
-        async for piece in request.stream():
-            if piece:
-                manifest = recv.feed(piece) or manifest
-        manifest = recv.close()
+            i = incoming[transfer] = _In(IncomingTransfer(transfer, MemoryStore()), source)
+            ensure_sweeper()
+        elif i.final:
+            raise RouteError(409, f"transfer {transfer} already ran its final round")
+        i.last = time.monotonic()
+        recv = StreamReceiver(i.t.store, max_frame_bytes=frame_limit)  # type: ignore[arg-type]
         try:
-            res = await aengine.call(lambda e: receive_round(e, t, manifest, final))
+            async for piece in request.stream():
+                if piece:
+                    i.staged += len(piece)
+                    i.last = time.monotonic()
+                    if i.staged > import_limit:
+                        raise RouteError(413, f"transfer {transfer} sent more than this replica's import limit "
+                                              f"of {import_limit} bytes")
+                    recv.feed(piece)
+            manifest = recv.close()
+            res = await aengine.call(lambda e: receive_round(e, i.t, manifest, final))
         except BaseException:
-            await aengine.call(lambda e: abort_incoming(e, t))
-            incoming.pop(transfer, None)
+            # a cut, garbled or refused round: nothing stays reserved for it
+            await asyncio.shield(drop_incoming(transfer, "aborted"))
             raise
+        i.last = time.monotonic()
         if final:
-            res["placed"] = list(t.placed)
+            i.final = True
+            res["placed"] = list(i.t.placed)
         return res
 
     @r.post("/v1/sessions/transfers/{transfer}/commit")
     async def commit_incoming(transfer: str):
         """Target: the source has released the sessions; they run here from now on."""
         check_ids([transfer], "transfer id")
-        t = incoming.pop(transfer, None)
-        if t is None:
-            raise RouteError(404, f"no incoming transfer {transfer!r}")
-        def commit(e: LLMEngine) -> None:
-            t.placed, placed = [], t.placed  # committed: abort_incoming must only free spare reservations
-            abort_incoming(e, t)
-            e.resume(placed)
-            t.placed = placed
+        if transfer not in incoming:
+            if in_done.get(transfer) == "committed":
+                return {"sessions": [], "already": "committed"}
+            raise RouteError(404 if transfer not in in_done else 409,
+                             f"no incoming transfer {transfer!r}" + (f" ({in_done[transfer]})" if transfer in in_done else ""))
+        if not incoming[transfer].final:
+            raise RouteError(409, f"transfer {transfer} has not run its final round")
+        return {"sessions": await commit_incoming_now(transfer)}
 
-        await aengine.call(commit)
-        return {"sessions": t.placed}
+    @r.get("/v1/sessions/transfers/{transfer}")
+    async def transfer_state(transfer: str):
+        """How this replica sees a transfer: outgoing active|paused|released|aborted|expired,
+        incoming receiving|placed|committed|aborted|expired (null: unknown here)."""
+        check_ids([transfer], "transfer id")
+        o, i = outgoing.get(transfer), incoming.get(transfer)
+        return {"transfer": transfer,
+                "outgoing": ("paused" if o.paused else "active") if o else out_done.get(transfer),
+                "incoming": ("placed" if i.final else "receiving") if i else in_done.get(transfer),
+                "placed": list(i.t.placed) if i else []}
 
     @r.delete("/v1/sessions/transfers/{transfer}")
     async def abort_transfer(transfer: str):
-        """Either side: forget the transfer; the target frees reservations and uncommitted sessions."""
+        """Either side: forget the transfer; the source resumes what it paused and did not
+        release, the target frees reservations and uncommitted sessions."""
         check_ids([transfer], "transfer id")
-        outgoing.pop(transfer, None)
-        t = incoming.pop(transfer, None)
-        if t is not None:
-            await aengine.call(lambda e: abort_incoming(e, t))
+        await end_outgoing(transfer, "aborted")
+        await drop_incoming(transfer, "aborted")
         return {"aborted": transfer}
 
     @r.post("/v1/sessions/release")
     async def release_route(body: SessionsBody):
-        """Source, two-phase commit: the target holds the sessions now; free them here."""
+        """Source, two-phase commit: the target holds the sessions now; free them here. With
+        `transfer`, refused (409) unless that transfer is still live here (not expired)."""
         check_ids(body.sessions)
+        if body.transfer is not None:
+            check_ids([body.transfer], "transfer id")
+            if body.transfer not in outgoing:
+                raise RouteError(409, f"transfer {body.transfer} is {out_done.get(body.transfer, 'unknown')} on the "
+                                      "source: not released, the sessions stay here")
+            outgoing.pop(body.transfer)  # no await since the check: the sweeper cannot expire it in between
+            _remember(out_done, body.transfer, "released")
         for sid in body.sessions:
             if body.migrated_to:
                 aengine.migrated_to[sid] = body.migrated_to
@@ -319,6 +630,7 @@ def install_session_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
         return {"sessions": body.sessions}
 
     app.include_router(r)
+    app.add_middleware(_BodyLimit)
 
     @app.exception_handler(RouteError)
     async def _route_error(_: Request, e: RouteError):

@@ -6,6 +6,16 @@ boundary and the final round carries the remainder and their state. The target i
 and acknowledges (sessions held paused); then the source releases them (the commit) and
 the target resumes them. Before the commit the source owns the sessions: any failure
 aborts the target's reservations and resumes the sessions on the source.
+
+If the migrator itself dies, the replicas finish the transfer alone (engine.session_routes):
+the source resumes sessions it paused once the transfer has been idle for
+RELAYOUT_TRANSFER_TTL_S, after which a late release is refused; the target frees
+reservations after that long, and a target holding placed sessions asks the source how the
+transfer ended (released → it resumes them, otherwise it drops them).
+
+`on_phase(name)` is called at each phase boundary: "pre-copy:K" before pre-copy round K,
+"stop-and-copy" before the final round, "prepared" once the target holds the sessions
+(before the commit), "committed" once the source released them, "done".
 """
 
 from __future__ import annotations
@@ -43,6 +53,7 @@ class MigrationResult:
 
 
 Progress = Callable[[str, int], None]  # (phase, bytes so far)
+OnPhase = Callable[[str], None]
 
 
 def _headers(token: str | None) -> dict[str, str]:
@@ -60,7 +71,7 @@ def _check(r: httpx.Response, what: str) -> dict:
 
 
 def _round(client: httpx.Client, src: str, dst: str, transfer: str, sessions: list[str] | None, final: bool,
-           codec: str, token: str | None) -> tuple[dict, int]:
+           codec: str, token: str | None, source_for_target: str | None = None) -> tuple[dict, int]:
     """Stream one round source → target without holding it in memory; returns (target reply, bytes)."""
     body = {"transfer": transfer, "sessions": sessions, "pause": final, "codec": codec}
     moved = 0
@@ -76,14 +87,19 @@ def _round(client: httpx.Client, src: str, dst: str, transfer: str, sessions: li
                 moved += len(piece)
                 yield piece
 
-        reply = client.post(f"{dst}/v1/sessions/import", params={"transfer": transfer, "final": final},
-                            content=pieces(), headers=_headers(token))
+        params = {"transfer": transfer, "final": final}
+        if source_for_target:
+            params["source"] = source_for_target  # whom the target asks if this migrator disappears
+        reply = client.post(f"{dst}/v1/sessions/import", params=params, content=pieces(), headers=_headers(token))
     return _check(reply, "target import"), moved
 
 
 def migrate_live(source_url: str, target_url: str, sessions: list[str] | None = None, *, token: str | None = None,
                  mode: str = "live", max_rounds: int = 4, small_bytes: int = 1 << 20, codec: str = "none",
-                 progress: Progress | None = None, timeout_s: float = 300.0) -> MigrationResult:
+                 progress: Progress | None = None, timeout_s: float = 300.0, on_phase: OnPhase | None = None,
+                 source_for_target: str | None = None) -> MigrationResult:
+    """Move `sessions` (default: all) from the source replica to the target replica.
+    `source_for_target`: the source's URL as the target can reach it (default `source_url`)."""
     if mode not in ("live", "cold"):
         raise ValueError("mode must be 'live' or 'cold'")
     src, dst = source_url.rstrip("/"), target_url.rstrip("/")
@@ -92,6 +108,11 @@ def migrate_live(source_url: str, target_url: str, sessions: list[str] | None = 
     phase = "pre-copy"
     paused: list[str] = []
     committed = False
+    back = source_for_target or src
+
+    def at(name: str) -> None:
+        if on_phase:
+            on_phase(name)
     with httpx.Client(timeout=timeout_s) as client:
         try:
             ids = sessions
@@ -100,8 +121,9 @@ def migrate_live(source_url: str, target_url: str, sessions: list[str] | None = 
                 ids = [s["id"] for s in rep["sessions"]]
             if mode == "live":
                 for i in range(max_rounds):
+                    at(f"pre-copy:{i}")
                     t0 = time.perf_counter()
-                    reply, n = _round(client, src, dst, t, ids, False, codec, token)
+                    reply, n = _round(client, src, dst, t, ids, False, codec, token, back)
                     res.rounds.append(PreCopyRound(i, n, time.perf_counter() - t0, False))
                     res.bytes_total += n
                     if progress:
@@ -109,21 +131,31 @@ def migrate_live(source_url: str, target_url: str, sessions: list[str] | None = 
                     if n <= small_bytes or not ids:
                         break
             phase = "stop-and-copy"
+            at(phase)
             t_hold = time.perf_counter()
             paused = list(ids)
-            reply, n = _round(client, src, dst, t, ids, True, codec, token)
+            reply, n = _round(client, src, dst, t, ids, True, codec, token, back)
             res.sessions = paused = list(reply.get("placed", reply["sessions"]))
             res.rounds.append(PreCopyRound(len(res.rounds), n, time.perf_counter() - t_hold, True))
             res.bytes_total += n
             phase = "commit"
-            _check(client.post(f"{src}/v1/sessions/release", json={"sessions": res.sessions, "migrated_to": dst},
+            # the target must still hold them right before the commit (narrows the window in which
+            # a target that died after its acknowledgement would take the sessions with it)
+            st = _check(client.get(f"{dst}/v1/sessions/transfers/{t}", headers=_headers(token)), "target check")
+            if st.get("incoming") != "placed" or sorted(st.get("placed", [])) != sorted(res.sessions):
+                raise RuntimeError(f"target no longer holds the transfer ({st.get('incoming')})")
+            at("prepared")
+            _check(client.post(f"{src}/v1/sessions/release",
+                               json={"sessions": res.sessions, "migrated_to": dst, "transfer": t},
                                headers=_headers(token)), "source release")
             committed = True
+            at("committed")
             _check(client.post(f"{dst}/v1/sessions/transfers/{t}/commit", headers=_headers(token)), "target commit")
             res.stall_ms = (time.perf_counter() - t_hold) * 1000
             client.request("DELETE", f"{src}/v1/sessions/transfers/{t}", headers=_headers(token))
             if progress:
                 progress("done", res.bytes_total)
+            at("done")
             return res
         except Exception as e:
             if committed:
