@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from engine.kv_cache import BLOCK_SIZE, KVCache
 from engine.model import AttnMeta, MoEModel
 from engine.moe import SparseMoE
 from engine.parallel import ParallelState
+from engine.staging import KVStager
 
 
 @dataclass
@@ -31,6 +33,9 @@ class StepBatch:
         return not self.input_ids
 
 
+STAGING_BYTES = int(os.environ.get("RELAYOUT_STAGING_BYTES", 2 << 30))  # pinned host bytes kept per rank
+
+
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, ps: ParallelState, model_dir: Path, num_blocks: int,
                  device: torch.device, dtype: torch.dtype = torch.float32):
@@ -41,6 +46,10 @@ class ModelRunner:
         lo, hi = ps.layout.kv_head_range(ps.rank, cfg.num_kv_heads)
         self.kv_range = (lo, hi)
         self.kv = KVCache(cfg.num_layers, num_blocks, hi - lo, cfg.head_dim, dtype, device)
+        # on CUDA, KV leaves and enters through pinned staging buffers on side streams
+        # (engine/staging.py); on the CPU the plain host copies below are already the fastest path
+        self.stager: KVStager | None = (KVStager(device, max_bytes=STAGING_BYTES) if device.type == "cuda"
+                                        else None)
 
     def execute(self, b: StepBatch) -> torch.Tensor:
         dev = self.device
@@ -67,10 +76,17 @@ class ModelRunner:
 
     # ---- session KV in and out ----------------------------------------
     def export_kv(self, blocks: list[int], tok_lo: int, tok_hi: int) -> torch.Tensor:
+        if self.stager is not None and tok_hi > tok_lo:
+            # a view of a pinned pool buffer: it goes back to the pool once the caller drops it
+            return self.stager.export(self.kv, blocks, tok_lo, tok_hi).wait()
         return self.kv.export_tokens(blocks, tok_lo, tok_hi).cpu()
 
     def import_kv(self, blocks: list[int], tok_lo: int, kv_all_heads: torch.Tensor) -> None:
         lo, hi = self.kv_range
+        if self.stager is not None:
+            # returns at once: the compute stream waits for the copy before the next step
+            self.stager.import_(self.kv, blocks, tok_lo, kv_all_heads[:, :, lo:hi])
+            return
         self.kv.import_tokens(blocks, tok_lo, kv_all_heads[:, :, lo:hi])
 
     # ---- measurements --------------------------------------------------

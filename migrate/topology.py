@@ -8,6 +8,8 @@ PCIe (`pcie_gbps`); on different nodes over the network, limited by the slower N
 from __future__ import annotations
 
 import json
+import logging
+import socket
 from pathlib import Path
 
 import yaml
@@ -123,7 +125,155 @@ class Topology(BaseModel):
         return na.pcie_gbps
 
 
-def discover() -> Topology | None:
-    """Local device discovery via NVML is for CUDA machines and is tracked in another issue;
-    on this machine there is nothing to discover, so callers must pass a topology file."""
+# ---- local discovery (NVML) ------------------------------------------------------------------------
+log = logging.getLogger(__name__)
+
+# per-link, per-direction GB/s by NVLink version (NVLink 2-4: 25 GB/s, NVLink 5: 50 GB/s)
+NVLINK_LINK_GBPS = {1: 20.0, 2: 25.0, 3: 25.0, 4: 25.0, 5: 50.0}
+NVLINK_MAX_LINKS = 18
+# per-lane, per-direction GB/s after encoding, by PCIe generation
+PCIE_LANE_GBPS = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}
+TOPOLOGY_MULTIPLE = 20  # NVML_TOPOLOGY_MULTIPLE: behind PCIe switches only, no host bridge between
+DEFAULT_NETWORK_GBPS = 25.0  # NVML does not see NICs; a 200 Gb/s NIC is 25 GB/s
+
+last_discover_reason = ""  # why the last discover() returned None ("" when it found devices)
+
+
+def _bus_id(pci) -> str:
+    b = getattr(pci, "busId", None) or getattr(pci, "busIdLegacy", "")
+    if isinstance(b, bytes):
+        b = b.decode(errors="replace")
+    return str(b).strip("\x00").lower()
+
+
+def _call(fn, *args, default=None):
+    try:
+        return fn(*args)
+    except Exception:  # NVMLError_NotSupported and friends: that feature is absent
+        return default
+
+
+class _Union:
+    def __init__(self) -> None:
+        self.parent: dict[str, str] = {}
+
+    def find(self, x: str) -> str:
+        self.parent.setdefault(x, x)
+        while self.parent[x] != x:
+            self.parent[x] = self.parent[self.parent[x]]
+            x = self.parent[x]
+        return x
+
+    def join(self, a: str, b: str) -> None:
+        self.parent[self.find(a)] = self.find(b)
+
+
+def topology_from_nvml(nvml, node_name: str | None = None, network_gbps: float = DEFAULT_NETWORK_GBPS) -> Topology:
+    """This machine as a one-node Topology, read through an initialised NVML module (pynvml's API).
+
+    - devices: one per GPU, `memory_gb` its total memory (GB, 1e9 bytes), `free` when no compute
+      or graphics process runs on it;
+    - NVLink: GPUs joined by active links (directly, or through the same NVSwitch, seen as the
+      same remote PCI bus id) share an `nvlink_domain`; a GPU without an active link has none.
+      The node's `nvlink_domain_gbps` is the smallest per-GPU sum of active links × per-link
+      rate in any domain;
+    - PCIe: GPUs whose common ancestor is a PCIe switch (NVML_TOPOLOGY_MULTIPLE or closer) share
+      a `pcie_switch`; `pcie_gbps` is the slowest GPU's max generation × max width.
+    """
+    name = node_name or socket.gethostname()
+    count = int(nvml.nvmlDeviceGetCount())
+    handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+    buses = [_bus_id(nvml.nvmlDeviceGetPciInfo(h)) for h in handles]
+    enabled = getattr(nvml, "NVML_FEATURE_ENABLED", 1)
+    remote = getattr(nvml, "nvmlDeviceGetNvLinkRemotePciInfo_v2", None) or getattr(
+        nvml, "nvmlDeviceGetNvLinkRemotePciInfo", None)
+    nvl = _Union()
+    link_gbps = [0.0] * count
+    for i, h in enumerate(handles):
+        for link in range(NVLINK_MAX_LINKS):
+            if _call(nvml.nvmlDeviceGetNvLinkState, h, link) != enabled:
+                continue
+            ver = _call(nvml.nvmlDeviceGetNvLinkVersion, h, link, default=4)
+            link_gbps[i] += NVLINK_LINK_GBPS.get(int(ver), 25.0)
+            peer = _call(remote, h, link) if remote is not None else None
+            nvl.join("gpu:" + buses[i], "bus:" + (_bus_id(peer) if peer is not None else f"?{i}.{link}"))
+    # a remote id that is another GPU's own bus id is that GPU
+    for b in buses:
+        if ("bus:" + b) in nvl.parent:
+            nvl.join("gpu:" + b, "bus:" + b)
+    domains: dict[str, str] = {}
+    nvl_name: list[str | None] = []
+    for i, b in enumerate(buses):
+        if link_gbps[i] == 0:
+            nvl_name.append(None)
+            continue
+        root = nvl.find("gpu:" + b)
+        nvl_name.append(domains.setdefault(root, f"nvl{len(domains)}"))
+    sw = _Union()
+    level_fn = getattr(nvml, "nvmlDeviceGetTopologyCommonAncestor", None)
+    for i in range(count):
+        sw.find(str(i))
+        for j in range(i + 1, count):
+            lvl = _call(level_fn, handles[i], handles[j]) if level_fn is not None else None
+            if lvl is not None and int(lvl) <= TOPOLOGY_MULTIPLE:
+                sw.join(str(i), str(j))
+    switch_names: dict[str, str] = {}
+    pcie = []
+    devices = []
+    for i, h in enumerate(handles):
+        gen = _call(nvml.nvmlDeviceGetMaxPcieLinkGeneration, h) or _call(nvml.nvmlDeviceGetCurrPcieLinkGeneration, h)
+        width = _call(nvml.nvmlDeviceGetMaxPcieLinkWidth, h) or _call(nvml.nvmlDeviceGetCurrPcieLinkWidth, h)
+        if gen and width:
+            pcie.append(PCIE_LANE_GBPS.get(int(gen), 1.969) * int(width))
+        procs = (_call(nvml.nvmlDeviceGetComputeRunningProcesses, h, default=[]) or []) + (
+            _call(getattr(nvml, "nvmlDeviceGetGraphicsRunningProcesses", None) or (lambda _h: []), h, default=[]) or [])
+        mem = nvml.nvmlDeviceGetMemoryInfo(h)
+        root = sw.find(str(i))
+        shares_switch = sum(sw.find(str(j)) == root for j in range(count)) > 1
+        devices.append(Device(
+            id=f"{name}/gpu{i}", node=name, index=i, memory_gb=round(int(mem.total) / 1e9, 1), free=not procs,
+            pcie_switch=switch_names.setdefault(root, f"sw{len(switch_names)}") if shares_switch else None,
+            nvlink_domain=nvl_name[i]))
+    per_domain: dict[str, float] = {}
+    for i, d in enumerate(nvl_name):
+        if d is not None:
+            per_domain[d] = min(per_domain.get(d, float("inf")), link_gbps[i])
+    return Topology(nodes=[Node(
+        name=name, devices=devices, network_gbps=network_gbps,
+        nvlink_domain_gbps=min(per_domain.values()) if per_domain else 0.0,
+        pcie_gbps=round(min(pcie), 3) if pcie else 25.0)])
+
+
+def discover(nvml=None, node_name: str | None = None, network_gbps: float = DEFAULT_NETWORK_GBPS
+             ) -> Topology | None:
+    """This machine's GPUs through NVML (the `cuda` extra: nvidia-ml-py), or None — with the
+    reason logged and kept in `last_discover_reason` — when there is no NVML or no GPU; callers
+    then use a topology file. `nvml` injects a module with pynvml's API (tests)."""
+    global last_discover_reason
+    if nvml is None:
+        try:
+            import pynvml as nvml  # nvidia-ml-py
+        except ImportError:
+            return _none("nvidia-ml-py is not installed (pip install 'relayout[cuda]'); "
+                         "pass a topology file instead")
+    try:
+        nvml.nvmlInit()
+    except Exception as e:
+        return _none(f"NVML did not initialise ({e}); no NVIDIA driver here? pass a topology file instead")
+    try:
+        if int(nvml.nvmlDeviceGetCount()) == 0:
+            return _none("NVML sees no GPU on this machine; pass a topology file instead")
+        topo = topology_from_nvml(nvml, node_name, network_gbps)
+    except Exception as e:
+        return _none(f"NVML discovery failed: {e!r}; pass a topology file instead")
+    finally:
+        _call(nvml.nvmlShutdown)
+    last_discover_reason = ""
+    return topo
+
+
+def _none(reason: str) -> None:
+    global last_discover_reason
+    last_discover_reason = reason
+    log.info("topology discovery: %s", reason)
     return None

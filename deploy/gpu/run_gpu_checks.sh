@@ -1,0 +1,132 @@
+#!/usr/bin/env bash
+# Issue 10's GPU checks, in one device run (< 10 min; every step has its own timeout and the
+# whole script a deadline). From the repo root on a CUDA machine:
+#   1. setup: the system python3 that holds CUDA torch; relayout from this checkout on
+#      PYTHONPATH, its missing dependencies from carried wheels (.whl/, see fetch_wheels.sh)
+#      or, where an index is reachable, `pip install -e .[test,cuda]` constrained to the
+#      installed torch (never reinstalled);
+#   2. env: GPU, torch, and migrate.topology.discover() through NVML;
+#   3. pytest -m cuda tests/test_cuda.py (stager bit-exactness, engine snapshot/restore on
+#      CUDA, stager D2H GB/s vs a raw pinned copy_, decode steps while a snapshot drains);
+#   4. relayout bench snapshot --json;  5. relayout bench migration --quick --json;
+#   6. the CPU tests of the staging/topology/checkpoint paths, now on CUDA (engines default to it).
+# Writes at most 8 files under $OUT (the device tool's limit): summary.txt, summary.json,
+# env.log, pytest_cuda.log, cuda_results.jsonl, bench_snapshot.log, bench_migration.log,
+# pytest_more.log.
+set -u
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+START=$(date +%s)
+DEADLINE=${DEADLINE_S:-480}
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+SUMMARY="$OUT/summary.txt"
+: >"$SUMMARY"; : >/tmp/relayout_rcs
+
+say() { echo "[$(( $(date +%s) - START ))s] $*" | tee -a "$SUMMARY"; }
+# step NAME LIMIT_S CMD...: runs CMD with output in $OUT/NAME.log, capped by the deadline
+step() {
+  local name=$1 limit=$2; shift 2
+  local left=$(( DEADLINE - ($(date +%s) - START) ))
+  if (( left < 20 )); then say "SKIP $name: deadline"; echo "$name skipped" >>/tmp/relayout_rcs; return; fi
+  (( limit > left )) && limit=$left
+  say "== $name (limit ${limit}s)"
+  timeout -k 5 "$limit" "$@" >>"$OUT/$name.log" 2>&1
+  local rc=$?
+  say "   $name rc=$rc$([ $rc = 124 ] && echo ' (timed out)')"
+  echo "$name $rc" >>/tmp/relayout_rcs
+}
+
+# ---- 1. setup -----------------------------------------------------------------------------------
+{
+  echo "# setup"
+  export PYTHONPATH=$PWD
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+      && export PYTHONPATH=/tmp/site:$PWD && echo "installed carried wheels: $(ls .whl | tr '\n' ' ')"
+  elif timeout 5 "$PY" -m pip download -q --no-deps -d /tmp/probe xxhash >/dev/null 2>&1; then
+    echo "torch==$("$PY" -c 'import torch; print(torch.__version__)')" >/tmp/torch-pin.txt
+    timeout 150 "$PY" -m pip install -q -e ".[test,cuda]" -c /tmp/torch-pin.txt && echo "pip install -e .[test,cuda] done"
+  else
+    echo "no .whl/ and no package index: running with what the image has (see fetch_wheels.sh)"
+  fi
+} >"$OUT/env.log" 2>&1
+export PYTHONPATH=${PYTHONPATH:-$PWD}
+[ -d /tmp/site ] && export PYTHONPATH=/tmp/site:$PWD
+relayout() { "$PY" -m agent.cli "$@"; }
+
+# ---- 2. env -------------------------------------------------------------------------------------
+{
+  echo "# env"
+  nvidia-smi -L 2>&1 || true
+  nvidia-smi --query-gpu=name,memory.total,pcie.link.gen.max,pcie.link.width.max --format=csv 2>&1 || true
+  timeout 60 "$PY" - <<'PY'
+import importlib, logging, torch
+logging.basicConfig(level=logging.INFO)
+print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available(),
+      "devices", torch.cuda.device_count())
+if torch.cuda.is_available():
+    print("device", torch.cuda.get_device_name(0))
+for m in ("fastapi", "pydantic", "uvicorn", "zstandard", "boto3", "pynvml"):
+    try:
+        importlib.import_module(m); print("import", m, "ok")
+    except Exception as e:
+        print("import", m, "MISSING", e)
+from migrate import topology as T
+topo = T.discover()
+print("discover():", topo.model_dump_json(indent=1) if topo else f"None ({T.last_discover_reason})")
+PY
+} >>"$OUT/env.log" 2>&1
+say "env: $(grep -m1 '^torch' "$OUT/env.log")"
+say "discover: $(grep -m1 '^discover' "$OUT/env.log" | cut -c1-120)"
+NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+
+# ---- 3. GPU tests -------------------------------------------------------------------------------
+export RELAYOUT_GPU_RESULTS="$OUT/cuda_results.jsonl"
+: >"$RELAYOUT_GPU_RESULTS"
+step pytest_cuda 170 "$PY" -m pytest -q -m cuda -s -p no:cacheprovider tests/test_cuda.py
+
+# ---- 4./5. benches ------------------------------------------------------------------------------
+step bench_snapshot 110 "$PY" -m agent.cli bench snapshot --json
+# the --quick target layout is attn_tp=2: two ranks; on one GPU both share it (NCCL may refuse)
+(( NGPU < 2 )) && say "note: $NGPU GPU(s); bench migration's attn_tp=2 target puts 2 ranks on one GPU"
+RELAYOUT_STEP_TIMEOUT_S=60 step bench_migration 130 "$PY" -m agent.cli bench migration --quick --json
+
+# ---- 6. the CPU suite's staging/checkpoint tests, on CUDA ---------------------------------------
+step pytest_more 90 "$PY" -m pytest -q -x -p no:cacheprovider tests/test_staging.py tests/test_topology_discover.py \
+  tests/test_checkpoint.py
+
+# ---- summary ------------------------------------------------------------------------------------
+"$PY" - "$OUT" <<'PY' | tee -a "$SUMMARY"
+import json, sys, pathlib
+out = pathlib.Path(sys.argv[1])
+res = {"steps": {}}
+for line in pathlib.Path("/tmp/relayout_rcs").read_text().splitlines():
+    name, rc = line.split()
+    res["steps"][name] = rc
+for line in (out / "cuda_results.jsonl").read_text().splitlines():
+    d = json.loads(line); res[d.pop("test")] = d
+for name in ("bench_snapshot", "bench_migration"):
+    p = out / f"{name}.log"
+    last = [l for l in p.read_text(errors="replace").splitlines() if l.startswith("{")] if p.exists() else []
+    try:
+        res[name] = json.loads(last[-1]) if last else None
+    except json.JSONDecodeError:
+        res[name] = None
+(out / "summary.json").write_text(json.dumps(res, indent=1))
+d = res.get("d2h_gbps", {})
+dd = res.get("decode_during_drain", {})
+s = res.get("bench_snapshot") or {}
+print("steps:", res["steps"])
+print(f"D2H GB/s: stager {d.get('stager_d2h_gbps')} / raw pinned {d.get('raw_pinned_d2h_gbps')} "
+      f"(x{d.get('stager_vs_raw')}); old path {d.get('old_path_d2h_gbps')}; "
+      f"H2D stager {d.get('stager_h2d_gbps')} / raw {d.get('raw_pinned_h2d_gbps')}")
+print(f"decode while draining: {dd.get('steps_while_draining')} steps, {dd.get('step_ms_while_draining')} ms "
+      f"vs {dd.get('base_step_ms')} ms (x{dd.get('step_ratio')}); drain {dd.get('drain_ms')} ms")
+print(f"bench snapshot: memcpy {s.get('memcpy_gbps')} snapshot {s.get('snapshot_gbps')} restore {s.get('restore_gbps')} GB/s")
+m = res.get("bench_migration") or {}
+print("bench migration:", json.dumps(m.get("contexts")) if m else None)
+PY
+rm -f /tmp/relayout_rcs
+say "done"
