@@ -140,13 +140,19 @@ def create_gateway_app(agents: list[str], replicas: list[str] | None = None, tok
             url = await ups.pick(client)
         except LookupError as e:
             return err(503, str(e), "unavailable")
+        # counted from the pick on: concurrent requests must see each other before the first token arrives
+        ups.active[url] = ups.active.get(url, 0) + 1
         req = client.build_request("POST", f"{url}/v1/completions", json=up)
-        first = await client.send(req, stream=True)
+        try:
+            first = await client.send(req, stream=True)
+        except BaseException:
+            ups.active[url] -= 1
+            raise
         if first.status_code >= 400:
+            ups.active[url] -= 1
             await first.aread()
             await first.aclose()
             return JSONResponse(first.json(), status_code=first.status_code)
-        ups.active[url] = ups.active.get(url, 0) + 1
 
         async def events() -> AsyncIterator[dict]:
             try:
