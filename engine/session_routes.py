@@ -41,6 +41,7 @@ from engine.snapshot import (
     take_snapshot,
     write_snapshot,
 )
+from engine.workers import RankFailure
 from storage.checkpoint import CheckpointReader, CheckpointWriter
 from storage.errors import StorageError
 from storage.store_base import Store
@@ -288,6 +289,15 @@ def install_session_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
     sweeper: list[asyncio.Task] = []
     import_limit, frame_limit = _import_limits(aengine.engine)
 
+    async def ecall(fn):
+        """aengine.call; a rank that died under it takes the replica down (503 from now on),
+        as a failed step would, instead of leaving it reporting healthy with no executor."""
+        try:
+            return await aengine.call(fn)
+        except RankFailure as e:
+            aengine._fail(e)
+            raise aengine._dead() from None
+
     def auth(request: Request) -> None:
         if token is None:
             return
@@ -304,7 +314,7 @@ def install_session_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
     async def _resume(ids: list[str]) -> None:
         if ids:
             try:
-                await aengine.call(lambda e: e.resume(ids))
+                await ecall(lambda e: e.resume(ids))
             except Exception:  # noqa: BLE001 - a dead engine has nothing left to resume
                 pass
 
@@ -323,7 +333,7 @@ def install_session_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
             return
         _remember(in_done, tid, state)
         try:
-            await aengine.call(lambda e: abort_incoming(e, i.t))
+            await ecall(lambda e: abort_incoming(e, i.t))
         except Exception:  # noqa: BLE001 - a dead engine holds nothing any more
             pass
 
@@ -338,7 +348,7 @@ def install_session_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
             e.resume(placed)
             t.placed = placed
 
-        await aengine.call(commit)
+        await ecall(commit)
         return list(t.placed)
 
     async def ask_source(tid: str, i: _In) -> str | None:
@@ -421,7 +431,7 @@ def install_session_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
             return snaps, model_ref(e), e.layout.to_dict(), geometry(e)
 
         try:
-            snaps, mref, lay, geo = await aengine.call(cut)
+            snaps, mref, lay, geo = await ecall(cut)
         except KeyError as e:
             raise RouteError(404, str(e.args[0])) from None
         ids = [s.state.session_id for s in snaps]
@@ -443,7 +453,7 @@ def install_session_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
             raise RouteError(502, f"checkpoint {cid} was not written to {dest}: {type(e).__name__}: {e}; "
                                   f"nothing was committed" + ("; the sessions continue here" if body.stop else "")) from None
         if body.stop:
-            await aengine.call(lambda e: release(e, ids))
+            await ecall(lambda e: release(e, ids))
         return {"checkpoint": f"{dest.rstrip('/')}/{cid}", "checkpoint_id": cid, "sessions": ids, "bytes": nbytes}
 
     @r.post("/v1/sessions/restore")
@@ -457,9 +467,9 @@ def install_session_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
         reader = await asyncio.to_thread(CheckpointReader, store, cid)
         # cheap refusals first (model, geometry, ids, room): the sizes a manifest declares are
         # bounded by what this replica can hold before any chunk is fetched or decoded
-        await aengine.call(lambda e: _precheck_restore(e, reader.manifest, body.sessions))
+        await ecall(lambda e: _precheck_restore(e, reader.manifest, body.sessions))
         await asyncio.to_thread(reader.verify)  # hashes checked before the engine is touched
-        ids = await aengine.call(lambda e: restore(e, reader, body.sessions, verify=False))
+        ids = await ecall(lambda e: restore(e, reader, body.sessions, verify=False))
         return {"sessions": ids}
 
     @r.post("/v1/sessions/export")
@@ -497,7 +507,7 @@ def install_session_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
             return paused, snaps, model_ref(e), e.layout.to_dict(), geometry(e)
 
         try:
-            paused, snaps, mref, lay, geo = await aengine.call(cut)
+            paused, snaps, mref, lay, geo = await ecall(cut)
         except KeyError as e:
             raise RouteError(404, str(e.args[0])) from None
         if outgoing.get(body.transfer) is not o:  # expired or aborted meanwhile: give them back
@@ -561,7 +571,7 @@ def install_session_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
                                               f"of {import_limit} bytes")
                     recv.feed(piece)
             manifest = recv.close()
-            res = await aengine.call(lambda e: receive_round(e, i.t, manifest, final))
+            res = await ecall(lambda e: receive_round(e, i.t, manifest, final))
         except BaseException:
             # a cut, garbled or refused round: nothing stays reserved for it
             await asyncio.shield(drop_incoming(transfer, "aborted"))
@@ -620,13 +630,13 @@ def install_session_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
         for sid in body.sessions:
             if body.migrated_to:
                 aengine.migrated_to[sid] = body.migrated_to
-        await aengine.call(lambda e: release(e, body.sessions))
+        await ecall(lambda e: release(e, body.sessions))
         return {"sessions": body.sessions}
 
     @r.post("/v1/sessions/resume")
     async def resume_route(body: SessionsBody):
         check_ids(body.sessions)
-        await aengine.call(lambda e: e.resume(body.sessions))
+        await ecall(lambda e: e.resume(body.sessions))
         return {"sessions": body.sessions}
 
     app.include_router(r)
