@@ -769,7 +769,7 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
         try:
             async with httpx.AsyncClient(timeout=httpx.Timeout(5.0)) as c:
                 h = (await c.get(f"{target}/healthz")).json()
-        except (httpx.HTTPError, ValueError) as e:
+        except (httpx.HTTPError, httpx.InvalidURL, ValueError, TypeError, UnicodeError, OSError) as e:
             raise AgentError(400, f"target_agent {target} is unreachable: {type(e).__name__}") from None
         if not isinstance(h, dict) or h.get("status") != "ok":
             raise AgentError(400, f"target_agent {target} is not a healthy relayout agent")
