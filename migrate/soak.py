@@ -365,3 +365,121 @@ def wait_for(pred, timeout: float = 20, every: float = 0.1):
             return last
         time.sleep(every)
     return last
+
+
+# ---- the soak bench ------------------------------------------------------------------------------
+def _tree(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        if alive(p):
+            out.append(p)
+            todo += children_of(p)
+    return out
+
+
+def usage(pid: int) -> dict:
+    """RSS (MiB) and open file descriptors of a replica: its driver plus every descendant."""
+    rss, fds, procs = 0, 0, _tree(pid)
+    for p in procs:
+        try:
+            with open(f"/proc/{p}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        rss += int(line.split()[1])
+            fds += len(os.listdir(f"/proc/{p}/fd"))
+        except OSError:
+            pass
+    return {"rss_mb": round(rss / 1024, 1), "fds": fds, "processes": len(procs)}
+
+
+def _snapshot(procs: dict[str, Proc]) -> dict:
+    out = {}
+    for name, p in procs.items():
+        st = replica_state(p.url)
+        out[name] = {**usage(p.pid), "kv_blocks_used": st["kv_blocks_used"], "sessions": len(st["sessions"])}
+    return out
+
+
+def _settle(procs: dict[str, Proc], timeout: float = 60) -> None:
+    wait_for(lambda: all(not (s := replica_state(p.url))["sessions"] and s["kv_blocks_used"] == 0
+                         for p in procs.values()), timeout, 0.2)
+
+
+def run(count: int = 20, layouts: tuple[str, str] = ("attn_dp=1", "attn_tp=2"), sessions: int = 4,
+        max_tokens: int = 48, model: str = "builtin:tiny", warmup: int = 2, rss_slack_mb: float = 64.0,
+        log=print) -> dict:
+    """Migrate `sessions` running sessions back and forth between two replicas of two layouts,
+    `count` times, checking every output against an undisturbed run; then compare RSS, open file
+    descriptors, processes and KV blocks of both replicas with their baseline (taken after
+    `warmup` migrations, once allocators and caches have settled)."""
+    from migrate.live import MigrationError, migrate_live
+
+    if count < 1 or sessions < 1:
+        raise ValueError("count and sessions must be >= 1")
+    pool = ThreadPoolExecutor(2)
+    futs = {"a": pool.submit(replica, layouts[0], None, model), "b": pool.submit(replica, layouts[1], None, model)}
+    procs: dict[str, Proc] = {}
+    try:
+        for k, f in futs.items():
+            procs[k] = f.result()
+        urls = {k: p.url for k, p in procs.items()}
+        bodies = [dict(prompt=f"soak {i}: " + "lorem ipsum " * (4 + 5 * i), max_tokens=max_tokens, ignore_eos=True,
+                       **({"temperature": 0.8, "seed": i} if i % 2 else {"temperature": 0.0}))
+                  for i in range(sessions)]
+        refs = [reference(urls["a"], b) for b in bodies]
+        _settle(procs)
+        src, dst = "a", "b"
+        stats = {"migrations": 0, "failed": 0, "sessions_moved": 0, "mismatches": 0, "stall_ms": []}
+        baseline = None
+        t0 = time.time()
+        for i in range(warmup + count):
+            if i == warmup:
+                _settle(procs)
+                baseline = _snapshot(procs)
+                log(f"baseline: {json.dumps(baseline)}")
+            ss = [Stream(urls[src], b, [urls[dst]]) for b in bodies]
+            for s in ss:
+                s.started.wait(60)
+            try:
+                res = migrate_live(urls[src], urls[dst], small_bytes=0, max_rounds=2, timeout_s=60)
+                if i >= warmup:
+                    stats["migrations"] += 1
+                    stats["sessions_moved"] += len(res.sessions)
+                    stats["stall_ms"].append(res.stall_ms)
+            except MigrationError as e:
+                stats["failed"] += i >= warmup
+                log(f"migration {i}: {e}")
+            for k, s in enumerate(ss):
+                s.join(120)
+                if s.error is not None or s.tokens != refs[k]:
+                    stats["mismatches"] += i >= warmup
+            if i >= warmup:
+                log(f"migration {i - warmup + 1}/{count} {src}->{dst}: moved {stats['sessions_moved']} sessions so far")
+            src, dst = dst, src
+        _settle(procs)
+        time.sleep(0.5)
+        final = _snapshot(procs)
+        leaks = []
+        for k in procs:
+            b, f = baseline[k], final[k]
+            if f["kv_blocks_used"] != 0 or f["sessions"]:
+                leaks.append(f"{k}: {f['kv_blocks_used']} KV blocks / {f['sessions']} sessions left")
+            if f["fds"] > b["fds"] + 2:
+                leaks.append(f"{k}: file descriptors {b['fds']} -> {f['fds']}")
+            if f["processes"] != b["processes"]:
+                leaks.append(f"{k}: processes {b['processes']} -> {f['processes']}")
+            if f["rss_mb"] > b["rss_mb"] + rss_slack_mb:
+                leaks.append(f"{k}: RSS {b['rss_mb']} -> {f['rss_mb']} MiB")
+        st = sorted(stats.pop("stall_ms")) or [0.0]
+        return {"count": count, "layouts": list(layouts), "sessions": sessions, **stats,
+                "stall_ms_p50": round(st[len(st) // 2], 2), "stall_ms_max": round(st[-1], 2),
+                "seconds": round(time.time() - t0, 1), "baseline": baseline, "final": final,
+                "leaks": leaks, "ok": not leaks and not stats["failed"] and not stats["mismatches"]}
+    finally:
+        for f in futs.values():
+            try:
+                f.result().stop()
+            except Exception:  # noqa: BLE001
+                pass
+        pool.shutdown()
