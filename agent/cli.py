@@ -91,7 +91,7 @@ def model_create(
 def bench_engine(
     model: str = typer.Option("builtin:bench", "--model", "-m"),
     new_tokens: int = typer.Option(32, "--new-tokens", help="tokens generated per sequence"),
-    prompt_len: int = typer.Option(32, "--prompt-len"),
+    prompt_len: str = typer.Option("32,512", "--prompt-len", help="prompt lengths to measure, comma-separated"),
     threads: int = typer.Option(None, "--threads", help="torch CPU threads for both sides (default: torch's)"),
     reps: int = typer.Option(2, "--reps", help="best of this many runs per figure"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object on the last line"),
@@ -100,7 +100,8 @@ def bench_engine(
     from engine import bench_engine as be
 
     try:
-        res = be.run(model, new_tokens=new_tokens, prompt_len=prompt_len, threads=threads, reps=max(1, reps),
+        lens = [int(x) for x in prompt_len.split(",") if x.strip()]
+        res = be.run(model, new_tokens=new_tokens, prompt_len=lens, threads=threads, reps=max(1, reps),
                      log=err.print)
     except be.MissingDependency as e:
         _fail(str(e))
@@ -228,7 +229,7 @@ def _token(token_file: Path | None) -> str | None:
 @app.command()
 def agent(
     host: str = typer.Option("127.0.0.1", "--host"),
-    port: int = typer.Option(8100, "--port", help="0 picks a free port (the printed URL shows it)"),
+    port: int = typer.Option(7070, "--port", help="0 picks a free port (the printed URL shows it)"),
     data_dir: Path = typer.Option(Path.home() / ".relayout", "--data-dir", help="registry, logs, checkpoint store"),
     token_file: Path = typer.Option(None, "--token-file", help="bearer token file (else RELAYOUT_TOKEN)"),
 ) -> None:
@@ -284,7 +285,7 @@ def _run_operation(agent_url: str, path: str, body: dict, token_file: Path | Non
 @app.command()
 def checkpoint(
     replica: str = typer.Argument(..., help="replica id on the agent"),
-    agent_url: str = typer.Option("http://127.0.0.1:8100", "--agent"),
+    agent_url: str = typer.Option("http://127.0.0.1:7070", "--agent"),
     destination: str = typer.Option(None, "--destination", help="file:///abs/path or s3://bucket/prefix"),
     stop: bool = typer.Option(False, "--stop", help="end the sessions on the source once committed"),
     token_file: Path = typer.Option(None, "--token-file"),
@@ -302,7 +303,7 @@ def restore(
     replica: str = typer.Option(None, "--replica", help="existing replica id"),
     model: str = typer.Option(None, "--model", help="launch a new replica of this model"),
     layout: str = typer.Option(None, "--layout", help="layout of the new replica"),
-    agent_url: str = typer.Option("http://127.0.0.1:8100", "--agent"),
+    agent_url: str = typer.Option("http://127.0.0.1:7070", "--agent"),
     token_file: Path = typer.Option(None, "--token-file"),
 ) -> None:
     """Restore a checkpoint's sessions into a replica (an existing one, or a new one)."""
@@ -315,7 +316,7 @@ def restore(
 @app.command()
 def migrate(
     replica: str = typer.Argument(..., help="replica id on the agent"),
-    agent_url: str = typer.Option("http://127.0.0.1:8100", "--agent", help="the source replica's agent"),
+    agent_url: str = typer.Option("http://127.0.0.1:7070", "--agent", help="the source replica's agent"),
     target_agent: str = typer.Option(None, "--target-agent", help="default: the same agent"),
     layout: str = typer.Option(None, "--layout", help="launch a new replica with this layout on the target"),
     target_replica: str = typer.Option(None, "--target-replica", help="an existing replica id on the target"),
@@ -372,7 +373,7 @@ def _drain_target(agent_url: str, headers: dict) -> str:
 
 @app.command()
 def drain(
-    agent_url: str = typer.Option("http://127.0.0.1:8100", "--agent", help="the agent (node) to drain"),
+    agent_url: str = typer.Option("http://127.0.0.1:7070", "--agent", help="the agent (node) to drain"),
     target_agent: str = typer.Option(None, "--target-agent",
                                      help="agent to move the sessions to (default: RELAYOUT_DRAIN_TARGET or "
                                           "another agent of RELAYOUT_AGENTS)"),
