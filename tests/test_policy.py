@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -290,33 +291,29 @@ def _stream(url: str, prompt: str, max_tokens: int, out: dict, key: int, started
         started.set()
 
 
-def _nice(pid: int, value: int) -> None:
-    """CPU priority of a replica process group (its own session: its own autogroup on Linux)."""
+def _signal_group(pid: int, sig: int) -> None:
     try:
-        with open(f"/proc/{pid}/autogroup", "w") as f:
-            f.write(str(value))
+        os.killpg(os.getpgid(pid), sig)
     except OSError:
-        try:
-            os.setpriority(os.PRIO_PGRP, os.getpgid(pid), value)
-        except OSError:
-            pass
+        pass
 
 
 class YieldingLauncher(SubprocessLauncher):
-    """On 2 shared CPU cores a replica launched next to a decoding one takes ~30 s; on real hardware
-    the new replica starts on other devices and costs the old one nothing. So while a new replica
-    starts, the replicas already running drop to the lowest CPU priority (they keep decoding, slowly),
-    and get it back before the controller migrates."""
+    """On real hardware a new replica starts on other devices and costs the running one nothing;
+    on 2 shared CPU cores its launch would compete with the decoding replica for seconds, and
+    on a quiet machine the streams could finish before the move. So the replicas already
+    running are held (SIGSTOP: streams just wait) while the new one starts, and let go
+    (SIGCONT) before the controller migrates: the streams are mid-generation either way."""
 
     def __call__(self, model: str, layout: Layout) -> str:
         olds = [p.pid for p in self.procs.values()]
         for pid in olds:
-            _nice(pid, 19)
+            _signal_group(pid, signal.SIGSTOP)
         try:
             return super().__call__(model, layout)
         finally:
             for pid in olds:
-                _nice(pid, 0)
+                _signal_group(pid, signal.SIGCONT)
 
 
 def _launch_gateway(replica_url: str, log_dir) -> tuple[subprocess.Popen, str]:
