@@ -201,7 +201,7 @@ class Agent:
         for op in self.reg.operations.values():
             if op.get("state") in ("pending", "running"):
                 op.update(state="failed", error="agent restarted", finished_at=time.time())
-        for rid, r in self.reg.replicas.items():
+        for r in self.reg.replicas.values():
             if r.get("status") == "running" and not (_pid_alive(r.get("pid")) and self._answers(r.get("url"))):
                 r.update(status="dead", exit_code=None)
         self.reg.save()
@@ -486,7 +486,7 @@ async def drain_node(ag: Agent, op: dict, target: str) -> dict:
     try:
         op["phase"] = "launching target replicas"
         launched = await asyncio.gather(*(launch_target(rid) for rid in rids), return_exceptions=True)
-        for rid, out in zip(rids, launched):
+        for rid, out in zip(rids, launched, strict=True):
             if isinstance(out, BaseException):
                 msg = out.message if isinstance(out, AgentError) else f"{type(out).__name__}: {out}"
                 entries[rid].update(state="failed", error=msg)

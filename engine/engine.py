@@ -7,7 +7,6 @@ import secrets
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -166,7 +165,7 @@ class LLMEngine:
         if not any(plan):
             return []
         batches: list[StepBatch] = []
-        for g, seqs in enumerate(plan):
+        for seqs in plan:
             b = StepBatch()
             for x in seqs:
                 s = x.session

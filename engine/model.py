@@ -189,7 +189,7 @@ class MoEModel(torch.nn.Module):
         """Load only this rank's shard: its attention heads and its expert slots."""
         from engine.weights import load_weight_slice, load_weights
 
-        cfg, ps = self.cfg, self.ps
+        cfg = self.cfg
         qwen = cfg.is_qwen3
         mlp = "mlp" if qwen else "block_sparse_moe"
         gate_n, up_n, down_n = ("gate_proj", "up_proj", "down_proj") if qwen else ("w1", "w3", "w2")

@@ -229,6 +229,8 @@ class ExportBody(BaseModel):
     sessions: list[str] | None = Field(None, max_length=4096)
     pause: bool = False  # final round: hold the sessions at this step boundary first
     codec: str = Field("none", pattern="^(none|zstd|zstd-planes)$")
+    # pre-copy rounds: at most this many tokens per session (bounds the engine thread's copy)
+    max_tokens: int | None = Field(None, ge=16, le=1 << 24)
 
 
 class SessionsBody(BaseModel):
@@ -503,7 +505,8 @@ def install_session_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
                     # one that finished since the last round has nothing left to move
                     paused = [sid for sid in body.sessions if not e.sessions[sid].is_finished]
                 e.pause(paused)
-            snaps = take_snapshot(e, paused if body.pause else body.sessions, sent)
+            snaps = take_snapshot(e, paused if body.pause else body.sessions, sent,
+                                  None if body.pause else body.max_tokens)
             return paused, snaps, model_ref(e), e.layout.to_dict(), geometry(e)
 
         try:

@@ -53,17 +53,19 @@ def _live(engine: LLMEngine, session_ids: list[str] | None) -> list[SessionState
     return out
 
 
-def take_snapshot(engine: LLMEngine, session_ids: list[str] | None = None, tok_from: dict[str, int] | None = None
-                  ) -> list[SessionSnapshot]:
+def take_snapshot(engine: LLMEngine, session_ids: list[str] | None = None, tok_from: dict[str, int] | None = None,
+                  tok_cap: int | None = None) -> list[SessionSnapshot]:
     """Consistent cut of sessions at this step boundary (call between two steps).
 
     `tok_from` skips KV a receiver already has (pre-copy rounds): only tokens from that
-    index on are copied."""
+    index on are copied. `tok_cap` copies at most that many tokens per session, so a
+    pre-copy round holds the engine thread (and every other session's decoding) only for
+    a bounded copy; later rounds send the rest."""
     snaps = []
     for s in _live(engine, session_ids):
-        n = s.num_computed
-        snap = SessionSnapshot(copy.deepcopy(s), n)
         lo = (tok_from or {}).get(s.session_id, 0)
+        n = s.num_computed if tok_cap is None else min(s.num_computed, lo + tok_cap)
+        snap = SessionSnapshot(copy.deepcopy(s), n)
         table = engine.scheduler.tables.get(s.session_id)
         if n > lo and table is not None:
             snap.kv = engine.executor.export_kv(s.dp_group, table.blocks[: blocks_needed(n)], lo, n)

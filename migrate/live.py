@@ -71,9 +71,12 @@ def _check(r: httpx.Response, what: str) -> dict:
 
 
 def _round(client: httpx.Client, src: str, dst: str, transfer: str, sessions: list[str] | None, final: bool,
-           codec: str, token: str | None, source_for_target: str | None = None) -> tuple[dict, int]:
+           codec: str, token: str | None, source_for_target: str | None = None,
+           slice_tokens: int | None = None) -> tuple[dict, int]:
     """Stream one round source → target without holding it in memory; returns (target reply, bytes)."""
     body = {"transfer": transfer, "sessions": sessions, "pause": final, "codec": codec}
+    if slice_tokens and not final:
+        body["max_tokens"] = slice_tokens
     moved = 0
 
     with client.stream("POST", f"{src}/v1/sessions/export", json=body, headers=_headers(token)) as resp:
@@ -95,10 +98,14 @@ def _round(client: httpx.Client, src: str, dst: str, transfer: str, sessions: li
 
 
 def migrate_live(source_url: str, target_url: str, sessions: list[str] | None = None, *, token: str | None = None,
-                 mode: str = "live", max_rounds: int = 4, small_bytes: int = 1 << 20, codec: str = "none",
+                 mode: str = "live", max_rounds: int = 64, small_bytes: int = 1 << 20, codec: str = "none",
+                 precopy_slice_tokens: int | None = 1024,
                  progress: Progress | None = None, timeout_s: float = 300.0, on_phase: OnPhase | None = None,
                  source_for_target: str | None = None) -> MigrationResult:
     """Move `sessions` (default: all) from the source replica to the target replica.
+
+    Pre-copy rounds send at most `precopy_slice_tokens` tokens per session each, until a round
+    is at most `small_bytes` (caught up) or `max_rounds` ran; then the stop-and-copy round.
     `source_for_target`: the source's URL as the target can reach it (default `source_url`)."""
     if mode not in ("live", "cold"):
         raise ValueError("mode must be 'live' or 'cold'")
@@ -123,7 +130,8 @@ def migrate_live(source_url: str, target_url: str, sessions: list[str] | None = 
                 for i in range(max_rounds):
                     at(f"pre-copy:{i}")
                     t0 = time.perf_counter()
-                    reply, n = _round(client, src, dst, t, ids, False, codec, token, back)
+                    # bounded slices per round: the source's decoding never waits on a long copy
+                    reply, n = _round(client, src, dst, t, ids, False, codec, token, back, precopy_slice_tokens)
                     res.rounds.append(PreCopyRound(i, n, time.perf_counter() - t0, False))
                     res.bytes_total += n
                     if progress:

@@ -36,7 +36,7 @@ def hf_models(tmp_path_factory):
 def _scale(model):
     # HF's init (std 0.02) makes near-uniform logits; larger weights give decisive, varied tokens
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() >= 2:
                 p.normal_(0, 0.15)
 

@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
 
 TOKEN = "agent-test-token"
 H = {"Authorization": f"Bearer {TOKEN}"}

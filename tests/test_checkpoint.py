@@ -35,7 +35,7 @@ def undisturbed(engines):
 
 
 def start(engine: LLMEngine, steps: int, tag: str) -> list[str]:
-    ids = [engine.add_session(p, q, session_id=f"{tag}-{i}").session_id for i, (p, q) in enumerate(zip(PROMPTS, PARAMS))]
+    ids = [engine.add_session(p, q, session_id=f"{tag}-{i}").session_id for i, (p, q) in enumerate(zip(PROMPTS, PARAMS, strict=True))]
     for _ in range(steps):
         engine.step()
     return ids

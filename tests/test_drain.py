@@ -11,7 +11,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from tests.test_agent import H, TOKEN, _start_agent, _stop, _wait_op
+from tests.test_agent import TOKEN, H, _start_agent, _stop, _wait_op
 from tests.test_migration import launch
 
 # long enough to outlive the targets' launch on a loaded 2-core machine (tiny decodes ~100 steps/s)
@@ -112,7 +112,7 @@ def test_drain_moves_every_stream_to_the_other_agent(two_agents):
 
     # the same layouts were launched on B
     b_reps = {x["id"]: x for x in httpx.get(f"{b}/v1/replicas", headers=H).json()["replicas"]}
-    for src, moved in zip(reps, res["replicas"]):
+    for src, moved in zip(reps, res["replicas"], strict=True):
         assert b_reps[moved["target_replica"]]["layout"] == src["layout"]
 
     moved_ids = {s for x in res["replicas"] for s in x["sessions_moved"]}

@@ -97,7 +97,7 @@ def hosts():
         r = _ip("link", "add", veth[0], "type", "veth", "peer", "name", veth[1], check=False)
         if r.returncode != 0:
             pytest.skip(f"cannot create a veth pair: {r.stderr.strip()}")
-        for n, v, addr in zip(ns, veth, (ADDR_A, ADDR_B)):
+        for n, v, addr in zip(ns, veth, (ADDR_A, ADDR_B), strict=True):
             _ip("link", "set", v, "netns", n)
             _ip("-n", n, "addr", "add", f"{addr}/30", "dev", v)
             _ip("-n", n, "link", "set", v, "up")
