@@ -21,6 +21,7 @@ from pathlib import Path
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.requests import ClientDisconnect
 
 from engine.async_engine import AsyncEngine
 from engine.engine import LLMEngine
@@ -231,6 +232,8 @@ class ExportBody(BaseModel):
     codec: str = Field("none", pattern="^(none|zstd|zstd-planes)$")
     # pre-copy rounds: at most this many tokens per session (bounds the engine thread's copy)
     max_tokens: int | None = Field(None, ge=16, le=1 << 24)
+    # retry of an interrupted round: chunks the target acknowledged (holds); only the rest are sent
+    have: list[str] | None = Field(None, max_length=1 << 20)
 
 
 class SessionsBody(BaseModel):
@@ -492,6 +495,12 @@ def install_session_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
         o.last = time.monotonic()
         t = o.t
         sent = dict(t.sent_upto)
+        if body.have is not None:
+            # the previous round was cut: what it sent may not have arrived; resend all but the
+            # chunks of committed rounds and those the target says it holds
+            t.sent_hashes.clear()
+            t.sent_hashes.update(e.chunk.hash for e in t.entries)
+            t.sent_hashes.update(h for h in body.have if isinstance(h, str) and len(h) == 32)
 
         def cut(e: LLMEngine):
             paused: list[str] = []
@@ -575,8 +584,17 @@ def install_session_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
                     recv.feed(piece)
             manifest = recv.close()
             res = await ecall(lambda e: receive_round(e, i.t, manifest, final))
+        except ClientDisconnect:
+            if final:
+                await asyncio.shield(drop_incoming(transfer, "aborted"))
+                raise
+            # the link was cut mid pre-copy round: keep what arrived (chunks verified on receipt)
+            # and the reservations, so the migrator can resume from the acknowledged chunks; the
+            # transfer's lease frees everything if it never comes back
+            i.last = time.monotonic()
+            raise
         except BaseException:
-            # a cut, garbled or refused round: nothing stays reserved for it
+            # a garbled or refused round: nothing stays reserved for it
             await asyncio.shield(drop_incoming(transfer, "aborted"))
             raise
         i.last = time.monotonic()
@@ -607,7 +625,9 @@ def install_session_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
         return {"transfer": transfer,
                 "outgoing": ("paused" if o.paused else "active") if o else out_done.get(transfer),
                 "incoming": ("placed" if i.final else "receiving") if i else in_done.get(transfer),
-                "placed": list(i.t.placed) if i else []}
+                "placed": list(i.t.placed) if i else [],
+                # chunks held (verified), so an interrupted round resumes after them
+                "chunks": sorted(i.t.store.chunk_hashes()) if i else []}
 
     @r.delete("/v1/sessions/transfers/{transfer}")
     async def abort_transfer(transfer: str):

@@ -49,6 +49,7 @@ class MigrationResult:
     rounds: list[PreCopyRound] = field(default_factory=list)
     bytes_total: int = 0
     stall_ms: float = 0.0  # the sessions' pause: from the source's hold to the target's resume
+    retries: int = 0  # pre-copy rounds resumed after a network error
     phase: str = "done"
 
 
@@ -72,11 +73,13 @@ def _check(r: httpx.Response, what: str) -> dict:
 
 def _round(client: httpx.Client, src: str, dst: str, transfer: str, sessions: list[str] | None, final: bool,
            codec: str, token: str | None, source_for_target: str | None = None,
-           slice_tokens: int | None = None) -> tuple[dict, int]:
+           slice_tokens: int | None = None, have: list[str] | None = None) -> tuple[dict, int]:
     """Stream one round source → target without holding it in memory; returns (target reply, bytes)."""
-    body = {"transfer": transfer, "sessions": sessions, "pause": final, "codec": codec}
+    body: dict = {"transfer": transfer, "sessions": sessions, "pause": final, "codec": codec}
     if slice_tokens and not final:
         body["max_tokens"] = slice_tokens
+    if have is not None:
+        body["have"] = have  # a retried round: chunks the target already holds are not resent
     moved = 0
 
     with client.stream("POST", f"{src}/v1/sessions/export", json=body, headers=_headers(token)) as resp:
@@ -97,15 +100,37 @@ def _round(client: httpx.Client, src: str, dst: str, transfer: str, sessions: li
     return _check(reply, "target import"), moved
 
 
+def _precopy_round(client: httpx.Client, src: str, dst: str, t: str, ids: list[str], codec: str,
+                   token: str | None, back: str, slice_tokens: int | None, retries: int,
+                   res: MigrationResult) -> tuple[dict, int]:
+    have: list[str] | None = None
+    for attempt in range(retries + 1):
+        try:
+            return _round(client, src, dst, t, ids, False, codec, token, back, slice_tokens, have)
+        except httpx.TransportError:
+            if attempt == retries:
+                raise
+            time.sleep(0.2 * (attempt + 1))
+            # what the target kept of the cut round (hash-verified chunks): resume after them
+            st = _check(client.get(f"{dst}/v1/sessions/transfers/{t}", headers=_headers(token)), "target state")
+            if st.get("incoming") != "receiving":
+                raise
+            have = list(st.get("chunks") or [])
+            res.retries += 1
+    raise AssertionError("unreachable")
+
+
 def migrate_live(source_url: str, target_url: str, sessions: list[str] | None = None, *, token: str | None = None,
                  mode: str = "live", max_rounds: int = 64, small_bytes: int = 1 << 20, codec: str = "none",
-                 precopy_slice_tokens: int | None = 1024,
+                 precopy_slice_tokens: int | None = 1024, retries: int = 3,
                  progress: Progress | None = None, timeout_s: float = 300.0, on_phase: OnPhase | None = None,
                  source_for_target: str | None = None) -> MigrationResult:
     """Move `sessions` (default: all) from the source replica to the target replica.
 
     Pre-copy rounds send at most `precopy_slice_tokens` tokens per session each, until a round
     is at most `small_bytes` (caught up) or `max_rounds` ran; then the stop-and-copy round.
+    A pre-copy round cut by a network error is retried (`retries` times) from the chunks the
+    target acknowledges holding; the final round is not retried (the sessions are paused).
     `source_for_target`: the source's URL as the target can reach it (default `source_url`)."""
     if mode not in ("live", "cold"):
         raise ValueError("mode must be 'live' or 'cold'")
@@ -131,7 +156,8 @@ def migrate_live(source_url: str, target_url: str, sessions: list[str] | None = 
                     at(f"pre-copy:{i}")
                     t0 = time.perf_counter()
                     # bounded slices per round: the source's decoding never waits on a long copy
-                    reply, n = _round(client, src, dst, t, ids, False, codec, token, back, precopy_slice_tokens)
+                    reply, n = _precopy_round(client, src, dst, t, ids, codec, token, back, precopy_slice_tokens,
+                                              retries, res)
                     res.rounds.append(PreCopyRound(i, n, time.perf_counter() - t0, False))
                     res.bytes_total += n
                     if progress:

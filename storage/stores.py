@@ -82,6 +82,10 @@ class MemoryStore(Store):
         with self._lock:
             self._manifests.pop(checkpoint_id, None)
 
+    def chunk_hashes(self) -> list[str]:
+        with self._lock:
+            return list(self._chunks)
+
     @property
     def chunk_count(self) -> int:
         with self._lock:
