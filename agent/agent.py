@@ -306,13 +306,7 @@ class Agent:
         p = self.procs.pop(rid, None)
         pid = r.get("pid")
         if p is not None:
-            if p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(timeout)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
+            _stop_child(p, timeout)
             r["exit_code"] = p.returncode
         elif _pid_alive(pid):
             try:

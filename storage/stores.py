@@ -39,8 +39,11 @@ class MemoryStore(Store):
             return check_hash(h) in self._chunks
 
     def _put_chunk_new(self, h: str, data: bytes) -> None:
+        # a chunk buffer handed to a store is the store's from then on (writers build a fresh
+        # one per chunk), so bytes and bytearrays are kept as they are: no copy of the KV
+        kept = data if isinstance(data, (bytes, bytearray)) else bytes(data)
         with self._lock:
-            self._chunks.setdefault(h, (bytes(data), time.time()))
+            self._chunks.setdefault(h, (kept, time.time()))
 
     def _touch_chunk(self, h: str) -> None:
         with self._lock:

@@ -4,41 +4,23 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import threading
-import time
 
 import httpx
 import pytest
 from openai import OpenAI
 
+from migrate import soak
 from migrate.live import MigrationError, migrate_live
-
-URL_RE = re.compile(r"(http://[\d.]+:\d+)")
 
 
 def launch(*args: str) -> tuple[subprocess.Popen, str]:
-    p = subprocess.Popen([sys.executable, "-m", "agent.cli", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    t0 = time.time()
-    while time.time() - t0 < 120:
-        line = p.stdout.readline()
-        if not line and p.poll() is not None:
-            raise RuntimeError(f"{args} exited with {p.returncode}")
-        m = URL_RE.search(line)
-        if m and ("serving" in line or "gateway" in line):
-            threading.Thread(target=p.stdout.read, daemon=True).start()  # keep the pipe drained
-            return p, m.group(1)
-    raise RuntimeError(f"{args} did not start")
+    proc = soak.launch(*args)
+    return proc.p, proc.url
 
 
 def stop(p: subprocess.Popen) -> None:
-    if p.poll() is None:
-        p.send_signal(signal.SIGTERM)
-        try:
-            p.wait(10)
-        except subprocess.TimeoutExpired:
-            p.kill()
+    soak.Proc(p, "").stop()
 
 
 REQUESTS = [
