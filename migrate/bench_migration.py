@@ -36,7 +36,7 @@ DEFAULT_MODEL = "builtin:bench"
 QUICK_MODEL = "builtin:tiny"
 DEFAULT_CONTEXTS = (1024, 4096, 16384)
 QUICK_CONTEXTS = (256, 1024)
-MAX_ROUNDS = 4  # migrate_live's defaults, passed explicitly: the bench predicts its last pre-copy round
+MAX_ROUNDS = 64  # migrate_live's default, passed explicitly: the bench predicts its last pre-copy round
 SMALL_BYTES = 1 << 20
 MAX_TOKENS = 1024  # "large": sessions are stopped by the bench, never by max_tokens
 
