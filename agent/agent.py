@@ -456,6 +456,8 @@ async def drain_node(ag: Agent, op: dict, target: str) -> dict:
                     mr = await asyncio.to_thread(migrate_live, src, e["target_url"], group, token=ag.token,
                                                  mode="live", progress=progress)
                 except MigrationError as err:
+                    if err.committed_sessions:  # failed after the commit: they live on the target now
+                        e["sessions_moved"] += [s for s in err.committed_sessions if s not in e["sessions_moved"]]
                     # often a session finished between the pre-copy and the cutover: the next pass lists again
                     for sid in group:
                         last_err[sid] = str(err)

@@ -29,9 +29,11 @@ import httpx
 
 
 class MigrationError(RuntimeError):
-    def __init__(self, phase: str, message: str):
+    def __init__(self, phase: str, message: str, committed_sessions: list[str] | None = None):
         super().__init__(f"migration failed during {phase}: {message}")
         self.phase = phase
+        # set when the failure came after the commit: these sessions belong to the target now
+        self.committed_sessions = committed_sessions or []
 
 
 @dataclass
@@ -120,6 +122,18 @@ def _precopy_round(client: httpx.Client, src: str, dst: str, t: str, ids: list[s
     raise AssertionError("unreachable")
 
 
+def _commit_target(client: httpx.Client, dst: str, t: str, token: str | None, tries: int = 3) -> None:
+    """Tell the target to resume; idempotent on its side, so a lost answer is simply asked again."""
+    for attempt in range(tries):
+        try:
+            _check(client.post(f"{dst}/v1/sessions/transfers/{t}/commit", headers=_headers(token)), "target commit")
+            return
+        except (httpx.TransportError, RuntimeError):
+            if attempt == tries - 1:
+                raise
+            time.sleep(0.2 * (attempt + 1))
+
+
 def migrate_live(source_url: str, target_url: str, sessions: list[str] | None = None, *, token: str | None = None,
                  mode: str = "live", max_rounds: int = 64, small_bytes: int = 1 << 20, codec: str = "none",
                  precopy_slice_tokens: int | None = 1024, retries: int = 3,
@@ -184,7 +198,7 @@ def migrate_live(source_url: str, target_url: str, sessions: list[str] | None = 
                                headers=_headers(token)), "source release")
             committed = True
             at("committed")
-            _check(client.post(f"{dst}/v1/sessions/transfers/{t}/commit", headers=_headers(token)), "target commit")
+            _commit_target(client, dst, t, token)
             res.stall_ms = (time.perf_counter() - t_hold) * 1000
             try:  # tidy-up only: the source already forgot the transfer when it released it
                 client.request("DELETE", f"{src}/v1/sessions/transfers/{t}", headers=_headers(token), timeout=5)
@@ -197,7 +211,9 @@ def migrate_live(source_url: str, target_url: str, sessions: list[str] | None = 
         except Exception as e:
             if committed:
                 # the target owns the sessions; it holds them paused until told to resume
-                raise MigrationError(phase, f"{e} (sessions committed to the target; resume them there)") from e
+                raise MigrationError(phase, f"{e} (sessions committed to the target; it resumes them by itself "
+                                            "once its transfer lease sees the source's release)",
+                                     committed_sessions=res.sessions) from e
             _abort(client, src, dst, t, paused, token)
             raise MigrationError(phase, f"{e}; the sessions continue on the source") from e
 
