@@ -19,6 +19,7 @@ from typing import TypeVar
 
 from engine.engine import LLMEngine
 from engine.session import SamplingParams, SessionState, SessionStatus
+from engine.workers import RankFailure
 
 T = TypeVar("T")
 
@@ -179,12 +180,15 @@ class AsyncEngine:
                     aborts, self._aborts = self._aborts, []
                     stopping = self._stopping
                 outcomes = []
+                rank_failure: BaseException | None = None
                 for fn, fut in calls:
                     if fut.set_running_or_notify_cancel():
                         try:
                             outcomes.append((fut, fn(eng), None))
                         except BaseException as e:  # noqa: BLE001 - handed to the caller
                             outcomes.append((fut, None, e))
+                            if isinstance(e, RankFailure):
+                                rank_failure = e  # the replica is down, whoever noticed it
                 for sid in aborts:
                     try:
                         eng.abort(sid)
@@ -198,6 +202,8 @@ class AsyncEngine:
                         fut.set_result(res)
                     else:
                         fut.set_exception(exc)
+                if rank_failure is not None:
+                    self._fail(rank_failure)
                 if stopping:
                     return
                 if self.error is not None or not eng.has_work():

@@ -24,6 +24,8 @@ from engine.engine import RequestError
 from engine.session import SamplingParams
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
+MAX_COMPLETION_BODY = 8 << 20  # a 32k-token prompt as token ids is well under 1 MiB
+
 _LIVE = {"waiting": "running", "running": "running", "paused": "running"}  # SPEC §3 names
 
 
@@ -206,6 +208,14 @@ def create_app(aengine: AsyncEngine, model_name: str) -> FastAPI:
             await aengine.stop()
 
     app = FastAPI(title="relayout replica", lifespan=lifespan)
+
+    @app.middleware("http")
+    async def _body_limit(request: Request, call_next):
+        # a completion body is a prompt and a few fields: refuse megabytes before parsing them
+        cl = request.headers.get("content-length")
+        if request.url.path == "/v1/completions" and cl and cl.isdigit() and int(cl) > MAX_COMPLETION_BODY:
+            return error_response(413, f"request body over {MAX_COMPLETION_BODY} bytes", "invalid_request_error")
+        return await call_next(request)
     from engine.session_routes import install_session_routes
 
     install_session_routes(app, aengine)

@@ -203,6 +203,13 @@ def test_malformed_json_and_unknown_session(server):
         assert r.status_code == 404 and "nope" in r.json()["error"]["message"]
 
 
+def test_oversized_body_is_413(server):
+    r = httpx.post(server + "/v1/completions", content=b'{"prompt": "' + b"x" * (9 << 20) + b'"}',
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "bytes" in r.json()["error"]["message"]
+    assert httpx.get(server + "/health").status_code == 200  # and the replica keeps serving
+
+
 def test_disconnect_frees_blocks_and_metrics(server):
     with httpx.stream("POST", server + "/v1/completions",
                       json=greedy(prompt="long one", max_tokens=1500, stream=True, ignore_eos=True)) as resp:
