@@ -438,8 +438,10 @@ async def drain_node(ag: Agent, op: dict, target: str) -> dict:
         failed: dict[str, str] = {}  # sessions given up on (a move of them alone failed), with the reason
         last_err: dict[str, str] = {}
         strikes = 0
+        seen: set[str] = set()
         for _ in range(DRAIN_PASSES):
             ids = [s for s in await sessions_of(src) if s not in failed]
+            seen.update(ids)
             if not ids:
                 break
             # all at once; after two failed tries one by one, so one bad session cannot hold back the rest
@@ -474,10 +476,20 @@ async def drain_node(ag: Agent, op: dict, target: str) -> dict:
                         if await session_state(src, sid) == "finished":
                             e["sessions_finished_here"].append(sid)
         left = [s for s in await sessions_of(src)]
+        # the source's own word settles any session the migration results did not name (e.g. a
+        # move whose answer was lost after its commit): released to the target, or finished here
+        for sid in sorted(seen - set(left) - set(e["sessions_moved"]) - set(e["sessions_finished_here"])):
+            state = await session_state(src, sid)
+            if state == "migrated":
+                e["sessions_moved"].append(sid)
+            elif state == "finished":
+                e["sessions_finished_here"].append(sid)
+            else:
+                e["sessions_not_moved"].append({"id": sid, "error": f"not on the source any more (state {state})"})
         for sid in left:
             why = failed.get(sid) or last_err.get(sid) or f"still on the source after {DRAIN_PASSES} passes"
             e["sessions_not_moved"].append({"id": sid, "error": why})
-        e["state"] = "failed" if left else "drained"
+        e["state"] = "failed" if left or e["sessions_not_moved"] else "drained"
 
     try:
         op["phase"] = "launching target replicas"
