@@ -16,7 +16,7 @@ from engine.kv_cache import BLOCK_SIZE, BlockAllocator, blocks_needed
 from engine.layout import Layout
 from engine.runner import StepBatch, kv_block_bytes
 from engine.sampling import new_rng_state, sample
-from engine.scheduler import Scheduler, slot_of
+from engine.scheduler import Scheduler
 from engine.session import SamplingParams, SessionState, SessionStatus
 
 DEFAULT_KV_BYTES = int(os.environ.get("RELAYOUT_KV_BYTES", 256 * 2**20))
@@ -170,12 +170,14 @@ class LLMEngine:
             for x in seqs:
                 s = x.session
                 table = self.scheduler.tables[s.session_id]
-                ids = s.all_token_ids
                 start = s.num_computed
+                n_prompt = len(s.prompt_token_ids)
                 for pos in range(start, start + x.num_new):
-                    b.input_ids.append(ids[pos])
+                    # index prompt and output in place: concatenating them would cost O(context)
+                    # per session on every decode step
+                    b.input_ids.append(s.prompt_token_ids[pos] if pos < n_prompt else s.output_token_ids[pos - n_prompt])
                     b.positions.append(pos)
-                    b.slot_mapping.append(slot_of(table, pos))
+                    b.slot_mapping.append(table.slot(pos))
                 b.query_lens.append(x.num_new)
                 b.context_lens.append(start + x.num_new)
                 b.block_tables.append(list(table.blocks[: blocks_needed(start + x.num_new)]))

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from engine.kv_cache import BLOCK_SIZE, BlockAllocator, KVBlockTable, blocks_needed
+from engine.kv_cache import BlockAllocator, KVBlockTable, blocks_needed
 from engine.session import SessionState, SessionStatus
 
 
@@ -125,6 +125,3 @@ class Scheduler:
         self.waiting.appendleft(v)
         self.num_preemptions += 1
 
-
-def slot_of(table: KVBlockTable, pos: int) -> int:
-    return table.blocks[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE

@@ -63,7 +63,12 @@ def encode_chunk_frame(ref: ChunkRef, data: bytes) -> bytes:
 
 def encode_manifest_frame(manifest: Manifest, raw: bytes | None = None) -> bytes:
     """MANIFEST frame; pass ``raw`` (the stored manifest bytes) to forward them unchanged."""
-    return _encode(MAGIC_MANIFEST, {"checkpoint_id": manifest.checkpoint_id}, raw if raw is not None else manifest.to_bytes())
+    return encode_raw_manifest_frame(manifest.checkpoint_id, raw if raw is not None else manifest.to_bytes())
+
+
+def encode_raw_manifest_frame(checkpoint_id: str, raw: bytes) -> bytes:
+    """MANIFEST frame of manifest bytes already serialised (and validated) by their writer."""
+    return _encode(MAGIC_MANIFEST, {"checkpoint_id": checkpoint_id}, raw)
 
 
 def encode_abort_frame(reason: str) -> bytes:
