@@ -394,8 +394,10 @@ async def drain_node(ag: Agent, op: dict, target: str) -> dict:
     op["result"] = res
     rids = [rid for rid in list(ag.reg.replicas) if ag.refresh(rid).get("status") == "running"]
     entries = {rid: {"replica": rid, "state": "pending", "target_replica": None, "target_url": None,
-                     "sessions_moved": [], "sessions_finished_here": [], "sessions_not_moved": [], "error": None}
+                     "sessions_moved": [], "sessions_finished_here": [], "sessions_not_moved": [], "error": None,
+                     "bytes_done": 0, "launch_s": None, "move_s": None}
                for rid in rids}
+    live_at_start: dict[str, set[str]] = {rid: set() for rid in rids}
     res["replicas"] = list(entries.values())
     for rid, r in ag.reg.replicas.items():
         if rid not in entries and r.get("status") in ("dead", "starting"):
@@ -438,7 +440,7 @@ async def drain_node(ag: Agent, op: dict, target: str) -> dict:
         failed: dict[str, str] = {}  # sessions given up on (a move of them alone failed), with the reason
         last_err: dict[str, str] = {}
         strikes = 0
-        seen: set[str] = set()
+        seen = live_at_start[rid]  # so a session that finishes here before its turn is still accounted for
         for _ in range(DRAIN_PASSES):
             ids = [s for s in await sessions_of(src) if s not in failed]
             seen.update(ids)
@@ -446,13 +448,14 @@ async def drain_node(ag: Agent, op: dict, target: str) -> dict:
                 break
             # all at once; after two failed tries one by one, so one bad session cannot hold back the rest
             for group in ([ids] if strikes < 2 else [[s] for s in ids]):
-                base = op["bytes_done"] or 0
+                base = e["bytes_done"]
 
                 def progress(phase=None, nbytes=None, *_, _base=base, **__):
                     if phase is not None:
                         op["phase"] = f"{rid}: {phase}"
                     if nbytes is not None:
-                        op["bytes_done"] = _base + nbytes
+                        e["bytes_done"] = _base + nbytes
+                        op["bytes_done"] = sum(x["bytes_done"] for x in entries.values())
 
                 try:
                     mr = await asyncio.to_thread(migrate_live, src, e["target_url"], group, token=ag.token,
@@ -468,7 +471,8 @@ async def drain_node(ag: Agent, op: dict, target: str) -> dict:
                     else:
                         strikes += 1
                     continue
-                op["bytes_done"] = base + mr.bytes_total
+                e["bytes_done"] = base + mr.bytes_total
+                op["bytes_done"] = sum(x["bytes_done"] for x in entries.values())
                 op["stall_ms"] = max(op.get("stall_ms") or 0.0, mr.stall_ms)
                 e["sessions_moved"] += [s for s in mr.sessions if s not in e["sessions_moved"]]
                 for sid in group:
@@ -491,29 +495,39 @@ async def drain_node(ag: Agent, op: dict, target: str) -> dict:
             e["sessions_not_moved"].append({"id": sid, "error": why})
         e["state"] = "failed" if left or e["sessions_not_moved"] else "drained"
 
+    async def drain_replica(rid: str) -> None:
+        # each replica moves as soon as its own target is up: sessions keep decoding on the source
+        # meanwhile, and a later replica's sessions do not wait behind an earlier one's move
+        e = entries[rid]
+        t0 = time.monotonic()
+        try:
+            await launch_target(rid)
+            e["launch_s"] = round(time.monotonic() - t0, 2)
+            await wait_not_busy(rid)
+        except AgentError as err:
+            e.update(state="failed", error=err.message)
+            return
+        except (httpx.HTTPError, ValueError, KeyError) as err:
+            e.update(state="failed", error=f"{type(err).__name__}: {err}")
+            return
+        ag.busy[rid] = op["id"]
+        t0 = time.monotonic()
+        try:
+            await move(rid)
+        except (httpx.HTTPError, ValueError, KeyError) as err:
+            e.update(state="failed", error=f"{type(err).__name__}: {err}")
+        finally:
+            ag.busy.pop(rid, None)
+            e["move_s"] = round(time.monotonic() - t0, 2)
+
     try:
+        for rid in rids:  # what was live when the drain began: every one of these ends up named in the result
+            try:
+                live_at_start[rid] = set(await sessions_of(ag.reg.replicas[rid]["url"]))
+            except (httpx.HTTPError, ValueError):
+                pass  # move() lists again; an unreachable replica fails there with the reason
         op["phase"] = "launching target replicas"
-        launched = await asyncio.gather(*(launch_target(rid) for rid in rids), return_exceptions=True)
-        for rid, out in zip(rids, launched, strict=True):
-            if isinstance(out, BaseException):
-                msg = out.message if isinstance(out, AgentError) else f"{type(out).__name__}: {out}"
-                entries[rid].update(state="failed", error=msg)
-        for rid in rids:
-            e = entries[rid]
-            if e["state"] != "launched":
-                continue
-            try:
-                await wait_not_busy(rid)
-            except AgentError as err:
-                e.update(state="failed", error=err.message)
-                continue
-            ag.busy[rid] = op["id"]
-            try:
-                await move(rid)
-            except (httpx.HTTPError, ValueError, KeyError) as err:
-                e.update(state="failed", error=f"{type(err).__name__}: {err}")
-            finally:
-                ag.busy.pop(rid, None)
+        await asyncio.gather(*(drain_replica(rid) for rid in rids))
         # replicas that failed before moving anything: their live sessions are reported too
         for rid in rids:
             e = entries[rid]

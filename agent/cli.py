@@ -30,6 +30,14 @@ def _fail(msg: str, code: int = 2) -> None:
 
 
 # ---- serving ---------------------------------------------------------------------------------------
+def _int_list(value: str, what: str) -> list[int]:
+    try:
+        out = [int(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        _fail(f"{what} must be comma-separated integers, got {value!r}")
+    return out
+
+
 @app.command()
 def serve(
     model: str = typer.Option("builtin:tiny", "--model", "-m", help="builtin:NAME or a Hugging Face model directory"),
@@ -38,19 +46,75 @@ def serve(
     port: int = typer.Option(8000, "--port", help="0 picks a free port (the printed URL shows it)"),
     kv_cache_mb: int = typer.Option(None, "--kv-cache-mb", help="KV cache size per attention-DP group"),
     device: str = typer.Option(None, "--device", help="cuda, cuda:1, cpu (default: cuda when present)"),
+    local_ranks: str = typer.Option(None, "--local-ranks",
+                                    help="ranks to run on this host, e.g. 0,1 (default: all); the others join "
+                                         "from other hosts with `relayout rank`"),
+    rank_endpoint: str = typer.Option(None, "--rank-endpoint",
+                                      help="HOST:PORT where ranks join this driver (remote ranks' "
+                                           "MASTER_ADDR:MASTER_PORT); default 127.0.0.1 and a free port"),
 ) -> None:
     """Serve one model replica with an OpenAI-compatible API; prints its URL once listening."""
+    import os
+
     from engine.config import ModelConfigError
     from engine.layout import LayoutError
     from engine.server import serve as _serve
     from engine.weights import ModelNotFoundError
+    from engine.workers import RankFailure, RankPlacement, split_hostport
 
     if kv_cache_mb is not None and kv_cache_mb < 1:
         _fail("--kv-cache-mb must be at least 1")
+    placement = None
+    if local_ranks is not None or rank_endpoint is not None:
+        try:
+            split_hostport(rank_endpoint or "127.0.0.1:0")
+        except ValueError as e:
+            _fail(f"--rank-endpoint: {e}")
+        placement = RankPlacement(local_ranks=None if local_ranks is None else _int_list(local_ranks, "--local-ranks"),
+                                  endpoint=rank_endpoint or "127.0.0.1:0", token=os.environ.get("RELAYOUT_TOKEN"))
     try:
-        _serve(model, layout, host, port, kv_cache_mb=kv_cache_mb, device=device)
-    except (LayoutError, ModelNotFoundError, ModelConfigError) as e:
+        _serve(model, layout, host, port, kv_cache_mb=kv_cache_mb, device=device, placement=placement)
+    except (LayoutError, ModelNotFoundError, ModelConfigError, RankFailure, ValueError) as e:
         _fail(str(e))
+
+
+@app.command()
+def rank(
+    model: str = typer.Option("builtin:tiny", "--model", "-m", help="the same model as the driver's, on this host"),
+    driver: str = typer.Option(None, "--driver", help="the driver's rank endpoint HOST:PORT "
+                                                      "(default: $MASTER_ADDR:$MASTER_PORT)"),
+    threads: int = typer.Option(None, "--threads", help="CPU threads for this rank (default: torch's)"),
+) -> None:
+    """Run one rank of a replica whose driver (`relayout serve --local-ranks ...`) is on another host.
+
+    torchrun-style environment: RANK (this rank), WORLD_SIZE (checked against the driver's layout),
+    LOCAL_RANK (which GPU of this host), MASTER_ADDR/MASTER_PORT (the driver's --rank-endpoint), and
+    RELAYOUT_TOKEN when the driver has one. Exits 0 when the driver shuts the replica down."""
+    import os
+
+    from engine.weights import ModelNotFoundError, resolve_model
+    from engine.workers import RankJoinError, rank_main
+
+    env = os.environ
+    try:
+        rank_ = int(env["RANK"])
+        world = int(env["WORLD_SIZE"]) if "WORLD_SIZE" in env else None
+        local = int(env["LOCAL_RANK"]) if "LOCAL_RANK" in env else None
+    except KeyError:
+        _fail("RANK is not set (torchrun-style: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)")
+    except ValueError as e:
+        _fail(f"RANK, WORLD_SIZE and LOCAL_RANK must be integers: {e}")
+    if driver is None:
+        if not env.get("MASTER_ADDR") or not env.get("MASTER_PORT"):
+            _fail("give --driver HOST:PORT or set MASTER_ADDR and MASTER_PORT")
+        driver = f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
+    try:
+        model_dir = resolve_model(model)
+        err.print(f"relayout rank {rank_} joining {driver}")
+        code = rank_main(rank_, driver, str(model_dir), env.get("RELAYOUT_TOKEN"), threads, local, world)
+    except (RankJoinError, ModelNotFoundError, ValueError) as e:
+        _fail(str(e), code=1)
+    raise typer.Exit(code)
 
 
 @app.command()

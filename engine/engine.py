@@ -7,6 +7,7 @@ import secrets
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,6 +19,9 @@ from engine.runner import StepBatch, kv_block_bytes
 from engine.sampling import new_rng_state, sample
 from engine.scheduler import Scheduler
 from engine.session import SamplingParams, SessionState, SessionStatus
+
+if TYPE_CHECKING:
+    from engine.workers import RankPlacement
 
 DEFAULT_KV_BYTES = int(os.environ.get("RELAYOUT_KV_BYTES", 256 * 2**20))
 
@@ -43,7 +47,8 @@ def pick_device(name: str | None = None) -> torch.device:
 class LLMEngine:
     def __init__(self, model: str, layout: Layout | str | None = None, *, kv_cache_bytes: int | None = None,
                  num_blocks: int | None = None, device: str | None = None, dtype: torch.dtype = torch.float32,
-                 max_num_seqs: int = 64, max_prefill_tokens: int = 512, max_finished: int = 4096):
+                 max_num_seqs: int = 64, max_prefill_tokens: int = 512, max_finished: int = 4096,
+                 placement: RankPlacement | None = None):
         from engine.tokenizer import load_tokenizer
         from engine.weights import resolve_model
 
@@ -64,12 +69,13 @@ class LLMEngine:
         self.sessions: dict[str, SessionState] = {}
         self.max_finished = max_finished
         self.executor: Executor
-        if lay.world_size == 1:
+        if lay.world_size == 1 and (placement is None or placement.local_ranks in (None, [0])):
             self.executor = LocalExecutor(self.cfg, lay, self.model_dir, self.num_blocks, self.device, dtype)
         else:
             from engine.workers import RankExecutor
 
-            self.executor = RankExecutor(self.cfg, lay, self.model_dir, self.num_blocks, self.device, dtype)
+            self.executor = RankExecutor(self.cfg, lay, self.model_dir, self.num_blocks, self.device, dtype,
+                                         placement)
         self.num_steps = 0
         self.tokens_generated = 0
         self._fingerprint: str | None = None

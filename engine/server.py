@@ -9,7 +9,7 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -23,6 +23,9 @@ from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.engine import RequestError
 from engine.session import SamplingParams
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+if TYPE_CHECKING:
+    from engine.workers import RankPlacement
 
 MAX_COMPLETION_BODY = 8 << 20  # a 32k-token prompt as token ids is well under 1 MiB
 
@@ -437,7 +440,7 @@ def _usage(prompt: int, completion: int) -> dict:
 
 # ---- serve -------------------------------------------------------------------------------------------
 def serve(model: str = "builtin:tiny", layout: str | None = None, host: str = "127.0.0.1", port: int = 8000,
-          kv_cache_mb: int | None = None, device: str | None = None) -> None:
+          kv_cache_mb: int | None = None, device: str | None = None, placement: RankPlacement | None = None) -> None:
     """Load the model, serve it until SIGTERM/SIGINT, then shut the engine (and its ranks) down."""
     import uvicorn
 
@@ -445,7 +448,8 @@ def serve(model: str = "builtin:tiny", layout: str | None = None, host: str = "1
 
     # uvicorn re-raises the signal it caught once it has shut down; make that a clean exit 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    engine = LLMEngine(model, layout, kv_cache_bytes=kv_cache_mb * 2**20 if kv_cache_mb else None, device=device)
+    engine = LLMEngine(model, layout, kv_cache_bytes=kv_cache_mb * 2**20 if kv_cache_mb else None, device=device,
+                       placement=placement)
     aengine = AsyncEngine(engine)
     try:
         app = create_app(aengine, model)

@@ -143,6 +143,16 @@ def _fingerprint_inputs(model_dir: Path) -> list[Path]:
     return [model_dir / "config.json", *(model_dir / f for f in files)]
 
 
+def model_identity(model_dir: Path) -> dict:
+    """What two hosts compare, cheaply, to agree they load the same model: the canonical config
+    and each weight file's name and size (the full fingerprint hashes every weight byte)."""
+    model_dir = Path(model_dir).resolve()
+    inputs = _fingerprint_inputs(model_dir)
+    cfg = json.loads(inputs[0].read_text())
+    cfg.pop("transformers_version", None)
+    return {"config": cfg, "files": {p.name: p.stat().st_size for p in inputs[1:]}}
+
+
 def model_fingerprint(model_dir: Path) -> str:
     """xxh3_128 hex of the canonical config plus the bytes of every weight file.
 

@@ -1,21 +1,32 @@
-"""Rank processes of a multi-device replica.
+"""Rank processes of a multi-device replica, on one host or several.
 
-The driver (the process that schedules) starts one process per rank; ranks join a
-torch.distributed group (gloo on CPU, NCCL on CUDA) for the attention all-reduce and the
-experts' all-to-all, and take step commands from the driver over a pipe. A rank that
-dies or raises takes the whole replica down with a `RankFailure` naming it, never a hang.
-Across hosts the same `rank_main` runs under torchrun-style variables (RANK, WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT): see `relayout rank`.
+The driver (the process that schedules) owns the replica. Its ranks — one process per device —
+join a torch.distributed group (gloo on CPU, NCCL on CUDA) for the attention all-reduce and the
+experts' all-to-all, and take step commands from the driver over a `RankChannel` (TCP, parsed
+frames, no pickle). By default the driver spawns every rank on its own host. With a
+`RankPlacement` it spawns only its `local_ranks` and waits for the others to join its rank
+endpoint from other hosts, where `relayout rank` starts them under torchrun-style variables
+(RANK, WORLD_SIZE, LOCAL_RANK; MASTER_ADDR:MASTER_PORT = the driver's endpoint). The driver also
+hosts the group's rendezvous store, so one address is all a remote rank needs.
+
+A rank that dies, hangs, breaks its connection or raises takes the whole replica down with a
+`RankFailure` naming it, never a hang. A rank that presents the wrong token is turned away and
+the driver keeps waiting; one that loads a different model or expects another world size stops
+the launch with the reason.
 """
 
 from __future__ import annotations
 
+import hmac
 import multiprocessing as mp
 import os
 import socket
+import sys
+import time
 import traceback
+from dataclasses import dataclass
 from datetime import timedelta
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import wait
 from pathlib import Path
 
 import torch
@@ -24,13 +35,38 @@ import torch.distributed as dist
 from engine.config import ModelConfig
 from engine.layout import Layout
 from engine.parallel import init_groups
+from engine.rank_channel import ChannelClosed, ChannelError, Message, RankChannel
 from engine.runner import ModelRunner, StepBatch
+from engine.weights import model_identity
 
 STEP_TIMEOUT_S = float(os.environ.get("RELAYOUT_STEP_TIMEOUT_S", 300))
+JOIN_TIMEOUT_S = float(os.environ.get("RELAYOUT_RANK_JOIN_TIMEOUT_S", 600))
+HELLO_TIMEOUT_S = 15.0  # a connection that says nothing this long is not one of our ranks
 
 
 class RankFailure(RuntimeError):
     pass
+
+
+class RankJoinError(RuntimeError):
+    """Raised in a rank process the driver turned away (or could not be reached)."""
+
+
+@dataclass
+class RankPlacement:
+    """Where a replica's ranks run. The default: every rank on this host, spawned by the driver."""
+
+    local_ranks: list[int] | None = None  # None: all of them
+    endpoint: str = "127.0.0.1:0"  # where ranks join the driver (port 0: a free one)
+    token: str | None = None  # remote ranks must present it (RELAYOUT_TOKEN)
+    join_timeout_s: float = JOIN_TIMEOUT_S
+
+
+def split_hostport(addr: str) -> tuple[str, int]:
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"expected HOST:PORT, got {addr!r}")
+    return host.strip("[]"), int(port)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -39,43 +75,56 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def rank_main(rank: int, layout_d: dict, model_dir: str, num_blocks: int, device: str, dtype: str,
-              master: str, conn: Connection, threads: int) -> None:
-    try:
-        torch.set_num_threads(threads)
-        layout = Layout.from_dict(layout_d)
-        cfg = ModelConfig.from_dir(model_dir)
-        dev = torch.device(device)
-        if dev.type == "cuda":
-            dev = torch.device("cuda", rank % torch.cuda.device_count())
-            torch.cuda.set_device(dev)
-        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", init_method=f"tcp://{master}",
-                                rank=rank, world_size=layout.world_size, timeout=timedelta(seconds=STEP_TIMEOUT_S))
-        ps = init_groups(layout, rank)
-        runner = ModelRunner(cfg, ps, Path(model_dir), num_blocks, dev, getattr(torch, dtype))
-        conn.send(("ready", None))
-        first_tp = layout.attn_tp_rank(rank) == 0
-        while True:
-            op, args = conn.recv()
-            if op == "step":
-                out = runner.execute(args)
-                conn.send(("ok", out if first_tp else None))
-            elif op == "export":
-                conn.send(("ok", (runner.kv_range, runner.export_kv(*args))))
-            elif op == "import":
-                runner.import_kv(*args)
-                conn.send(("ok", None))
-            elif op == "stats":
-                conn.send(("ok", runner.moe_stats()))
-            elif op == "stop":
-                conn.send(("ok", None))
-                break
-    except Exception:
+# ---- the rank side ---------------------------------------------------------------------------------
+def _connect(driver: str, deadline: float) -> socket.socket:
+    host, port = split_hostport(driver)
+    while True:  # a remote rank may be started before its driver
         try:
-            conn.send(("error", traceback.format_exc(limit=8)))
+            return socket.create_connection((host, port), timeout=10)
+        except OSError as e:
+            if time.monotonic() > deadline:
+                raise RankJoinError(f"cannot reach the driver at {driver}: {e}") from None
+            time.sleep(0.5)
+
+
+def rank_main(rank: int, driver: str, model_dir: str, token: str | None = None, threads: int | None = None,
+              local_index: int | None = None, world_size: int | None = None) -> int:
+    """One rank: join the driver at `driver` (HOST:PORT), then run its commands until told to stop
+    or the driver goes away (0), or until a command fails (1, reported to the driver). Raises
+    RankJoinError when turned away."""
+    if threads:
+        torch.set_num_threads(threads)
+    sock = _connect(driver, time.monotonic() + JOIN_TIMEOUT_S)
+    sock.settimeout(None)
+    ch = RankChannel(sock)
+    try:
+        ch.send("hello", {"rank": rank, "token": token or "", "host": socket.gethostname(), "world_size": world_size,
+                          "model": model_identity(Path(model_dir))})
+        try:
+            msg = ch.recv(timeout=JOIN_TIMEOUT_S)
+        except (ChannelClosed, TimeoutError) as e:
+            raise RankJoinError(f"the driver at {driver} did not answer rank {rank}'s hello: {e}") from None
+        if msg.op == "refuse":
+            raise RankJoinError(f"the driver at {driver} refused rank {rank}: {(msg.meta or {}).get('reason')}")
+        if msg.op != "config" or not isinstance(msg.meta, dict):
+            raise RankJoinError(f"unexpected {msg.op!r} from the driver at {driver}")
+        try:
+            runner, first_tp = _start(rank, msg.meta, split_hostport(driver)[0], Path(model_dir), local_index)
+            ch.send("ready")
+            _serve(ch, runner, first_tp)
+            return 0
+        except ChannelClosed:
+            return 0  # the driver is gone (or shut the replica down hard): nothing left to serve
         except Exception:
-            pass
+            tb = traceback.format_exc(limit=8)
+            print(f"relayout rank {rank} failed:\n{tb}", file=sys.stderr, flush=True)
+            try:
+                ch.send("error", {"error": tb})
+            except ChannelClosed:
+                pass
+            return 1
     finally:
+        ch.close()
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
@@ -83,54 +132,192 @@ def rank_main(rank: int, layout_d: dict, model_dir: str, num_blocks: int, device
                 pass
 
 
+def _start(rank: int, conf: dict, store_host: str, model_dir: Path, local_index: int | None
+           ) -> tuple[ModelRunner, bool]:
+    layout = Layout.from_dict(conf["layout"])
+    cfg = ModelConfig.from_dir(model_dir)
+    dev = torch.device(conf["device"])
+    if dev.type == "cuda":
+        dev = torch.device("cuda", (rank if local_index is None else local_index) % torch.cuda.device_count())
+        torch.cuda.set_device(dev)
+    timeout = timedelta(seconds=STEP_TIMEOUT_S)
+    store = dist.TCPStore(store_host, int(conf["store_port"]), is_master=False, timeout=timeout)
+    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", store=store, rank=rank,
+                            world_size=layout.world_size, timeout=timeout)
+    ps = init_groups(layout, rank)
+    runner = ModelRunner(cfg, ps, model_dir, int(conf["num_blocks"]), dev, getattr(torch, conf["dtype"]))
+    return runner, layout.attn_tp_rank(rank) == 0
+
+
+def _serve(ch: RankChannel, runner: ModelRunner, first_tp: bool) -> None:
+    while True:
+        m = ch.recv()
+        a = m.meta or {}
+        if m.op == "step":
+            out = runner.execute(StepBatch(**a))
+            ch.send("ok", None, [out] if first_tp else [])  # the other TP ranks hold the same logits
+        elif m.op == "export":
+            kv = runner.export_kv(a["blocks"], a["tok_lo"], a["tok_hi"])
+            ch.send("ok", {"kv_range": list(runner.kv_range)}, [kv])
+        elif m.op == "import":
+            runner.import_kv(a["blocks"], a["tok_lo"], m.tensors[0])
+            ch.send("ok")
+        elif m.op == "stats":
+            ch.send("ok", runner.moe_stats())
+        elif m.op == "stop":
+            ch.send("ok")
+            return
+        else:
+            raise ValueError(f"unknown command {m.op!r}")
+
+
+def _spawned_rank(rank: int, driver: str, model_dir: str, token: str | None, threads: int, local_index: int) -> None:
+    try:
+        code = rank_main(rank, driver, model_dir, token, threads, local_index)
+    except RankJoinError as e:
+        raise SystemExit(f"rank {rank}: {e}") from None
+    raise SystemExit(code)
+
+
+# ---- the driver side -------------------------------------------------------------------------------
 class RankExecutor:
     def __init__(self, cfg: ModelConfig, layout: Layout, model_dir: Path, num_blocks: int, device: torch.device,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, placement: RankPlacement | None = None):
+        pl = placement or RankPlacement()
+        world = layout.world_size
         self.layout = layout
-        ctx = mp.get_context("spawn")
-        master = f"127.0.0.1:{free_port()}"
-        threads = max(1, (os.cpu_count() or 1) // layout.world_size)
-        self.conns: list[Connection] = []
-        self.procs: list[mp.process.BaseProcess] = []
-        for r in range(layout.world_size):
-            parent, child = ctx.Pipe()
-            p = ctx.Process(target=rank_main, daemon=True, name=f"relayout-rank{r}",
-                            args=(r, layout.to_dict(), str(model_dir), num_blocks, device.type,
-                                  str(dtype).removeprefix("torch."), master, child, threads))
-            p.start()
-            child.close()
-            self.conns.append(parent)
-            self.procs.append(p)
+        self.local = list(range(world)) if pl.local_ranks is None else sorted(set(pl.local_ranks))
+        if any(not 0 <= r < world for r in self.local):
+            raise ValueError(f"local ranks {self.local} are outside the layout's {world} ranks")
+        self.token = pl.token or None
+        self.chans: dict[int, RankChannel] = {}
+        self.hosts: dict[int, str] = {}
+        self.procs: dict[int, mp.process.BaseProcess] = {}
         self._closed = False
-        self._gather(list(range(layout.world_size)), timeout=600)
-
-    # ---- messaging -------------------------------------------------------
-    def _send(self, rank: int, op: str, args: object = None) -> None:
+        host, port = split_hostport(pl.endpoint)
+        self._listener = socket.create_server((host, port), backlog=64)
+        self.endpoint = f"{host}:{self._listener.getsockname()[1]}"
+        # the group's rendezvous lives with the driver, so a remote rank needs only the driver's address
+        self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
+                                    timeout=timedelta(seconds=STEP_TIMEOUT_S))
+        self._identity = model_identity(model_dir)
         try:
-            self.conns[rank].send((op, args))
-        except (BrokenPipeError, OSError):
-            self._fail(f"rank {rank} is gone (exit code {self.procs[rank].exitcode})")
+            local_host = "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+            ctx = mp.get_context("spawn")
+            threads = max(1, (os.cpu_count() or 1) // max(1, len(self.local)))
+            for i, r in enumerate(self.local):
+                p = ctx.Process(target=_spawned_rank, daemon=True, name=f"relayout-rank{r}",
+                                args=(r, f"{local_host}:{self._listener.getsockname()[1]}", str(model_dir),
+                                      self.token, threads, i))
+                p.start()
+                self.procs[r] = p
+            self._join(world, pl.join_timeout_s)
+            conf = {"layout": layout.to_dict(), "num_blocks": num_blocks, "device": device.type,
+                    "dtype": str(dtype).removeprefix("torch."), "store_port": self._store.port}
+            for r in range(world):
+                self._send(r, "config", conf)
+            self._gather(list(range(world)), timeout=pl.join_timeout_s)
+        except BaseException:
+            self.shutdown(force=True)
+            raise
+        finally:
+            self._listener.close()
 
-    def _gather(self, ranks: list[int], timeout: float = STEP_TIMEOUT_S) -> dict[int, object]:
+    # ---- joining -----------------------------------------------------------------------------
+    def _join(self, world: int, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        remote = sorted(set(range(world)) - set(self.local))
+        if remote:
+            print(f"relayout: waiting for ranks {remote} to join at {self.endpoint} (relayout rank)", file=sys.stderr,
+                  flush=True)
+        self._listener.settimeout(0.5)
+        while len(self.chans) < world:
+            for r, p in self.procs.items():
+                if r not in self.chans and not p.is_alive():
+                    self._fail(f"rank {r} exited (code {p.exitcode}) before joining")
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(world)) - set(self.chans))
+                hint = f"; start remote ranks with RANK=r MASTER_ADDR:MASTER_PORT={self.endpoint} relayout rank" \
+                    if remote else ""
+                self._fail(f"ranks {missing} did not join {self.endpoint} within {timeout:.0f}s{hint}")
+            try:
+                conn, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            ch = RankChannel(conn)
+            try:
+                hello = ch.recv(timeout=HELLO_TIMEOUT_S)
+            except (ChannelClosed, ChannelError, TimeoutError):
+                ch.close()  # not one of ours (or gone already): keep waiting for the real ranks
+                continue
+            reason, fatal = self._check_hello(hello, world)
+            if reason:
+                try:
+                    ch.send("refuse", {"reason": reason})
+                except ChannelClosed:
+                    pass
+                ch.close()
+                if fatal:
+                    self._fail(reason)
+                continue
+            r = hello.meta["rank"]
+            self.chans[r], self.hosts[r] = ch, f"{hello.meta.get('host')!s:.100} ({ch.peer})"
+
+    def _check_hello(self, m: Message, world: int) -> tuple[str | None, bool]:
+        """(why this connection is refused, whether that stops the launch)."""
+        a = m.meta if m.op == "hello" and isinstance(m.meta, dict) else None
+        if a is None:
+            return "expected a hello", False
+        if self.token and not hmac.compare_digest(str(a.get("token", "")).encode(), self.token.encode()):
+            return "bad token (set RELAYOUT_TOKEN to the driver's)", False
+        r = a.get("rank")
+        if not isinstance(r, int) or not 0 <= r < world:
+            return f"rank {r!r} is not in 0..{world - 1} (the layout has {world} ranks)", False
+        if r in self.chans:
+            return f"rank {r} already joined from {self.hosts[r]}", False
+        if a.get("world_size") not in (None, world):
+            return f"rank {r} expects WORLD_SIZE={a.get('world_size')} but the layout has {world} ranks", True
+        theirs = a.get("model") if isinstance(a.get("model"), dict) else {}
+        if theirs != self._identity:
+            diff = [k for k in sorted(set(self._identity["config"]) | set(theirs.get("config") or {}))
+                    if self._identity["config"].get(k) != (theirs.get("config") or {}).get(k)]
+            what = f"config differs in {diff[:8]}" if diff else "weight files differ (names or sizes)"
+            return f"rank {r} on {a.get('host')!s:.100} loads a different model than the driver: {what}", True
+        return None, False
+
+    # ---- messaging ---------------------------------------------------------------------------
+    def _send(self, rank: int, op: str, meta: object = None, tensors: list[torch.Tensor] | None = None) -> None:
+        try:
+            self.chans[rank].send(op, meta, tensors or [])
+        except ChannelClosed as e:
+            self._fail(f"rank {rank} on {self.hosts.get(rank)} is gone ({e}){self._exit_code(rank)}")
+
+    def _exit_code(self, rank: int) -> str:
+        p = self.procs.get(rank)
+        return f", exit code {p.exitcode}" if p is not None and p.exitcode is not None else ""
+
+    def _gather(self, ranks: list[int], timeout: float = STEP_TIMEOUT_S) -> dict[int, Message]:
         pending = set(ranks)
-        out: dict[int, object] = {}
+        out: dict[int, Message] = {}
+        deadline = time.monotonic() + timeout
         while pending:
-            waitables = [self.conns[r] for r in pending] + [self.procs[r].sentinel for r in range(len(self.procs))]
-            ready = wait(waitables, timeout=timeout)
+            left = deadline - time.monotonic()
+            ready = wait([self.chans[r] for r in pending] + [p.sentinel for p in self.procs.values()],
+                         timeout=max(0.0, left)) if left > 0 else []
             if not ready:
                 self._fail(f"ranks {sorted(pending)} did not answer within {timeout:.0f}s")
-            for r in list(pending):
-                c = self.conns[r]
-                if c in ready or c.poll():
-                    try:
-                        status, val = c.recv()
-                    except (EOFError, OSError):
-                        self._fail(f"rank {r} exited with code {self.procs[r].exitcode}")
-                    if status == "error":
-                        self._fail(f"rank {r} failed:\n{val}")
-                    out[r] = val
-                    pending.discard(r)
-            for r, p in enumerate(self.procs):
+            for r in sorted(pending):
+                if self.chans[r] not in ready:
+                    continue
+                try:
+                    m = self.chans[r].recv(timeout=STEP_TIMEOUT_S)
+                except (ChannelClosed, ChannelError, TimeoutError) as e:
+                    self._fail(f"rank {r} on {self.hosts.get(r)}: {e}{self._exit_code(r)}")
+                if m.op == "error":
+                    self._fail(f"rank {r} on {self.hosts.get(r)} failed:\n{(m.meta or {}).get('error')}")
+                out[r] = m
+                pending.discard(r)
+            for r, p in self.procs.items():
                 if not p.is_alive() and (r in pending or p.exitcode not in (0, None)):
                     self._fail(f"rank {r} died (exit code {p.exitcode})")
         return out
@@ -139,13 +326,14 @@ class RankExecutor:
         self.shutdown(force=True)
         raise RankFailure(f"replica down: {msg}")
 
-    # ---- Executor --------------------------------------------------------
+    # ---- Executor ----------------------------------------------------------------------------
     def execute(self, batches: list[StepBatch]) -> list[torch.Tensor]:
         lay = self.layout
+        metas = [vars(b) for b in batches]
         for r in range(lay.world_size):
-            self._send(r, "step", batches[lay.dp_group_of(r)])
+            self._send(r, "step", metas[lay.dp_group_of(r)])
         res = self._gather(list(range(lay.world_size)))
-        return [res[g * lay.attn_tp] for g in range(lay.attn_dp)]  # type: ignore[misc]
+        return [res[g * lay.attn_tp].tensors[0] for g in range(lay.attn_dp)]
 
     def _group_ranks(self, group: int) -> list[int]:
         return list(range(group * self.layout.attn_tp, (group + 1) * self.layout.attn_tp))
@@ -153,41 +341,43 @@ class RankExecutor:
     def export_kv(self, group: int, blocks: list[int], tok_lo: int, tok_hi: int) -> list[tuple[int, int, torch.Tensor]]:
         ranks = self._group_ranks(group)
         for r in ranks:
-            self._send(r, "export", (blocks, tok_lo, tok_hi))
+            self._send(r, "export", {"blocks": blocks, "tok_lo": tok_lo, "tok_hi": tok_hi})
         res = self._gather(ranks)
         seen: dict[tuple[int, int], torch.Tensor] = {}
         for r in ranks:
-            (lo, hi), t = res[r]  # type: ignore[misc]
-            seen.setdefault((lo, hi), t)  # replicated KV heads are exported once
+            lo, hi = res[r].meta["kv_range"]
+            seen.setdefault((lo, hi), res[r].tensors[0])  # replicated KV heads are exported once
         return [(lo, hi, t) for (lo, hi), t in sorted(seen.items())]
 
     def import_kv(self, group: int, blocks: list[int], tok_lo: int, kv: torch.Tensor) -> None:
         ranks = self._group_ranks(group)
         for r in ranks:
-            self._send(r, "import", (blocks, tok_lo, kv))
+            self._send(r, "import", {"blocks": blocks, "tok_lo": tok_lo}, [kv])
         self._gather(ranks)
 
     def moe_stats(self) -> list[dict]:
-        for r in range(self.layout.world_size):
+        ranks = list(range(self.layout.world_size))
+        for r in ranks:
             self._send(r, "stats")
-        res = self._gather(list(range(self.layout.world_size)))
-        return [res[r] for r in range(self.layout.world_size)]  # type: ignore[misc]
+        res = self._gather(ranks)
+        return [res[r].meta for r in ranks]
 
     def shutdown(self, force: bool = False) -> None:
         if self._closed:
             return
         self._closed = True
         if not force:
-            for c in self.conns:
+            for ch in self.chans.values():
                 try:
-                    c.send(("stop", None))
-                except (BrokenPipeError, OSError):
+                    ch.send("stop")
+                except ChannelClosed:
                     pass
-            for p in self.procs:
+            for p in self.procs.values():
                 p.join(timeout=5)
-        for p in self.procs:
+        for p in self.procs.values():
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
-        for c in self.conns:
-            c.close()
+        for ch in self.chans.values():
+            ch.close()  # remote ranks see the connection end and exit
+        self._store = None  # type: ignore[assignment]

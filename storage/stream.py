@@ -48,11 +48,45 @@ class Frame:
     ref: ChunkRef | None = field(default=None)  # set for chunk frames
 
 
-def _encode(magic: bytes, header: dict[str, Any], payload: bytes) -> bytes:
+FRAME_PREFIX_BYTES = _PREFIX.size + _HLEN.size  # magic + body length + header length
+
+
+def frame_head(magic: bytes, header: dict[str, Any], payload_len: int) -> bytes:
+    """Everything of a frame before its payload (the payload can then be sent without copying it)."""
     h = json.dumps(header, separators=(",", ":")).encode()
     if len(h) > MAX_HEADER_BYTES:
         raise ValueError(f"frame header of {len(h)} bytes exceeds {MAX_HEADER_BYTES}")
-    return b"".join((_PREFIX.pack(magic, _HLEN.size + len(h) + len(payload)), _HLEN.pack(len(h)), h, payload))
+    return b"".join((_PREFIX.pack(magic, _HLEN.size + len(h) + payload_len), _HLEN.pack(len(h)), h))
+
+
+def parse_frame_prefix(prefix: bytes | bytearray, kinds: Container[bytes], max_frame_bytes: int) -> tuple[bytes, int, int]:
+    """Check a frame's first FRAME_PREFIX_BYTES before anything else is read or buffered:
+    (magic, header length, payload length), or CorruptCheckpoint naming what is wrong."""
+    magic, body_len = _PREFIX.unpack_from(prefix)
+    if magic not in kinds:
+        raise CorruptCheckpoint(f"bad frame magic {magic!r}")
+    if body_len > max_frame_bytes:
+        raise CorruptCheckpoint(f"frame of {body_len} bytes exceeds the {max_frame_bytes}-byte limit")
+    if body_len < _HLEN.size:
+        raise CorruptCheckpoint(f"frame body of {body_len} bytes is too short for its header length")
+    (hlen,) = _HLEN.unpack_from(prefix, _PREFIX.size)
+    if hlen > min(MAX_HEADER_BYTES, body_len - _HLEN.size):
+        raise CorruptCheckpoint(f"frame header length {hlen} is out of bounds (body {body_len})")
+    return magic, hlen, body_len - _HLEN.size - hlen
+
+
+def parse_frame_header(kind: str, hraw: bytes | bytearray) -> dict[str, Any]:
+    try:
+        header = json.loads(hraw)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise CorruptCheckpoint(f"{kind} frame header is not valid JSON: {exc}") from None
+    if not isinstance(header, dict):
+        raise CorruptCheckpoint(f"{kind} frame header must be a JSON object")
+    return header
+
+
+def _encode(magic: bytes, header: dict[str, Any], payload: bytes) -> bytes:
+    return frame_head(magic, header, len(payload)) + payload
 
 
 def encode_chunk_frame(ref: ChunkRef, data: bytes) -> bytes:
@@ -116,31 +150,22 @@ class FrameDecoder:
         if len(buf) < _PREFIX.size:
             return None
         magic, body_len = _PREFIX.unpack_from(buf)
-        if body_len > self.max_frame_bytes:
+        if body_len > self.max_frame_bytes:  # before waiting for the rest of the prefix
             raise CorruptCheckpoint(f"frame of {body_len} bytes exceeds the {self.max_frame_bytes}-byte limit")
-        if body_len < _HLEN.size:
-            raise CorruptCheckpoint(f"frame body of {body_len} bytes is too short for its header length")
-        if len(buf) >= _PREFIX.size + _HLEN.size:
-            (hlen,) = _HLEN.unpack_from(buf, _PREFIX.size)
-            if hlen > min(MAX_HEADER_BYTES, body_len - _HLEN.size):
-                raise CorruptCheckpoint(f"frame header length {hlen} is out of bounds (body {body_len})")
+        if len(buf) < FRAME_PREFIX_BYTES:
+            return None
+        _, hlen, _ = parse_frame_prefix(buf, _KINDS, self.max_frame_bytes)
         end = _PREFIX.size + body_len
         if len(buf) < end:
             return None
-        hstart = _PREFIX.size + _HLEN.size
-        hraw = bytes(buf[hstart : hstart + hlen])
-        payload = bytes(buf[hstart + hlen : end])
+        hraw = bytes(buf[FRAME_PREFIX_BYTES : FRAME_PREFIX_BYTES + hlen])
+        payload = bytes(buf[FRAME_PREFIX_BYTES + hlen : end])
         del buf[:end]
         return self._build(_KINDS[magic], hraw, payload)
 
     @staticmethod
     def _build(kind: str, hraw: bytes, payload: bytes) -> Frame:
-        try:
-            header = json.loads(hraw)
-        except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-            raise CorruptCheckpoint(f"{kind} frame header is not valid JSON: {exc}") from None
-        if not isinstance(header, dict):
-            raise CorruptCheckpoint(f"{kind} frame header must be a JSON object")
+        header = parse_frame_header(kind, hraw)
         ref = None
         if kind == "chunk":
             try:

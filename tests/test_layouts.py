@@ -96,4 +96,4 @@ def test_dead_rank_takes_replica_down_with_clear_error():
         for _ in range(1000):
             eng.step()
     assert time.time() - t0 < 30
-    assert not any(p.is_alive() for p in eng.executor.procs)  # no orphans
+    assert not any(p.is_alive() for p in eng.executor.procs.values())  # no orphans
