@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agent.registry import Registry
+from migrate.procs import stop_process
 
 ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 URL_RE = re.compile(r"relayout serving .* on (http://\S+)")
@@ -923,14 +924,8 @@ def _start_child(args: list[str], pattern: str, what: str, timeout: float = 120.
 
 
 def _stop_child(p: subprocess.Popen | None, timeout: float = 30.0) -> None:
-    if p is None or p.poll() is not None:
-        return
-    p.terminate()
-    try:
-        p.wait(timeout)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        p.wait()
+    if p is not None:
+        stop_process(p, timeout)
 
 
 def run_up(host: str, port: int, agent_port: int, data_dir: Path, model: str = "builtin:tiny",

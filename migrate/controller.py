@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,7 @@ import httpx
 from engine.layout import Layout
 from migrate.live import MigrationError, MigrationResult, migrate_live
 from migrate.policy import Decision, RelayoutPolicy
+from migrate.procs import stop_process
 
 __all__ = ["Controller", "LaunchError", "Step", "SubprocessLauncher"]
 
@@ -71,7 +71,7 @@ class SubprocessLauncher:
                     tail = f.read()[-2000:]
                 raise LaunchError(f"replica exited with {p.returncode}: {tail}")
             time.sleep(0.1)
-        self._kill(p)
+        stop_process(p)
         raise LaunchError(f"replica did not print its URL within {self.startup_timeout_s:g}s (log: {log})")
 
     def stop(self, url: str) -> bool:
@@ -79,22 +79,13 @@ class SubprocessLauncher:
         p = self.procs.pop(url.rstrip("/"), None)
         if p is None:
             return False
-        self._kill(p)
+        stop_process(p)
         return True
 
     def stop_all(self) -> None:
         for url in list(self.procs):
             self.stop(url)
 
-    @staticmethod
-    def _kill(p: subprocess.Popen) -> None:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(5)
 
 
 @dataclass

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -13,6 +12,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+from migrate.procs import stop_process
 
 TOKEN = "agent-test-token"
 H = {"Authorization": f"Bearer {TOKEN}"}
@@ -39,13 +40,7 @@ def _start_agent(data_dir: Path, log: Path) -> tuple[subprocess.Popen, str]:
 
 
 def _stop(p: subprocess.Popen) -> None:
-    if p.poll() is None:
-        p.send_signal(signal.SIGTERM)
-        try:
-            p.wait(30)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+    stop_process(p, 30)
 
 
 def _wait_op(agent: str, oid: str, timeout: float = 180) -> dict:

@@ -21,19 +21,9 @@ import httpx
 import pytest
 
 from migrate.live import MigrationError, migrate_live
-from migrate.soak import (
-    Proxy,
-    Stream,
-    alive,
-    children_of,
-    launch,
-    port_of,
-    rank_processes,
-    reference,
-    replica,
-    replica_state,
-    wait_for,
-)
+from migrate.procs import alive, children_of, launch, rank_processes, replica
+from migrate.soak import Stream, port_of, reference, replica_state, wait_for
+from tests.proxy import Proxy
 
 TTL = 2.0  # RELAYOUT_TRANSFER_TTL_S of every replica here: how long a transfer may sit idle
 PROMPTS = [f"fault {i}: " + "the quick brown fox " * (8 + 3 * i) for i in range(3)]

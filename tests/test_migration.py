@@ -10,17 +10,17 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from migrate import soak
+from migrate import procs
 from migrate.live import MigrationError, migrate_live
 
 
 def launch(*args: str) -> tuple[subprocess.Popen, str]:
-    proc = soak.launch(*args)
+    proc = procs.launch(*args)
     return proc.p, proc.url
 
 
 def stop(p: subprocess.Popen) -> None:
-    soak.Proc(p, "").stop()
+    procs.Proc(p, "").stop()
 
 
 REQUESTS = [

@@ -22,7 +22,7 @@ from engine.engine import LLMEngine
 from engine.rank_channel import ChannelClosed, ChannelError, RankChannel
 from engine.weights import resolve_model
 from engine.workers import RankFailure, RankJoinError, RankPlacement, free_port, rank_main
-from migrate.soak import ROOT, launch
+from migrate.procs import ROOT, launch
 from tests.test_layouts import run
 
 TOKEN = "multinode-secret"

@@ -9,7 +9,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from migrate.procs import stop_process
 from tests.test_agent import TOKEN
 
 ADDR_A, ADDR_B = "10.200.0.1", "10.200.0.2"
@@ -150,10 +150,63 @@ def test_live_migration_between_two_hosts(hosts, tmp_path):
         assert res["bytes"] > 0 and _tx_bytes(ns_a, veth_a) - tx0 >= res["bytes"], res
     finally:
         for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-                try:
-                    p.wait(30)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
+            stop_process(p, 30)
+
+
+# runs inside namespace A: one completion from the two-host replica, printed as token ids
+ASK = r'''
+import json, sys, httpx
+url, token, prompt = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+req = {"model": "builtin:tiny", "prompt": prompt, "max_tokens": 40, "temperature": 0.7, "seed": 3,
+       "ignore_eos": True, "return_token_ids": True}
+r = httpx.post(f"{url}/v1/completions", json=req, headers={"Authorization": f"Bearer {token}"}, timeout=300)
+print("RESULT " + json.dumps({"status": r.status_code, "ids": r.json()["choices"][0]["token_ids"]}), flush=True)
+'''
+
+
+def test_replica_ranks_span_two_hosts(hosts, tmp_path):
+    """One replica, attn_tp=2: the driver and rank 0 on host A, rank 1 (`relayout rank`) on host B. The
+    attention all-reduce and the experts' all-to-all cross the veth; tokens equal a single-device run."""
+    from engine.engine import LLMEngine
+    from engine.session import SamplingParams
+
+    (ns_a, ns_b), (veth_a, veth_b) = hosts["ns"], hosts["veth"]
+    exe = str(Path(sys.executable).with_name("relayout"))
+    env = dict(os.environ, RELAYOUT_TOKEN=TOKEN, PYTHONUNBUFFERED="1")
+    prompt = [5, 17, 3, 99, 42, 7]
+    procs = []
+    try:
+        log_a = open(tmp_path / "driver.log", "wb")
+        procs.append(subprocess.Popen(
+            ["ip", "netns", "exec", ns_a, exe, "serve", "--layout", "attn_tp=2", "--host", ADDR_A, "--port", "8000",
+             "--local-ranks", "0", "--rank-endpoint", f"{ADDR_A}:29500"],
+            stdout=log_a, stderr=subprocess.STDOUT, env=dict(env, GLOO_SOCKET_IFNAME=veth_a)))
+        log_b = open(tmp_path / "rank1.log", "wb")
+        procs.append(subprocess.Popen(
+            ["ip", "netns", "exec", ns_b, exe, "rank", "--model", "builtin:tiny"], stdout=log_b,
+            stderr=subprocess.STDOUT, env=dict(env, GLOO_SOCKET_IFNAME=veth_b, RANK="1", WORLD_SIZE="2",
+                                               MASTER_ADDR=ADDR_A, MASTER_PORT="29500")))
+        end = time.monotonic() + 180
+        while "relayout serving" not in (tmp_path / "driver.log").read_text():
+            assert procs[0].poll() is None and time.monotonic() < end, \
+                (tmp_path / "driver.log").read_text() + (tmp_path / "rank1.log").read_text()
+            time.sleep(0.2)
+        tx0 = _tx_bytes(ns_b, veth_b)
+        r = subprocess.run(["ip", "netns", "exec", ns_a, sys.executable, "-c", ASK, f"http://{ADDR_A}:8000", TOKEN,
+                            json.dumps(prompt)], capture_output=True, text=True, timeout=300,
+                           cwd=Path(__file__).resolve().parents[1])
+        m = re.search(r"^RESULT (.*)$", r.stdout, re.M)
+        assert r.returncode == 0 and m, r.stdout[-3000:] + r.stderr[-3000:]
+        got = json.loads(m.group(1))
+        assert got["status"] == 200
+        # rank 1's share of the collectives went over the link
+        assert _tx_bytes(ns_b, veth_b) - tx0 > 10_000
+        eng = LLMEngine("builtin:tiny")
+        s = eng.add_session(prompt, SamplingParams(max_tokens=40, temperature=0.7, seed=3, ignore_eos=True))
+        while eng.has_work():
+            eng.step()
+        eng.shutdown()
+        assert got["ids"] == s.output_token_ids
+    finally:
+        for p in procs:
+            stop_process(p, 30)

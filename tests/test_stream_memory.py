@@ -9,7 +9,7 @@ import threading
 
 import httpx
 
-from migrate.soak import launch
+from migrate.procs import launch
 
 # the bound we state: the migrator's peak RSS grows by less than this while moving ≥ 64 MiB
 BOUND_MIB = 24
