@@ -136,6 +136,46 @@ class KVCache:
             out[layer, 1].copy_(vv.flatten(0, 1)[off : off + n].transpose(0, 1))
         return out
 
+    def _runs(self, blocks: list[int], tok_lo: int, tok_hi: int):
+        """Tokens [tok_lo, tok_hi) as runs in consecutive pool blocks: (a, b, first_block, offset) for
+        tokens [a, b), which are rows offset.. of the flattened blocks from first_block on."""
+        bs = self.block_size
+        i, last = tok_lo // bs, (tok_hi - 1) // bs
+        while i <= last:
+            j = i
+            while j < last and blocks[j + 1] == blocks[j] + 1:
+                j += 1
+            a, b = max(tok_lo, i * bs), min(tok_hi, (j + 1) * bs)
+            yield a, b, blocks[i], a - i * bs
+            i = j + 1
+
+    def export_into(self, blocks: list[int], layer: int, tok_lo: int, tok_hi: int, out: torch.Tensor) -> None:
+        """K, V of one layer, tokens [tok_lo, tok_hi), into `out` ([2, kv_heads, tokens, head_dim], any
+        device/dtype): straight from the pool, one copy_ per run of consecutive blocks, no staging."""
+        if tok_hi <= tok_lo:
+            return
+        k, v = self.k[layer], self.v[layer]
+        for a, b, blk, off in self._runs(blocks, tok_lo, tok_hi):
+            nb = (off + b - a + self.block_size - 1) // self.block_size
+            out[0, :, a - tok_lo : b - tok_lo].copy_(k[blk : blk + nb].flatten(0, 1)[off : off + b - a].transpose(0, 1))
+            out[1, :, a - tok_lo : b - tok_lo].copy_(v[blk : blk + nb].flatten(0, 1)[off : off + b - a].transpose(0, 1))
+
+    def import_from(self, blocks: list[int], layer: int, tok_lo: int, kv: torch.Tensor, head_lo: int = 0) -> None:
+        """Inverse of export_into for local heads [head_lo, head_lo + kv.shape[1]): kv is
+        [2, heads, tokens, head_dim] for tokens from tok_lo (any device/dtype; converted on copy)."""
+        n, h = kv.shape[2], kv.shape[1]
+        if n == 0:
+            return
+        if not 0 <= head_lo <= head_lo + h <= self.k[layer].shape[2]:
+            raise ValueError(f"heads [{head_lo},{head_lo + h}) outside this cache's {self.k[layer].shape[2]}")
+        k, v = self.k[layer], self.v[layer]
+        for a, b, blk, off in self._runs(blocks, tok_lo, tok_lo + n):
+            nb = (off + b - a + self.block_size - 1) // self.block_size
+            rows = slice(off, off + b - a)
+            src = slice(a - tok_lo, b - tok_lo)
+            k[blk : blk + nb].flatten(0, 1)[rows, head_lo : head_lo + h].copy_(kv[0, :, src].transpose(0, 1))
+            v[blk : blk + nb].flatten(0, 1)[rows, head_lo : head_lo + h].copy_(kv[1, :, src].transpose(0, 1))
+
     def import_tokens(self, blocks: list[int], tok_lo: int, kv: torch.Tensor) -> None:
         """Inverse of export_tokens; kv: [layers, 2, kv_heads, tokens, head_dim]."""
         bs = self.block_size

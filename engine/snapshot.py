@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.engine import LLMEngine
-from engine.kv_cache import blocks_needed
+from engine.executor import LocalExecutor
+from engine.kv_cache import KVCache, blocks_needed
 from engine.session import SessionState, SessionStatus
 from storage.checkpoint import CheckpointReader, CheckpointWriter
-from storage.chunks import dtype_name
+from storage.chunks import dtype_name, new_kv_chunk
 from storage.errors import CorruptCheckpoint, ModelMismatch
 from storage.manifest import KVGeometry, Manifest, ModelRef
 
@@ -32,12 +33,82 @@ class RestoreError(ValueError):
     """The checkpoint cannot go into this replica (room, ids, geometry); nothing was changed."""
 
 
-@dataclass
 class SessionSnapshot:
-    state: SessionState
-    num_kv_tokens: int
-    # one entry per distinct KV-head range the source holds: (head_lo, head_hi, [layers, 2, heads, tokens, d])
-    kv: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)
+    """One session cut at a step boundary: its state and a host copy of its KV.
+
+    The KV is held either as `kv` — one entry per distinct KV-head range the source holds:
+    (head_lo, head_hi, [layers, 2, heads, tokens, d]) — or, when the engine's pool is local host
+    memory, as `chunks` already in their stored form (layer, head_lo, head_hi, tok_lo, tok_hi,
+    [2, heads, tokens, d] tensor that is the payload of a chunk buffer, see storage.chunks.new_kv_chunk),
+    so `write_snapshot` only hashes and stores them. Reading `kv` of such a snapshot assembles it
+    (a copy); setting `kv` replaces the chunks."""
+
+    def __init__(self, state: SessionState, num_kv_tokens: int,
+                 kv: list[tuple[int, int, torch.Tensor]] | None = None,
+                 chunks: list[tuple[int, int, int, int, int, torch.Tensor]] | None = None) -> None:
+        self.state = state
+        self.num_kv_tokens = num_kv_tokens
+        self._kv = list(kv or [])
+        self.chunks = chunks
+
+    @property
+    def kv(self) -> list[tuple[int, int, torch.Tensor]]:
+        if self.chunks is None:
+            return self._kv
+        by_heads: dict[tuple[int, int], list] = {}
+        for c in self.chunks:
+            by_heads.setdefault((c[1], c[2]), []).append(c)
+        out = []
+        for (hlo, hhi), cs in by_heads.items():
+            t0, t1 = min(c[3] for c in cs), max(c[4] for c in cs)
+            layers = max(c[0] for c in cs) + 1
+            ref = cs[0][5]
+            kv = torch.empty((layers, 2, hhi - hlo, t1 - t0, ref.shape[3]), dtype=ref.dtype)
+            for layer, _, _, a, b, t in cs:
+                kv[layer, :, :, a - t0 : b - t0] = t
+            out.append((hlo, hhi, kv))
+        return out
+
+    @kv.setter
+    def kv(self, value: list[tuple[int, int, torch.Tensor]]) -> None:
+        self._kv = list(value)
+        self.chunks = None
+
+
+def _chunk_ranges(lo: int, hi: int) -> list[tuple[int, int]]:
+    """[lo, hi) cut at absolute multiples of CHUNK_TOKENS."""
+    out, t = [], lo
+    while t < hi:
+        t_end = min(hi, (t // CHUNK_TOKENS + 1) * CHUNK_TOKENS)
+        out.append((t, t_end))
+        t = t_end
+    return out
+
+
+def _host_pool(engine: LLMEngine) -> tuple[KVCache, tuple[int, int]] | None:
+    """The KV pool and its head range when this process holds all of it in host memory (one
+    local rank, no staging): snapshots then copy straight between pool blocks and chunk buffers.
+    Any other executor goes through export_kv/import_kv."""
+    ex = engine.executor
+    if not isinstance(ex, LocalExecutor):
+        return None
+    r = ex.runner
+    kv = getattr(r, "kv", None)
+    if getattr(r, "stager", None) is not None or not isinstance(kv, KVCache) or kv.k[0].device.type != "cpu":
+        return None
+    return kv, tuple(r.kv_range)  # type: ignore[return-value]
+
+
+def _export_chunks(pool: KVCache, heads: tuple[int, int], blocks: list[int], lo: int, hi: int
+                   ) -> list[tuple[int, int, int, int, int, torch.Tensor]]:
+    k0 = pool.k[0]
+    chunks = []
+    for a, b in _chunk_ranges(lo, hi):
+        for layer in range(len(pool.k)):
+            t = new_kv_chunk((2, k0.shape[2], b - a, k0.shape[3]), k0.dtype)
+            pool.export_into(blocks, layer, a, b, t)
+            chunks.append((layer, heads[0], heads[1], a, b, t))
+    return chunks
 
 
 def _live(engine: LLMEngine, session_ids: list[str] | None) -> list[SessionState]:
@@ -62,13 +133,18 @@ def take_snapshot(engine: LLMEngine, session_ids: list[str] | None = None, tok_f
     pre-copy round holds the engine thread (and every other session's decoding) only for
     a bounded copy; later rounds send the rest."""
     snaps = []
+    host = _host_pool(engine)
     for s in _live(engine, session_ids):
         lo = (tok_from or {}).get(s.session_id, 0)
         n = s.num_computed if tok_cap is None else min(s.num_computed, lo + tok_cap)
         snap = SessionSnapshot(copy.deepcopy(s), n)
         table = engine.scheduler.tables.get(s.session_id)
         if n > lo and table is not None:
-            snap.kv = engine.executor.export_kv(s.dp_group, table.blocks[: blocks_needed(n)], lo, n)
+            blocks = table.blocks[: blocks_needed(n)]
+            if host is not None:  # straight into chunk buffers: the one copy of this KV
+                snap.chunks = _export_chunks(host[0], host[1], blocks, lo, n)
+            else:
+                snap.kv = engine.executor.export_kv(s.dp_group, blocks, lo, n)
         snaps.append(snap)
     return snaps
 
@@ -88,17 +164,16 @@ def write_snapshot(snaps: list[SessionSnapshot], writer: CheckpointWriter, tok_f
     """Put every session's KV chunks and state into `writer` (commit is the caller's)."""
     for snap in snaps:
         sid = snap.state.session_id
-        lo0 = (tok_from or {}).get(sid, 0)
-        for head_lo, head_hi, kv in snap.kv:
-            n = kv.shape[3]
-            # chunk boundaries at absolute multiples of CHUNK_TOKENS
-            t = lo0
-            while t < lo0 + n:
-                t_end = min(lo0 + n, (t // CHUNK_TOKENS + 1) * CHUNK_TOKENS)
-                for layer in range(kv.shape[0]):
-                    part = kv[layer, :, :, t - lo0 : t_end - lo0]
-                    writer.put_kv(sid, layer, head_lo, head_hi, t, t_end, part)
-                t = t_end
+        if snap.chunks is not None:  # already cut and laid out by take_snapshot: hash and store
+            for layer, head_lo, head_hi, a, b, part in snap.chunks:
+                writer.put_kv(sid, layer, head_lo, head_hi, a, b, part)
+        else:
+            lo0 = (tok_from or {}).get(sid, 0)
+            for head_lo, head_hi, kv in snap.kv:
+                # chunk boundaries at absolute multiples of CHUNK_TOKENS
+                for a, b in _chunk_ranges(lo0, lo0 + kv.shape[3]):
+                    for layer in range(kv.shape[0]):
+                        writer.put_kv(sid, layer, head_lo, head_hi, a, b, kv[layer, :, :, a - lo0 : b - lo0])
         writer.add_session(sid, snap.state.to_dict(), snap.num_kv_tokens)
 
 
@@ -164,7 +239,6 @@ def restore(engine: LLMEngine, reader: CheckpointReader, session_ids: list[str] 
     plan = plan_restore(engine, m, session_ids)
     if verify:
         reader.verify()  # every chunk hash, before anything is imported
-    H = engine.cfg.num_kv_heads
     imported: list[str] = []
     for st, n_kv, g in plan:
         st.dp_group = g
@@ -177,8 +251,7 @@ def restore(engine: LLMEngine, reader: CheckpointReader, session_ids: list[str] 
             continue
         blocks = engine.allocators[g].allocate(blocks_needed(st.num_tokens + 1))
         try:
-            kv = torch.stack([reader.read_kv(st.session_id, layer, 0, H) for layer in range(engine.cfg.num_layers)])
-            engine.executor.import_kv(g, blocks, 0, kv)
+            _import_session(engine, reader, st.session_id, g, blocks, n_kv)
         except BaseException:
             engine.allocators[g].free(blocks)
             raise
@@ -188,6 +261,27 @@ def restore(engine: LLMEngine, reader: CheckpointReader, session_ids: list[str] 
         engine.scheduler.place(st, g, blocks)
         imported.append(st.session_id)
     return imported
+
+
+def _import_session(engine: LLMEngine, reader: CheckpointReader, sid: str, group: int, blocks: list[int],
+                    n_kv: int) -> None:
+    """All of one session's KV from `reader` into `blocks` (freshly allocated, not yet placed).
+    Every chunk is verified as it is read; a host pool gets each chunk copied straight into its
+    blocks, any other executor one assembled [layers, 2, heads, tokens, d] tensor."""
+    c = engine.cfg
+    host = _host_pool(engine)
+    if host is not None:
+        pool, (h_lo, h_hi) = host
+        for layer in range(c.num_layers):
+            for e, t in reader.kv_pieces(sid, layer, h_lo, h_hi):
+                lo, hi = max(h_lo, e.head_lo), min(h_hi, e.head_hi)
+                pool.import_from(blocks, layer, e.tok_lo, t[:, lo - e.head_lo : hi - e.head_lo], lo - h_lo)
+        return
+    kv = torch.empty((c.num_layers, 2, c.num_kv_heads, n_kv, c.head_dim), dtype=reader.dtype)
+    for layer in range(c.num_layers):
+        for e, t in reader.kv_pieces(sid, layer, 0, c.num_kv_heads):
+            kv[layer, :, e.head_lo : e.head_hi, e.tok_lo : e.tok_hi] = t
+    engine.executor.import_kv(group, blocks, 0, kv)
 
 
 def release(engine: LLMEngine, session_ids: list[str], status: SessionStatus = SessionStatus.MIGRATED) -> None:
@@ -228,23 +322,31 @@ class IncomingTransfer:
 def import_range(engine: LLMEngine, store, manifest: Manifest, sid: str, group: int, blocks: list[int],
                  a: int, b: int) -> None:
     """Import tokens [a, b) of one session from whichever chunks cover them."""
-    from storage.chunks import unpack_kv
+    from storage.chunks import kv_view
 
     if b <= a:
         return
     c = engine.cfg
-    kv = torch.empty((c.num_layers, 2, c.num_kv_heads, b - a, c.head_dim), dtype=engine.dtype)
-    covered = 0
-    for e in manifest.kv_entries:
-        if e.session_id != sid or e.tok_hi <= a or e.tok_lo >= b:
-            continue
-        t = unpack_kv(store.get_chunk(e.chunk.hash), e.chunk, e.shape(c.head_dim), engine.dtype)
-        lo, hi = max(a, e.tok_lo), min(b, e.tok_hi)
-        kv[e.layer, :, e.head_lo:e.head_hi, lo - a:hi - a] = t[:, :, lo - e.tok_lo:hi - e.tok_lo]
-        covered += (hi - lo) * (e.head_hi - e.head_lo)
-    if covered != c.num_layers * c.num_kv_heads * (b - a):
+    entries = [e for e in manifest.kv_entries if e.session_id == sid and e.tok_hi > a and e.tok_lo < b]
+    covered = sum((min(b, e.tok_hi) - max(a, e.tok_lo)) * (e.head_hi - e.head_lo) for e in entries)
+    if covered != c.num_layers * c.num_kv_heads * (b - a):  # before anything is fetched or written
         raise CorruptCheckpoint(f"session {sid}: chunks do not cover tokens [{a}, {b}) exactly once")
-    engine.executor.import_kv(group, blocks, a, kv)
+    host = _host_pool(engine)
+    if host is not None and host[1] != (0, c.num_kv_heads):
+        host = None
+    kv = None
+    if host is None:
+        kv = torch.empty((c.num_layers, 2, c.num_kv_heads, b - a, c.head_dim), dtype=engine.dtype)
+    for e in entries:
+        t = kv_view(store.get_chunk(e.chunk.hash), e.chunk, e.shape(c.head_dim), engine.dtype)  # read-only
+        lo, hi = max(a, e.tok_lo), min(b, e.tok_hi)
+        part = t[:, :, lo - e.tok_lo : hi - e.tok_lo]
+        if kv is None:
+            host[0].import_from(blocks, e.layer, lo, part, e.head_lo)  # type: ignore[index]
+        else:
+            kv[e.layer, :, e.head_lo : e.head_hi, lo - a : hi - a] = part
+    if kv is not None:
+        engine.executor.import_kv(group, blocks, a, kv)
 
 
 def receive_round(engine: LLMEngine, t: IncomingTransfer, manifest: Manifest, final: bool) -> dict:

@@ -10,13 +10,13 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import Any
 
 import torch
 
-from storage.chunks import dtype_name, pack_kv, unpack_kv
+from storage.chunks import dtype_name, kv_view, pack_kv
 from storage.errors import CorruptCheckpoint, ModelMismatch
 from storage.manifest import KVEntry, KVGeometry, Manifest, ModelRef, SessionEntry, coverage_gap
 from storage.store_base import Store, check_id
@@ -212,41 +212,63 @@ class CheckpointReader:
         """``read_kv`` for several head ranges of one layer (e.g. every target TP rank), fetching
         each chunk once across all of them."""
         g = self.manifest.kv
-        try:
-            num_tokens = self.manifest.session(session_id).num_kv_tokens
-        except KeyError:
-            raise KeyError(f"session {session_id} is not in checkpoint {self.manifest.checkpoint_id}") from None
         cache: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}  # fetch each chunk once per call
         outs = []
+        num_tokens = self._num_tokens(session_id)
         for head_lo, head_hi in ranges:
-            if not (0 <= layer < g.num_layers and 0 <= head_lo < head_hi <= g.num_kv_heads):
-                raise ValueError(
-                    f"layer {layer} heads [{head_lo},{head_hi}) outside the checkpoint's "
-                    f"{g.num_layers} layers × {g.num_kv_heads} KV heads"
-                )
-            entries = [
-                e for e in self._by_key.get((session_id, layer), []) if e.head_lo < head_hi and e.head_hi > head_lo
-            ]
-            gap = coverage_gap(entries, head_lo, head_hi, num_tokens)
-            if gap is not None:
-                raise CorruptCheckpoint(
-                    f"checkpoint {self.manifest.checkpoint_id} session {session_id} layer {layer}: {gap}"
-                )
+            entries = self._covering(session_id, layer, head_lo, head_hi)
             out = torch.empty((2, head_hi - head_lo, num_tokens, g.head_dim), dtype=self.dtype)
-            for e in entries:
-                shape = e.shape(g.head_dim)
-                key = (e.chunk.hash, shape)
-                t = cache.get(key)
-                if t is None:
-                    t = cache[key] = self._load(e, shape)
+            for e, t in self._pieces(entries, cache):
                 lo, hi = max(head_lo, e.head_lo), min(head_hi, e.head_hi)
                 out[:, lo - head_lo : hi - head_lo, e.tok_lo : e.tok_hi] = t[:, lo - e.head_lo : hi - e.head_lo]
             outs.append(out)
         return outs
 
-    def _load(self, e: KVEntry, shape: tuple[int, ...]) -> torch.Tensor:
+    def _num_tokens(self, session_id: str) -> int:
         try:
-            return unpack_kv(self.store.get_chunk(e.chunk.hash), e.chunk, shape, self.manifest.kv.dtype)
+            return self.manifest.session(session_id).num_kv_tokens
+        except KeyError:
+            raise KeyError(f"session {session_id} is not in checkpoint {self.manifest.checkpoint_id}") from None
+
+    def kv_pieces(
+        self, session_id: str, layer: int, head_lo: int, head_hi: int,
+        cache: dict[tuple[str, tuple[int, ...]], torch.Tensor] | None = None,
+    ) -> Iterator[tuple[KVEntry, torch.Tensor]]:
+        """The entries of one layer overlapping heads [head_lo, head_hi), in manifest order, each with
+        its verified chunk as a [2, entry heads, entry tokens, head_dim] tensor that may share memory
+        with the store: READ-ONLY, copy out of it. Range and coverage (heads × all the session's
+        tokens) are checked here, before any chunk is fetched; `cache` keeps views across calls."""
+        return self._pieces(self._covering(session_id, layer, head_lo, head_hi), cache)
+
+    def _covering(self, session_id: str, layer: int, head_lo: int, head_hi: int) -> list[KVEntry]:
+        g = self.manifest.kv
+        num_tokens = self._num_tokens(session_id)
+        if not (0 <= layer < g.num_layers and 0 <= head_lo < head_hi <= g.num_kv_heads):
+            raise ValueError(
+                f"layer {layer} heads [{head_lo},{head_hi}) outside the checkpoint's "
+                f"{g.num_layers} layers × {g.num_kv_heads} KV heads"
+            )
+        entries = [e for e in self._by_key.get((session_id, layer), []) if e.head_lo < head_hi and e.head_hi > head_lo]
+        gap = coverage_gap(entries, head_lo, head_hi, num_tokens)
+        if gap is not None:
+            raise CorruptCheckpoint(f"checkpoint {self.manifest.checkpoint_id} session {session_id} layer {layer}: {gap}")
+        return entries
+
+    def _pieces(self, entries: list[KVEntry], cache: dict[tuple[str, tuple[int, ...]], torch.Tensor] | None
+                ) -> Iterator[tuple[KVEntry, torch.Tensor]]:
+        cache = {} if cache is None else cache
+        for e in entries:
+            shape = e.shape(self.manifest.kv.head_dim)
+            key = (e.chunk.hash, shape)
+            t = cache.get(key)
+            if t is None:
+                t = cache[key] = self._load(e, shape)
+            yield e, t
+
+    def _load(self, e: KVEntry, shape: tuple[int, ...]) -> torch.Tensor:
+        """The verified chunk of `e`, read-only (see kv_pieces)."""
+        try:
+            return kv_view(self.store.get_chunk(e.chunk.hash), e.chunk, shape, self.manifest.kv.dtype)
         except CorruptCheckpoint as exc:
             raise CorruptCheckpoint(f"{exc} (session {e.session_id}, layer {e.layer})") from None
 

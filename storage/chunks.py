@@ -3,11 +3,20 @@
 Chunks are content-addressed by the xxh3_128 of their STORED bytes, so identical chunks
 (e.g. the unchanged prefix of a session in an incremental checkpoint) are stored once and
 a corrupt chunk is caught before any decoding work is done.
+
+Both directions touch each KV byte once: `new_kv_chunk` hands out a tensor that already is
+the payload of a header-prefixed chunk buffer (an exporter fills it, `pack_kv` stores that
+buffer as is), and `kv_view` reads a verified chunk in place (no copy for codec "none").
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import json
+import math
+import threading
+import warnings
 
 import torch
 import xxhash
@@ -40,6 +49,59 @@ def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 _ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64"}
 
+try:  # a bytearray of n bytes WITHOUT zero-filling them first (every byte is written right after)
+    _new_bytearray = ctypes.pythonapi.PyByteArray_FromStringAndSize
+    _new_bytearray.restype = ctypes.py_object
+    _new_bytearray.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t]
+except AttributeError:  # not CPython: a zeroed one
+    _new_bytearray = None
+
+
+def _bytearray(n: int) -> bytearray:
+    return bytearray(n) if _new_bytearray is None else _new_bytearray(None, n)
+
+
+@functools.lru_cache(maxsize=1024)
+def _st_prefix(shape: tuple[int, ...], code: str, nbytes: int) -> bytes:
+    """The 8-byte length + JSON header safetensors.torch.save writes for one tensor "kv"."""
+    head = json.dumps({TENSOR_NAME: {"dtype": code, "shape": list(shape), "data_offsets": [0, nbytes]}},
+                      separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # safetensors pads the header to 8-byte alignment
+    return len(head).to_bytes(8, "little") + head
+
+
+def _payload(buf: bytearray, offset: int, shape: tuple[int, ...], dtype: torch.dtype, nbytes: int) -> torch.Tensor:
+    return torch.frombuffer(buf, dtype=torch.uint8, offset=offset, count=nbytes).view(dtype).view(shape)
+
+
+def new_kv_chunk(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of `shape` ([2, heads, tokens, head_dim]) whose memory is the payload of a fresh
+    chunk buffer, header already written. Fill every element, then `pack_kv` it: that buffer
+    becomes the stored chunk as is (no second copy). Contents are undefined until filled."""
+    shape = tuple(int(s) for s in shape)
+    code = _ST_DTYPES.get(dtype)
+    n = math.prod(shape) * dtype.itemsize
+    if code is None or n == 0:
+        return torch.empty(shape, dtype=dtype)  # packed the ordinary way
+    prefix = _st_prefix(shape, code, n)
+    buf = _bytearray(len(prefix) + n)
+    buf[: len(prefix)] = prefix
+    t = _payload(buf, len(prefix), shape, dtype, n)
+    t._relayout_chunk = (buf, t.data_ptr(), shape, dtype)  # type: ignore[attr-defined]
+    return t
+
+
+def _prepared(t: torch.Tensor) -> bytearray | None:
+    """The chunk buffer `t` is the untouched payload of (see new_kv_chunk), else None."""
+    pre = getattr(t, "_relayout_chunk", None)
+    if pre is None:
+        return None
+    buf, ptr, shape, dtype = pre
+    if (t.device.type != "cpu" or t.dtype != dtype or tuple(t.shape) != shape or t.data_ptr() != ptr
+            or not t.is_contiguous()):
+        return None  # resized, re-pointed or moved since: pack it the ordinary way
+    return buf
+
 
 def _st_bytes(t: torch.Tensor) -> bytes:
     """safetensors.torch.save({"kv": t}) byte for byte, in one copy: the header, then the
@@ -48,15 +110,12 @@ def _st_bytes(t: torch.Tensor) -> bytes:
     if code is None:
         return st_save({TENSOR_NAME: t})
     n = t.numel() * t.element_size()
-    head = json.dumps({TENSOR_NAME: {"dtype": code, "shape": list(t.shape), "data_offsets": [0, n]}},
-                      separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)  # safetensors pads the header to 8-byte alignment
-    prefix = len(head).to_bytes(8, "little") + head
+    prefix = _st_prefix(tuple(t.shape), code, n)
     # one copy, straight from the (possibly strided) tensor into the final buffer
-    buf = bytearray(len(prefix) + n)
+    buf = _bytearray(len(prefix) + n)
     buf[: len(prefix)] = prefix
     if n:
-        torch.frombuffer(buf, dtype=torch.uint8, offset=len(prefix), count=n).view(t.dtype).view(t.shape).copy_(t)
+        _payload(buf, len(prefix), tuple(t.shape), t.dtype, n).copy_(t)
     return buf  # type: ignore[return-value]  # bytes-like, spared the copy bytes() would make
 
 
@@ -64,8 +123,10 @@ def pack_kv(tensor: torch.Tensor, codec: str = "none") -> tuple[bytes, ChunkRef]
     """Serialise a [2, heads, tokens, head_dim] tensor (any device) into stored chunk bytes."""
     if tensor.dim() != 4 or tensor.shape[0] != 2:
         raise ValueError(f"KV chunk tensor must be [2, heads, tokens, head_dim], got {list(tensor.shape)}")
-    t = tensor.detach().to("cpu")
-    raw = _st_bytes(t) if t.dtype in _ST_DTYPES else _st_bytes(t.contiguous())
+    raw = _prepared(tensor)
+    if raw is None:
+        t = tensor.detach().to("cpu")
+        raw = _st_bytes(t) if t.dtype in _ST_DTYPES else _st_bytes(t.contiguous())
     data = encode(codec, raw, tensor.element_size())
     ref = ChunkRef(hash=chunk_hash(data), size=len(data), raw_size=len(raw), codec=codec)  # type: ignore[arg-type]
     return data, ref
@@ -80,28 +141,77 @@ def verify_chunk(data: bytes, ref: ChunkRef) -> None:
         raise CorruptCheckpoint(f"chunk {ref.hash}: hash mismatch (stored bytes hash to {actual})")
 
 
+_RO_LOCK = threading.Lock()
+_ro_warned = False
+
+
+def _view_readonly(raw, offset: int, shape: tuple[int, ...], dtype: torch.dtype, nbytes: int) -> torch.Tensor:
+    """torch.frombuffer of a read-only buffer (bytes): torch warns once per process that such a
+    tensor could be written through; ours are only ever read. Take that one warning quietly."""
+    global _ro_warned
+    if not _ro_warned:
+        with _RO_LOCK, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            t = _payload(raw, offset, shape, dtype, nbytes)
+            _ro_warned = True
+            return t
+    return _payload(raw, offset, shape, dtype, nbytes)
+
+
+def kv_view(
+    data: bytes,
+    ref: ChunkRef,
+    expect_shape: tuple[int, ...] | torch.Size,
+    expect_dtype: torch.dtype | str,
+) -> torch.Tensor:
+    """``unpack_kv`` without the final copy: the tensor may share memory with `data` (or with
+    the store holding it), so treat it as read-only and copy out of it. Same checks, same errors."""
+    verify_chunk(data, ref)  # hash first: never decode bytes we cannot vouch for
+    dtype = _as_dtype(expect_dtype)
+    shape = tuple(int(s) for s in expect_shape)
+    if ref.codec == "none":  # decode() would only copy it and check the size
+        if len(data) != ref.raw_size:
+            raise CorruptCheckpoint(f"chunk {ref.hash}: none data decodes to {len(data)} bytes, "
+                                    f"declared {ref.raw_size}")
+        raw = data
+    else:
+        try:
+            raw = decode(ref.codec, data, ref.raw_size, torch.empty((), dtype=dtype).element_size())
+        except CorruptCheckpoint as exc:
+            raise CorruptCheckpoint(f"chunk {ref.hash}: {exc}") from None
+    # Fast path: the exact header this module (and safetensors.torch.save) writes for the expected
+    # tensor, followed by exactly its bytes. That is a valid payload of the right shape and dtype.
+    code = _ST_DTYPES.get(dtype)
+    n = math.prod(shape) * dtype.itemsize if len(shape) == 4 else -1
+    if code is not None and n > 0:
+        prefix = _st_prefix(shape, code, n)
+        p = len(prefix)
+        if len(raw) == p + n and raw[:p] == prefix:
+            if isinstance(raw, bytearray):
+                return _payload(raw, p, shape, dtype, n)
+            return _view_readonly(raw, p, shape, dtype, n)
+    # Anything else (other header spellings, metadata, wrong shapes): the full parser and its errors.
+    try:
+        tensors = st_load(bytes(raw))
+    except Exception as exc:  # safetensors raises its own (non-Storage) error types on bad headers
+        raise CorruptCheckpoint(f"chunk {ref.hash}: not a valid safetensors payload ({exc})") from None
+    if set(tensors) != {TENSOR_NAME}:
+        raise CorruptCheckpoint(f"chunk {ref.hash}: expected one tensor {TENSOR_NAME!r}, found {sorted(tensors)}")
+    t = tensors[TENSOR_NAME]
+    if tuple(t.shape) != shape:
+        raise CorruptCheckpoint(f"chunk {ref.hash}: shape {list(t.shape)}, expected {list(shape)}")
+    if t.dtype != dtype:
+        raise CorruptCheckpoint(f"chunk {ref.hash}: dtype {dtype_name(t.dtype)}, expected {dtype_name(dtype)}")
+    return t
+
+
 def unpack_kv(
     data: bytes,
     ref: ChunkRef,
     expect_shape: tuple[int, ...] | torch.Size,
     expect_dtype: torch.dtype | str,
 ) -> torch.Tensor:
-    """Verify, decode and parse one chunk; any mismatch is ``CorruptCheckpoint`` naming the chunk."""
-    verify_chunk(data, ref)  # hash first: never decode bytes we cannot vouch for
-    dtype = _as_dtype(expect_dtype)
-    try:
-        raw = decode(ref.codec, data, ref.raw_size, torch.empty((), dtype=dtype).element_size())
-    except CorruptCheckpoint as exc:
-        raise CorruptCheckpoint(f"chunk {ref.hash}: {exc}") from None
-    try:
-        tensors = st_load(raw)
-    except Exception as exc:  # safetensors raises its own (non-Storage) error types on bad headers
-        raise CorruptCheckpoint(f"chunk {ref.hash}: not a valid safetensors payload ({exc})") from None
-    if set(tensors) != {TENSOR_NAME}:
-        raise CorruptCheckpoint(f"chunk {ref.hash}: expected one tensor {TENSOR_NAME!r}, found {sorted(tensors)}")
-    t = tensors[TENSOR_NAME]
-    if tuple(t.shape) != tuple(expect_shape):
-        raise CorruptCheckpoint(f"chunk {ref.hash}: shape {list(t.shape)}, expected {list(expect_shape)}")
-    if t.dtype != dtype:
-        raise CorruptCheckpoint(f"chunk {ref.hash}: dtype {dtype_name(t.dtype)}, expected {dtype_name(dtype)}")
-    return t
+    """Verify, decode and parse one chunk; any mismatch is ``CorruptCheckpoint`` naming the chunk.
+    The tensor is the caller's own (shares no memory with `data`)."""
+    t = kv_view(data, ref, expect_shape, expect_dtype)
+    return t.clone() if t.numel() else t
