@@ -127,7 +127,7 @@ def up(
     data_dir: Path = typer.Option(Path.home() / ".relayout", "--data-dir", help="the agent's data dir"),
 ) -> None:
     """Everything on one machine: node agent, one replica launched through it, gateway in front."""
-    from agent.agent import run_up
+    from agent.up import run_up
 
     raise typer.Exit(run_up(host, port, agent_port, data_dir, model, layout, log=lambda m: err.print(f"up: {m}")))
 

@@ -1,0 +1,181 @@
+"""Drain (SPEC §4): move every session of every replica on this node to another node before
+maintenance; every session live when the drain began ends up named in its result."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import httpx
+
+from agent.node import Agent
+from agent.schema import OP_TIMEOUT, AgentError
+
+DRAIN_PASSES = 8  # re-list and retry: sessions that finish or arrive while a replica is moved
+
+
+async def drain_node(ag: Agent, op: dict, target: str) -> dict:
+    """Move every session of every replica on this node to new replicas (same model and layout) on
+    `target`. Progress per replica is in op["result"] while it runs; a session that cannot be moved
+    is listed in `sessions_not_moved` (the op then fails), never dropped silently."""
+    from migrate.live import MigrationError, migrate_live
+
+    res: dict[str, Any] = {"target_agent": target, "replicas": [], "sessions_moved": 0, "sessions_not_moved": []}
+    op["result"] = res
+    rids = [rid for rid in list(ag.reg.replicas) if ag.refresh(rid).get("status") == "running"]
+    entries = {rid: {"replica": rid, "state": "pending", "target_replica": None, "target_url": None,
+                     "sessions_moved": [], "sessions_finished_here": [], "sessions_not_moved": [], "error": None,
+                     "bytes_done": 0, "launch_s": None, "move_s": None}
+               for rid in rids}
+    live_at_start: dict[str, set[str]] = {rid: set() for rid in rids}
+    res["replicas"] = list(entries.values())
+    for rid, r in ag.reg.replicas.items():
+        if rid not in entries and r.get("status") in ("dead", "starting"):
+            res["replicas"].append({"replica": rid, "state": "skipped", "error": f"replica is {r.get('status')}"})
+
+    async def sessions_of(url: str) -> list[str]:
+        async with httpx.AsyncClient(timeout=30.0) as c:
+            info = (await c.get(f"{url}/v1/replica", headers=ag.headers())).json()
+        return [s["id"] for s in info.get("sessions", [])]
+
+    async def session_state(url: str, sid: str) -> str:
+        try:
+            async with httpx.AsyncClient(timeout=10.0) as c:
+                return (await c.get(f"{url}/v1/sessions/{sid}", headers=ag.headers())).json().get("state", "unknown")
+        except (httpx.HTTPError, ValueError):
+            return "unknown"
+
+    async def wait_not_busy(rid: str) -> None:
+        end = time.monotonic() + 300
+        while rid in ag.busy and time.monotonic() < end:
+            await asyncio.sleep(0.2)
+        if rid in ag.busy:
+            raise AgentError(409, f"replica {rid} stayed busy with operation {ag.busy[rid]}")
+
+    async def launch_target(rid: str) -> None:
+        e, r = entries[rid], ag.reg.replicas[rid]
+        e["state"] = "launching"
+        async with httpx.AsyncClient(timeout=OP_TIMEOUT) as c:
+            resp = await c.post(f"{target}/v1/replicas", headers=ag.headers(),
+                                json={"model": r["model"], "layout": r.get("layout")})
+        if resp.status_code >= 400:
+            raise AgentError(502, f"target agent refused the replica ({resp.status_code}): {resp.text[:300]}")
+        tr = resp.json()
+        e.update(target_replica=tr["id"], target_url=tr["url"], state="launched")
+
+    async def move(rid: str) -> None:
+        e, src = entries[rid], ag.reg.replicas[rid]["url"]
+        e["state"] = "migrating"
+        op["phase"] = f"migrating {rid}"
+        failed: dict[str, str] = {}  # sessions given up on (a move of them alone failed), with the reason
+        last_err: dict[str, str] = {}
+        strikes = 0
+        seen = live_at_start[rid]  # so a session that finishes here before its turn is still accounted for
+        for _ in range(DRAIN_PASSES):
+            ids = [s for s in await sessions_of(src) if s not in failed]
+            seen.update(ids)
+            if not ids:
+                break
+            # all at once; after two failed tries one by one, so one bad session cannot hold back the rest
+            for group in ([ids] if strikes < 2 else [[s] for s in ids]):
+                base = e["bytes_done"]
+
+                def progress(phase=None, nbytes=None, *_, _base=base, **__):
+                    if phase is not None:
+                        op["phase"] = f"{rid}: {phase}"
+                    if nbytes is not None:
+                        e["bytes_done"] = _base + nbytes
+                        op["bytes_done"] = sum(x["bytes_done"] for x in entries.values())
+
+                try:
+                    mr = await asyncio.to_thread(migrate_live, src, e["target_url"], group, token=ag.token,
+                                                 mode="live", progress=progress)
+                except MigrationError as err:
+                    if err.committed_sessions:  # failed after the commit: they live on the target now
+                        e["sessions_moved"] += [s for s in err.committed_sessions if s not in e["sessions_moved"]]
+                    # often a session finished between the pre-copy and the cutover: the next pass lists again
+                    for sid in group:
+                        last_err[sid] = str(err)
+                    if len(group) == 1:
+                        failed[group[0]] = str(err)
+                    else:
+                        strikes += 1
+                    continue
+                e["bytes_done"] = base + mr.bytes_total
+                op["bytes_done"] = sum(x["bytes_done"] for x in entries.values())
+                op["stall_ms"] = max(op.get("stall_ms") or 0.0, mr.stall_ms)
+                e["sessions_moved"] += [s for s in mr.sessions if s not in e["sessions_moved"]]
+                for sid in group:
+                    if sid not in mr.sessions and sid not in e["sessions_finished_here"]:
+                        if await session_state(src, sid) == "finished":
+                            e["sessions_finished_here"].append(sid)
+        left = [s for s in await sessions_of(src)]
+        # the source's own word settles any session the migration results did not name (e.g. a
+        # move whose answer was lost after its commit): released to the target, or finished here
+        for sid in sorted(seen - set(left) - set(e["sessions_moved"]) - set(e["sessions_finished_here"])):
+            state = await session_state(src, sid)
+            if state == "migrated":
+                e["sessions_moved"].append(sid)
+            elif state == "finished":
+                e["sessions_finished_here"].append(sid)
+            else:
+                e["sessions_not_moved"].append({"id": sid, "error": f"not on the source any more (state {state})"})
+        for sid in left:
+            why = failed.get(sid) or last_err.get(sid) or f"still on the source after {DRAIN_PASSES} passes"
+            e["sessions_not_moved"].append({"id": sid, "error": why})
+        e["state"] = "failed" if left or e["sessions_not_moved"] else "drained"
+
+    async def drain_replica(rid: str) -> None:
+        # each replica moves as soon as its own target is up: sessions keep decoding on the source
+        # meanwhile, and a later replica's sessions do not wait behind an earlier one's move
+        e = entries[rid]
+        t0 = time.monotonic()
+        try:
+            await launch_target(rid)
+            e["launch_s"] = round(time.monotonic() - t0, 2)
+            await wait_not_busy(rid)
+        except AgentError as err:
+            e.update(state="failed", error=err.message)
+            return
+        except (httpx.HTTPError, ValueError, KeyError) as err:
+            e.update(state="failed", error=f"{type(err).__name__}: {err}")
+            return
+        ag.busy[rid] = op["id"]
+        t0 = time.monotonic()
+        try:
+            await move(rid)
+        except (httpx.HTTPError, ValueError, KeyError) as err:
+            e.update(state="failed", error=f"{type(err).__name__}: {err}")
+        finally:
+            ag.busy.pop(rid, None)
+            e["move_s"] = round(time.monotonic() - t0, 2)
+
+    try:
+        for rid in rids:  # what was live when the drain began: every one of these ends up named in the result
+            try:
+                live_at_start[rid] = set(await sessions_of(ag.reg.replicas[rid]["url"]))
+            except (httpx.HTTPError, ValueError):
+                pass  # move() lists again; an unreachable replica fails there with the reason
+        op["phase"] = "launching target replicas"
+        await asyncio.gather(*(drain_replica(rid) for rid in rids))
+        # replicas that failed before moving anything: their live sessions are reported too
+        for rid in rids:
+            e = entries[rid]
+            if e["state"] == "failed" and not e["sessions_not_moved"]:
+                try:
+                    left = await sessions_of(ag.reg.replicas[rid]["url"])
+                except (httpx.HTTPError, ValueError):
+                    left = []
+                e["sessions_not_moved"] = [{"id": s, "error": e["error"]} for s in left]
+    finally:
+        res["sessions_moved"] = sum(len(e["sessions_moved"]) for e in entries.values())
+        res["sessions_not_moved"] = [s for e in entries.values() for s in e["sessions_not_moved"]]
+        res["sessions"] = [s for e in entries.values() for s in e["sessions_moved"]]
+        ag.reg.save()
+    bad = [e for e in entries.values() if e["state"] == "failed"]
+    if bad:
+        raise AgentError(502, f"drain incomplete: {len(res['sessions_not_moved'])} session(s) not moved, "
+                              f"replica(s) {', '.join(e['replica'] for e in bad)} failed; see result")
+    op["phase"] = "drained"
+    return res

@@ -1,0 +1,268 @@
+"""The node agent's state: its registry of replicas, the replica processes it launched, and
+the operations (checkpoint, restore, migrate, drain) it runs against them."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from agent.registry import Registry
+from agent.schema import OP_TIMEOUT, AgentError, check_id
+from migrate.procs import stop_process
+
+URL_RE = re.compile(r"relayout serving .* on (http://\S+)")
+LAUNCH_TIMEOUT = float(os.environ.get("RELAYOUT_LAUNCH_TIMEOUT", "180"))
+
+
+def relayout_cmd() -> list[str]:
+    exe = Path(sys.executable).with_name("relayout")
+    if exe.exists():
+        return [str(exe)]
+    return [sys.executable, "-c", "from agent.cli import app; app()"]
+
+
+def _pid_alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # a zombie child is not alive
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+class Agent:
+    def __init__(self, data_dir: Path, token: str | None, advertise_host: str):
+        self.data_dir = Path(data_dir).resolve()
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        (self.data_dir / "checkpoints").mkdir(exist_ok=True)
+        (self.data_dir / "replicas").mkdir(exist_ok=True)
+        self.token = token
+        self.host = advertise_host
+        self.reg = Registry(self.data_dir)
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.busy: dict[str, str] = {}  # replica id -> operation id
+        self.tasks: set[asyncio.Task] = set()
+        self.draining = False
+        self.drain_op: str | None = None
+        self.agent_id = secrets.token_hex(8)  # tells a drain that its target is this very agent
+        self.metrics = CollectorRegistry(auto_describe=True)
+        self.m_ops = Counter("relayout_agent_operations", "Operations by kind and outcome", ["kind", "outcome"],
+                             registry=self.metrics)
+        self.m_bytes = Counter("relayout_agent_bytes_moved", "Checkpoint/transfer bytes moved", registry=self.metrics)
+        self.m_replicas = Gauge("relayout_agent_replicas", "Replicas by status", ["status"], registry=self.metrics)
+        self.m_sessions = Gauge("relayout_agent_sessions", "Live sessions on this node's replicas (last seen)",
+                                registry=self.metrics)
+        self.sessions_seen: dict[str, int] = {}
+
+    # ---- helpers -----------------------------------------------------------------------------
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
+
+    def file_roots(self) -> list[str]:
+        roots = [str(self.data_dir)]
+        extra = os.environ.get("RELAYOUT_FILE_ROOTS")
+        if extra:
+            roots += [r for r in extra.split(os.pathsep) if r]
+        return roots
+
+    def startup(self) -> None:
+        self.reg.load()
+        for op in self.reg.operations.values():
+            if op.get("state") in ("pending", "running"):
+                op.update(state="failed", error="agent restarted", finished_at=time.time())
+        for r in self.reg.replicas.values():
+            if r.get("status") == "running" and not (_pid_alive(r.get("pid")) and self._answers(r.get("url"))):
+                r.update(status="dead", exit_code=None)
+        self.reg.save()
+
+    def _answers(self, url: str | None) -> bool:
+        if not url:
+            return False
+        try:
+            return httpx.get(f"{url}/health", timeout=3.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def refresh(self, rid: str) -> dict:
+        r = self.reg.replicas[rid]
+        if r.get("status") != "running":
+            return r
+        p = self.procs.get(rid)
+        code = p.poll() if p is not None else None
+        if (p is not None and code is not None) or (p is None and not _pid_alive(r.get("pid"))):
+            r.update(status="dead", exit_code=code)
+            self.reg.save()
+        return r
+
+    def get_replica(self, rid: str) -> dict:
+        check_id(rid, "replica")
+        if rid not in self.reg.replicas:
+            raise AgentError(404, f"no replica {rid!r}")
+        return self.refresh(rid)
+
+    # ---- replicas ---------------------------------------------------------------------------
+    async def launch(self, model: str, layout: str | None, name: str | None = None) -> dict:
+        rid = name or f"r-{secrets.token_hex(4)}"
+        if rid in self.reg.replicas:
+            raise AgentError(409, f"replica {rid!r} already exists")
+        log = self.data_dir / "replicas" / f"{rid}.log"
+        cmd = relayout_cmd() + ["serve", "--model", model, "--host", self.host, "--port", "0"]
+        if layout:
+            cmd += ["--layout", layout]
+        env = dict(os.environ, RELAYOUT_DATA_DIR=str(self.data_dir), RELAYOUT_FILE_ROOTS=os.pathsep.join(self.file_roots()))
+        if self.token:
+            env["RELAYOUT_TOKEN"] = self.token
+        else:
+            env.pop("RELAYOUT_TOKEN", None)
+        self.reg.replicas[rid] = {"id": rid, "model": model, "layout": layout, "status": "starting", "pid": None,
+                                  "url": None, "created_at": time.time()}
+        with open(log, "wb") as out:
+            p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                 start_new_session=True)
+        self.procs[rid] = p
+        self.reg.replicas[rid]["pid"] = p.pid
+        deadline = time.monotonic() + LAUNCH_TIMEOUT
+        url = None
+        while time.monotonic() < deadline:
+            m = URL_RE.search(log.read_text(errors="replace"))
+            if m:
+                url = m.group(1)
+                break
+            if p.poll() is not None:
+                break
+            await asyncio.sleep(0.1)
+        if url is None:
+            tail = log.read_text(errors="replace")[-800:]
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            self.reg.replicas.pop(rid, None)
+            self.procs.pop(rid, None)
+            self.reg.save()
+            raise AgentError(400 if p.returncode not in (None, -9) else 504,
+                             f"replica did not start (exit {p.returncode}): {tail.strip()[-400:]}", "launch_failed")
+        lay = None
+        try:
+            async with httpx.AsyncClient(timeout=10.0) as c:
+                info = (await c.get(f"{url}/v1/replica", headers=self.headers())).json()
+            lay = info.get("layout")
+        except (httpx.HTTPError, ValueError):
+            pass
+        self.reg.replicas[rid].update(status="running", url=url, layout=lay or layout)
+        self.reg.save()
+        return {"id": rid, "url": url, "layout": lay or layout}
+
+    async def describe(self, rid: str) -> dict:
+        r = dict(self.get_replica(rid))
+        if r["status"] == "running":
+            try:
+                async with httpx.AsyncClient(timeout=5.0) as c:
+                    resp = await c.get(f"{r['url']}/v1/replica", headers=self.headers())
+                if resp.status_code == 200:
+                    info = resp.json()
+                    r.update(layout=info.get("layout"), sessions=info.get("sessions", []),
+                             kv_blocks_used=info.get("kv_blocks_used"), num_blocks=info.get("num_blocks"))
+                    self.sessions_seen[rid] = len(r["sessions"])
+                else:
+                    r["replica_error"] = f"replica answered {resp.status_code}"
+            except (httpx.HTTPError, ValueError) as e:
+                r["replica_error"] = f"replica unreachable: {type(e).__name__}"
+        r.setdefault("sessions", [])
+        return r
+
+    def stop_replica(self, rid: str, timeout: float = 15.0) -> None:
+        r = self.reg.replicas[rid]
+        p = self.procs.pop(rid, None)
+        pid = r.get("pid")
+        if p is not None:
+            stop_process(p, timeout)
+            r["exit_code"] = p.returncode
+        elif _pid_alive(pid):
+            try:
+                os.kill(pid, signal.SIGTERM)
+                end = time.monotonic() + timeout
+                while _pid_alive(pid) and time.monotonic() < end:
+                    time.sleep(0.1)
+                if _pid_alive(pid):
+                    os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        r["status"] = "stopped"
+        self.sessions_seen.pop(rid, None)
+
+    def stop_all(self) -> None:
+        for rid, r in list(self.reg.replicas.items()):
+            if r.get("status") in ("running", "starting"):
+                self.stop_replica(rid)
+        self.reg.save()
+
+    # ---- operations -------------------------------------------------------------------------
+    def new_op(self, kind: str, replica: str | None, work) -> str:
+        if replica is not None:
+            if replica in self.busy:
+                raise AgentError(409, f"replica {replica!r} is busy with operation {self.busy[replica]}")
+        oid = f"op-{secrets.token_hex(6)}"
+        op = {"id": oid, "kind": kind, "replica": replica, "state": "pending", "phase": "queued", "bytes_done": 0,
+              "bytes_total": None, "stall_ms": None, "error": None, "result": None, "created_at": time.time()}
+        self.reg.operations[oid] = op
+        if replica is not None:
+            self.busy[replica] = oid
+        self.reg.save()
+
+        async def run():
+            op.update(state="running")
+            try:
+                op["result"] = await work(op)
+                op["state"] = "succeeded"
+            except AgentError as e:
+                op.update(state="failed", error=e.message)
+            except asyncio.CancelledError:
+                op.update(state="aborted", error="cancelled")
+                raise
+            except Exception as e:  # reported, never raised into the server
+                op.update(state="failed", error=f"{type(e).__name__}: {e}")
+            finally:
+                op["finished_at"] = time.time()
+                op["phase"] = "done"
+                self.m_ops.labels(kind, op["state"]).inc()
+                if op.get("bytes_done"):
+                    self.m_bytes.inc(op["bytes_done"])
+                if replica is not None:
+                    self.busy.pop(replica, None)
+                self.reg.save()
+
+        t = asyncio.get_running_loop().create_task(run())
+        self.tasks.add(t)
+        t.add_done_callback(self.tasks.discard)
+        return oid
+
+    async def replica_post(self, url: str, path: str, body: dict) -> dict:
+        async with httpx.AsyncClient(timeout=OP_TIMEOUT) as c:
+            resp = await c.post(f"{url}{path}", json=body, headers=self.headers())
+        try:
+            data = resp.json()
+        except ValueError:
+            data = {}
+        if resp.status_code >= 400:
+            msg = (data.get("error") or {}).get("message") if isinstance(data, dict) else None
+            raise AgentError(resp.status_code if resp.status_code < 500 else 502,
+                             f"replica {path} failed ({resp.status_code}): {msg or resp.text[:300]}")
+        return data
