@@ -8,9 +8,28 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 BLOCK_SIZE = 16
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)``; host to host of one dtype goes through numpy: one thread, no OpenMP team
+    per call (whose wake-ups dominate chunk-sized copies on a busy machine) and the GIL released,
+    so several chunks copy at once from parallel_map."""
+    it = _SAME_SIZE_INT.get(dst.element_size())
+    if (dst.dtype != src.dtype or it is None or dst.device.type != "cpu" or src.device.type != "cpu"
+            or dst.shape != src.shape or dst.numel() == 0 or dst.stride(-1) != 1 or src.stride(-1) != 1):
+        dst.copy_(src)
+        return
+    try:
+        d, s = dst.view(it).numpy(), src.view(it).numpy()
+    except (RuntimeError, TypeError):  # a tensor numpy cannot see (autograd, conj views...)
+        dst.copy_(src)
+        return
+    np.copyto(d, s)  # bit copy: the same dtype on both sides
 
 
 class OutOfBlocks(RuntimeError):
@@ -157,8 +176,8 @@ class KVCache:
         k, v = self.k[layer], self.v[layer]
         for a, b, blk, off in self._runs(blocks, tok_lo, tok_hi):
             nb = (off + b - a + self.block_size - 1) // self.block_size
-            out[0, :, a - tok_lo : b - tok_lo].copy_(k[blk : blk + nb].flatten(0, 1)[off : off + b - a].transpose(0, 1))
-            out[1, :, a - tok_lo : b - tok_lo].copy_(v[blk : blk + nb].flatten(0, 1)[off : off + b - a].transpose(0, 1))
+            copy_into(out[0, :, a - tok_lo : b - tok_lo], k[blk : blk + nb].flatten(0, 1)[off : off + b - a].transpose(0, 1))
+            copy_into(out[1, :, a - tok_lo : b - tok_lo], v[blk : blk + nb].flatten(0, 1)[off : off + b - a].transpose(0, 1))
 
     def import_from(self, blocks: list[int], layer: int, tok_lo: int, kv: torch.Tensor, head_lo: int = 0) -> None:
         """Inverse of export_into for local heads [head_lo, head_lo + kv.shape[1]): kv is
@@ -173,8 +192,8 @@ class KVCache:
             nb = (off + b - a + self.block_size - 1) // self.block_size
             rows = slice(off, off + b - a)
             src = slice(a - tok_lo, b - tok_lo)
-            k[blk : blk + nb].flatten(0, 1)[rows, head_lo : head_lo + h].copy_(kv[0, :, src].transpose(0, 1))
-            v[blk : blk + nb].flatten(0, 1)[rows, head_lo : head_lo + h].copy_(kv[1, :, src].transpose(0, 1))
+            copy_into(k[blk : blk + nb].flatten(0, 1)[rows, head_lo : head_lo + h], kv[0, :, src].transpose(0, 1))
+            copy_into(v[blk : blk + nb].flatten(0, 1)[rows, head_lo : head_lo + h], kv[1, :, src].transpose(0, 1))
 
     def import_tokens(self, blocks: list[int], tok_lo: int, kv: torch.Tensor) -> None:
         """Inverse of export_tokens; kv: [layers, 2, kv_heads, tokens, head_dim]."""

@@ -22,7 +22,7 @@ from engine.executor import LocalExecutor
 from engine.kv_cache import KVCache, blocks_needed
 from engine.session import SessionState, SessionStatus
 from storage.checkpoint import CheckpointReader, CheckpointWriter
-from storage.chunks import dtype_name, new_kv_chunk
+from storage.chunks import dtype_name, new_kv_chunk, parallel_map
 from storage.errors import CorruptCheckpoint, ModelMismatch
 from storage.manifest import KVGeometry, Manifest, ModelRef
 
@@ -102,12 +102,11 @@ def _host_pool(engine: LLMEngine) -> tuple[KVCache, tuple[int, int]] | None:
 def _export_chunks(pool: KVCache, heads: tuple[int, int], blocks: list[int], lo: int, hi: int
                    ) -> list[tuple[int, int, int, int, int, torch.Tensor]]:
     k0 = pool.k[0]
-    chunks = []
-    for a, b in _chunk_ranges(lo, hi):
-        for layer in range(len(pool.k)):
-            t = new_kv_chunk((2, k0.shape[2], b - a, k0.shape[3]), k0.dtype)
-            pool.export_into(blocks, layer, a, b, t)
-            chunks.append((layer, heads[0], heads[1], a, b, t))
+    chunks = [(layer, heads[0], heads[1], a, b, new_kv_chunk((2, k0.shape[2], b - a, k0.shape[3]), k0.dtype))
+              for a, b in _chunk_ranges(lo, hi) for layer in range(len(pool.k))]
+    # buffers from this thread's allocator (reused from the last snapshot's where it kept them);
+    # the copies, and the first touch of fresh pages, on all cores
+    parallel_map(lambda c: pool.export_into(blocks, c[0], c[3], c[4], c[5]), chunks)
     return chunks
 
 
@@ -165,8 +164,14 @@ def write_snapshot(snaps: list[SessionSnapshot], writer: CheckpointWriter, tok_f
     for snap in snaps:
         sid = snap.state.session_id
         if snap.chunks is not None:  # already cut and laid out by take_snapshot: hash and store
-            for layer, head_lo, head_hi, a, b, part in snap.chunks:
-                writer.put_kv(sid, layer, head_lo, head_hi, a, b, part)
+            def put(c: tuple[int, int, int, int, int, torch.Tensor], sid: str = sid) -> object:
+                return writer.put_kv(sid, *c)
+
+            if type(writer).put_kv is CheckpointWriter.put_kv:  # thread-safe: chunks hash and store in parallel
+                parallel_map(put, snap.chunks)
+            else:  # a subclass (e.g. a transfer's frame writer) gets them in order, one at a time
+                for c in snap.chunks:
+                    put(c)
         else:
             lo0 = (tok_from or {}).get(sid, 0)
             for head_lo, head_hi, kv in snap.kv:
@@ -272,10 +277,13 @@ def _import_session(engine: LLMEngine, reader: CheckpointReader, sid: str, group
     host = _host_pool(engine)
     if host is not None:
         pool, (h_lo, h_hi) = host
-        for layer in range(c.num_layers):
+
+        def one_layer(layer: int) -> None:  # layers write disjoint pool tensors: one per thread
             for e, t in reader.kv_pieces(sid, layer, h_lo, h_hi):
                 lo, hi = max(h_lo, e.head_lo), min(h_hi, e.head_hi)
                 pool.import_from(blocks, layer, e.tok_lo, t[:, lo - e.head_lo : hi - e.head_lo], lo - h_lo)
+
+        parallel_map(one_layer, range(c.num_layers))
         return
     kv = torch.empty((c.num_layers, 2, c.num_kv_heads, n_kv, c.head_dim), dtype=reader.dtype)
     for layer in range(c.num_layers):

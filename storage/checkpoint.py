@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from storage.chunks import dtype_name, kv_view, pack_kv
+from storage.chunks import dtype_name, kv_view, pack_kv, parallel_map
 from storage.errors import CorruptCheckpoint, ModelMismatch
 from storage.manifest import KVEntry, KVGeometry, Manifest, ModelRef, SessionEntry, coverage_gap
 from storage.store_base import Store, check_id
@@ -281,15 +281,15 @@ class CheckpointReader:
         if gap is not None:
             raise CorruptCheckpoint(f"checkpoint {self.manifest.checkpoint_id} is incomplete: {gap}")
         seen: set[tuple[str, tuple[int, ...]]] = set()
-        total = 0
+        todo = []
         for e in self.manifest.kv_entries:
             shape = e.shape(self.manifest.kv.head_dim)
             if (e.chunk.hash, shape) in seen:
                 continue
             seen.add((e.chunk.hash, shape))
-            self._load(e, shape)
-            total += e.chunk.size
-        return total
+            todo.append((e, shape))
+        parallel_map(lambda x: self._load(*x) is None, todo)  # hashing releases the GIL: all cores; keep nothing
+        return sum(e.chunk.size for e, _ in todo)
 
     def total_bytes(self) -> int:
         """Stored bytes of the distinct chunks (what a transfer of this checkpoint moves)."""

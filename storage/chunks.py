@@ -17,6 +17,9 @@ import json
 import math
 import threading
 import warnings
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import torch
 import xxhash
@@ -28,6 +31,39 @@ from storage.errors import CorruptCheckpoint
 from storage.manifest import ChunkRef
 
 TENSOR_NAME = "kv"
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+_IN_POOL = threading.local()
+
+
+def _run_in_pool(fn: Callable[[_T], _R], x: _T) -> _R:
+    _IN_POOL.on = True
+    return fn(x)
+
+
+def parallel_map(fn: Callable[[_T], _R], items: Iterable[_T]) -> list[_R]:
+    """``[fn(x) for x in items]`` on up to torch.get_num_threads() threads, in order; the first
+    exception is raised (after the calls already running end). For work that releases the GIL
+    (hashing, numpy copies, store I/O): one chunk per call, no per-call OpenMP team to wake."""
+    global _POOL
+    items = list(items)
+    n = max(1, torch.get_num_threads())
+    if n == 1 or len(items) < 2 or getattr(_IN_POOL, "on", False):  # nested: inline, never wait on ourselves
+        return [fn(x) for x in items]
+    with _POOL_LOCK:
+        if _POOL is None or _POOL._max_workers != n:  # follows set_num_threads
+            if _POOL is not None:
+                _POOL.shutdown(wait=False)
+            _POOL = ThreadPoolExecutor(n, thread_name_prefix="relayout-chunks")
+        pool = _POOL
+    futs = [pool.submit(_run_in_pool, fn, x) for x in items]
+    try:
+        return [f.result() for f in futs]
+    finally:
+        for f in futs:
+            f.cancel()
 
 
 def chunk_hash(data: bytes) -> str:
