@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from agent.drain import drain_node
 from agent.node import Agent
 from agent.schema import (
+    ID_RE,
     MAX_BODY,
     OP_TIMEOUT,
     AgentError,
@@ -287,8 +288,13 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
             raise AgentError(400, "target_agent is this agent: drain to another node")
         if h.get("draining"):
             raise AgentError(409, f"target_agent {target} is draining itself")
+        layouts: dict[str, str | None] = {}
+        for rid, lay in (body.layouts or {}).items():
+            if not ID_RE.fullmatch(rid) or rid not in ag.reg.replicas:
+                raise AgentError(400, f"layouts: no replica {rid!r} on this node")
+            layouts[rid] = validate_layout(ag.reg.replicas[rid]["model"], lay)
         ag.draining = True  # from now on: no new replicas here, and the gateways stop routing here
-        ag.drain_op = ag.new_op("drain", None, lambda op: drain_node(ag, op, target))
+        ag.drain_op = ag.new_op("drain", None, lambda op: drain_node(ag, op, target, layouts))
         return {"operation_id": ag.drain_op}
 
     @v1.post("/undrain")

@@ -443,13 +443,21 @@ def drain(
                                           "another agent of RELAYOUT_AGENTS)"),
     wait: bool = typer.Option(True, "--wait/--no-wait", help="follow the operation to its end (default)"),
     token_file: Path = typer.Option(None, "--token-file"),
+    layout: list[str] = typer.Option(None, "--layout", help="REPLICA_ID=LAYOUT: launch that replica's target with "
+                                                            "this (planned) layout; repeatable"),
 ) -> None:
     """Move every session of every replica on a node to new replicas on another agent (live), then the node
     refuses new replicas and sessions until `POST /v1/undrain`. Prints per-replica results."""
     tok = _token(token_file)
     base = agent_url.rstrip("/")
+    body: dict = {}
+    for item in layout or []:
+        rid, sep, lay = item.partition("=")
+        if not sep or not rid or not lay:
+            _fail(f"--layout wants REPLICA_ID=LAYOUT, got {item!r}")
+        body.setdefault("layouts", {})[rid] = lay
     target = target_agent or _drain_target(base, {"Authorization": f"Bearer {tok}"} if tok else {})
-    _run_operation(base, "/v1/drain", {"target_agent": target.rstrip("/")}, token_file, wait=wait)
+    _run_operation(base, "/v1/drain", {"target_agent": target.rstrip("/"), **body}, token_file, wait=wait)
 
 
 # ---- layout planning and the re-layout controller -------------------------------------------------

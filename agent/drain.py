@@ -15,9 +15,9 @@ from agent.schema import OP_TIMEOUT, AgentError
 DRAIN_PASSES = 8  # re-list and retry: sessions that finish or arrive while a replica is moved
 
 
-async def drain_node(ag: Agent, op: dict, target: str) -> dict:
-    """Move every session of every replica on this node to new replicas (same model and layout) on
-    `target`. Progress per replica is in op["result"] while it runs; a session that cannot be moved
+async def drain_node(ag: Agent, op: dict, target: str, layouts: dict[str, str | None] | None = None) -> dict:
+    """Move every session of every replica on this node to new replicas of the same model on
+    `target`, each with its own layout unless `layouts` plans another for it. Progress per replica is in op["result"] while it runs; a session that cannot be moved
     is listed in `sessions_not_moved` (the op then fails), never dropped silently."""
     from migrate.live import MigrationError, migrate_live
 
@@ -58,7 +58,7 @@ async def drain_node(ag: Agent, op: dict, target: str) -> dict:
         e["state"] = "launching"
         async with httpx.AsyncClient(timeout=OP_TIMEOUT) as c:
             resp = await c.post(f"{target}/v1/replicas", headers=ag.headers(),
-                                json={"model": r["model"], "layout": r.get("layout")})
+                                json={"model": r["model"], "layout": (layouts or {}).get(rid, r.get("layout"))})
         if resp.status_code >= 400:
             raise AgentError(502, f"target agent refused the replica ({resp.status_code}): {resp.text[:300]}")
         tr = resp.json()

@@ -84,6 +84,8 @@ class MigrateBody(BaseModel):
 class DrainBody(BaseModel):
     model_config = _STRICT
     target_agent: str = Field(..., pattern=r"^https?://[^\s]+$", max_length=2048)
+    # a planned layout per replica (e.g. from `relayout plan`); the others keep theirs
+    layouts: dict[str, str | dict] | None = Field(None, max_length=1024)
 
 
 def check_session_ids(ids: list[str] | None) -> None:

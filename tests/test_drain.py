@@ -21,6 +21,9 @@ REQS = [dict(prompt=f"drain {i}: " + "xyz" * (i % 4), max_tokens=3600 + 50 * i,
         for i in range(8)]
 
 
+PLANNED = {"placement": [[7, 6, 5, 4, 3, 2, 1, 0], [1, 0, 3, 2, 5, 4, 7, 6]]}  # builtin:tiny: 2 layers x 8 experts
+
+
 def stream(base: str, req: dict, out: dict, key, started: threading.Event | None = None) -> None:
     client = OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=300)
     toks, sid = [], None
@@ -78,6 +81,11 @@ def test_drain_moves_every_stream_to_the_other_agent(two_agents):
     for t in ts:
         t.start()
         time.sleep(0.05)
+    # a planned layout for one replica's target is checked before anything starts
+    for bad in ({"r-nope": "attn_dp=1"}, {reps[1]["id"]: "attn_tp=3"}, {"../x": "attn_dp=1"}):
+        r = httpx.post(f"{a}/v1/drain", headers=H, json={"target_agent": b, "layouts": bad})
+        assert r.status_code == 400, r.text
+    assert httpx.get(f"{a}/healthz").json()["draining"] is False
     for e in started:
         assert e.wait(90)
     assert not [got[i] for i in got if isinstance(got[i], Exception)], got
@@ -85,7 +93,8 @@ def test_drain_moves_every_stream_to_the_other_agent(two_agents):
     per_replica = [len(x["sessions"]) for x in info]
     assert sum(per_replica) == len(REQS) and min(per_replica) > 0, info  # both replicas serve
 
-    r = httpx.post(f"{a}/v1/drain", headers=H, json={"target_agent": b})
+    # replica 1 moves to the same layout, replica 2 to a planned one (its experts in another order)
+    r = httpx.post(f"{a}/v1/drain", headers=H, json={"target_agent": b, "layouts": {reps[1]["id"]: PLANNED}})
     assert r.status_code == 202, r.text
     oid = r.json()["operation_id"]
     assert httpx.post(f"{a}/v1/drain", headers=H, json={"target_agent": b}).status_code == 409
@@ -112,10 +121,11 @@ def test_drain_moves_every_stream_to_the_other_agent(two_agents):
     assert [x["replica"] for x in res["replicas"]] == [x["id"] for x in reps]
     assert all(x["state"] == "drained" and x["target_replica"] for x in res["replicas"]), res
 
-    # the same layouts were launched on B
+    # the same layout was launched on B for replica 1, the planned one for replica 2
     b_reps = {x["id"]: x for x in httpx.get(f"{b}/v1/replicas", headers=H).json()["replicas"]}
-    for src, moved in zip(reps, res["replicas"], strict=True):
-        assert b_reps[moved["target_replica"]]["layout"] == src["layout"]
+    got_layouts = [b_reps[moved["target_replica"]]["layout"] for moved in res["replicas"]]
+    assert got_layouts[0] == reps[0]["layout"]
+    assert got_layouts[1]["placement"] == PLANNED["placement"] and got_layouts[1] != reps[1]["layout"]
 
     moved_ids = {s for x in res["replicas"] for s in x["sessions_moved"]}
     finished_on_a = {s for x in res["replicas"] for s in x["sessions_finished_here"]}
