@@ -23,7 +23,7 @@ from engine.executor import LocalExecutor
 from engine.kv_cache import KVCache, blocks_needed
 from engine.session import SessionState, SessionStatus
 from storage.checkpoint import CheckpointReader, CheckpointWriter
-from storage.chunks import dtype_name, new_kv_chunk, parallel_map
+from storage.chunks import dtype_name, keep_freed_memory, new_kv_chunk, parallel_map
 from storage.errors import CorruptCheckpoint, ModelMismatch
 from storage.manifest import KVGeometry, Manifest, ModelRef
 
@@ -165,7 +165,12 @@ def take_snapshot(engine: LLMEngine, session_ids: list[str] | None = None, tok_f
     a bounded copy; later rounds send the rest."""
     snaps = []
     host = _host_pool(engine)
-    for s in _live(engine, session_ids):
+    live = _live(engine, session_ids)
+    if host is not None:  # the next snapshot this size reuses these buffers' memory once they are freed
+        k0 = host[0].k[0]
+        per_tok = len(host[0].k) * 2 * k0.shape[2] * k0.shape[3] * k0.element_size()
+        keep_freed_memory(per_tok * sum(max(0, s.num_computed - (tok_from or {}).get(s.session_id, 0)) for s in live))
+    for s in live:
         lo = (tok_from or {}).get(s.session_id, 0)
         n = s.num_computed if tok_cap is None else min(s.num_computed, lo + tok_cap)
         snap = SessionSnapshot(_copy_state(s), n)
