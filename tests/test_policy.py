@@ -21,6 +21,7 @@ from engine.weights import resolve_model
 from migrate.controller import Controller, SubprocessLauncher
 from migrate.planner import Placement, balance
 from migrate.policy import Observation, PolicyConfig, RelayoutPolicy, current_placement
+from migrate.procs import stop_process
 
 E, L = 8, 2
 EP2 = Layout.parse("attn_dp=2,moe_ep=2")
@@ -391,5 +392,5 @@ def test_controller_relayouts_skewed_replica_live(tmp_path):
         print(f"tiny shift on the new layout: {s3.decision.reason}")
     finally:
         if gw is not None:
-            SubprocessLauncher._kill(gw)
+            stop_process(gw)
         launcher.stop_all()
