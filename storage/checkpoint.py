@@ -19,7 +19,7 @@ import torch
 from storage.chunks import dtype_name, kv_view, pack_kv, parallel_map
 from storage.errors import CorruptCheckpoint, ModelMismatch
 from storage.manifest import KVEntry, KVGeometry, Manifest, ModelRef, SessionEntry, coverage_gap
-from storage.store_base import Store, check_hash, check_id
+from storage.store_base import Store, check_id
 
 ProgressFn = Callable[[int], None]  # called with the cumulative bytes written
 
@@ -95,7 +95,7 @@ class CheckpointWriter:
                 )
             self.store.pin(ref.hash)  # before put: a concurrent delete must not drop a shared chunk
             self._pinned.append(ref.hash)
-        self._put_chunk(ref.hash, data)
+        self.store.put_chunk(ref.hash, data, hashed=True)  # pack_kv just hashed these bytes
         with self._lock:
             self._entries.append(entry)
             self.bytes_written += ref.size
@@ -104,20 +104,6 @@ class CheckpointWriter:
         if self.progress is not None:
             self.progress(done)
         return entry
-
-    def _put_chunk(self, h: str, data: bytes) -> None:
-        """``store.put_chunk(h, data)`` without Store.put_chunk's second hash of `data`: pack_kv hashed
-        these very bytes a moment ago (a hash pass over the whole snapshot). A store with its own
-        put_chunk gets the call as is."""
-        st = self.store
-        if type(st).put_chunk is not Store.put_chunk:
-            st.put_chunk(h, data)
-            return
-        check_hash(h)
-        if st.has_chunk(h):
-            st._touch_chunk(h)
-        else:
-            st._put_chunk_new(h, data)
 
     def carry(self, entries: list[KVEntry]) -> None:
         """List entries whose chunks the destination already holds (earlier pre-copy rounds),

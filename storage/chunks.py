@@ -15,6 +15,7 @@ import ctypes
 import functools
 import json
 import math
+import os
 import threading
 import warnings
 from collections.abc import Callable, Iterable
@@ -97,7 +98,8 @@ except AttributeError:  # not CPython: a zeroed one
 # or sent, freed in one burst. glibc hands freed memory above 64 MiB straight back to the kernel,
 # so every snapshot page-faults all of its buffers in anew: ~1 GB/s on a VM, about a tenth of a
 # memcpy into memory the process already holds. keep_freed_memory lets malloc keep that much.
-KEEP_FREED_MAX = 1 << 30  # the most freed memory a snapshot asks malloc to keep for the next one
+# the most freed memory a snapshot asks malloc to keep for the next one (0: leave malloc alone)
+KEEP_FREED_MAX = int(os.environ.get("RELAYOUT_SNAPSHOT_KEEP_MB", 1024)) << 20
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _MMAP_THRESHOLD = 32 << 20  # glibc's own ceiling for its adaptive threshold: chunks come from the heap
 try:

@@ -81,10 +81,11 @@ class Store:
         return 0
 
     # ---- shared behaviour ---------------------------------------------------------------
-    def put_chunk(self, h: str, data: bytes) -> None:
-        """Store a chunk under its content hash; a no-op when already present."""
+    def put_chunk(self, h: str, data: bytes, *, hashed: bool = False) -> None:
+        """Store a chunk under its content hash; a no-op when already present. `hashed=True`: the
+        caller computed `h` from these very bytes a moment ago (pack_kv), so they are not hashed again."""
         check_hash(h)
-        actual = chunk_hash(data)
+        actual = h if hashed else chunk_hash(data)
         if actual != h:
             raise CorruptCheckpoint(f"chunk {h}: data hashes to {actual}; refusing to store it")
         if self.has_chunk(h):
