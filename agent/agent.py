@@ -292,7 +292,7 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
         for rid, lay in (body.layouts or {}).items():
             if not ID_RE.fullmatch(rid) or rid not in ag.reg.replicas:
                 raise AgentError(400, f"layouts: no replica {rid!r} on this node")
-            layouts[rid] = validate_layout(ag.reg.replicas[rid]["model"], lay)
+            layouts[rid] = await asyncio.to_thread(validate_layout, ag.reg.replicas[rid]["model"], lay)
         ag.draining = True  # from now on: no new replicas here, and the gateways stop routing here
         ag.drain_op = ag.new_op("drain", None, lambda op: drain_node(ag, op, target, layouts))
         return {"operation_id": ag.drain_op}
