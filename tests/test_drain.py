@@ -45,8 +45,14 @@ def stream(base: str, req: dict, out: dict, key, started: threading.Event | None
 
 
 def lower_priority(pid: int, niceness: int) -> None:
-    """Renice every thread of `pid` (Linux nice is per thread; threads and children created later
-    inherit it)."""
+    """Renice `pid`: its scheduler autogroup (the agent starts each replica in a session of its own,
+    and with autogroups enabled nice only weighs threads against their own group) and every thread
+    (Linux nice is per thread; threads created later inherit it)."""
+    try:
+        with open(f"/proc/{pid}/autogroup", "w") as f:
+            f.write(str(niceness))
+    except OSError:
+        pass  # no autogroups (or not allowed): the per-thread nice below is what counts then
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
             os.setpriority(os.PRIO_PROCESS, int(tid), niceness)
