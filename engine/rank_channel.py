@@ -45,28 +45,46 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).reshape(-1).numpy()) if t.numel() else memoryview(b"")
 
 
+@dataclass
+class Encoded:
+    """A message ready to send: encode once, send to every rank that gets the same command."""
+
+    head: bytes
+    bufs: list[memoryview]
+
+
+def encode(op: str, meta: Any = None, tensors: list[torch.Tensor] | tuple[torch.Tensor, ...] = ()) -> Encoded:
+    bufs = [_tensor_bytes(t) for t in tensors]
+    header = {"op": op, "meta": meta,
+              "tensors": [{"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)} for t in tensors]}
+    return Encoded(frame_head(MAGIC_RANK, header, sum(b.nbytes for b in bufs)), bufs)
+
+
 class RankChannel:
     """Framed messages over a connected socket. Not thread-safe: one sender, one receiver."""
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        host, port = sock.getpeername()[:2]
-        self.peer = f"{host}:{port}"
+        peer = sock.getpeername()
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.peer = f"{peer[0]}:{peer[1]}"
+        else:  # a local socket (tests use socketpairs)
+            self.peer = str(peer) or "local"
 
     def fileno(self) -> int:  # so multiprocessing.connection.wait / selectors can watch it
         return self.sock.fileno()
 
     def send(self, op: str, meta: Any = None, tensors: list[torch.Tensor] | tuple[torch.Tensor, ...] = ()) -> None:
-        bufs = [_tensor_bytes(t) for t in tensors]
-        header = {"op": op, "meta": meta,
-                  "tensors": [{"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)} for t in tensors]}
+        self.send_encoded(encode(op, meta, tensors))
+
+    def send_encoded(self, msg: Encoded) -> None:
         try:
-            self.sock.sendall(frame_head(MAGIC_RANK, header, sum(b.nbytes for b in bufs)))
-            for b in bufs:
+            self.sock.sendall(msg.head)
+            for b in msg.bufs:
                 self.sock.sendall(b)
         except OSError as e:
-            raise ChannelClosed(f"connection to {self.peer} broke while sending {op!r}: {e}") from None
+            raise ChannelClosed(f"connection to {self.peer} broke while sending: {e}") from None
 
     def _read_into(self, view: memoryview) -> None:
         got = 0

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from engine.config import ModelConfig
 from engine.layout import Layout
 from engine.parallel import init_groups
-from engine.rank_channel import ChannelClosed, ChannelError, Message, RankChannel
+from engine.rank_channel import ChannelClosed, ChannelError, Encoded, Message, RankChannel, encode
 from engine.runner import ModelRunner, StepBatch
 from engine.weights import model_identity
 
@@ -287,8 +287,11 @@ class RankExecutor:
 
     # ---- messaging ---------------------------------------------------------------------------
     def _send(self, rank: int, op: str, meta: object = None, tensors: list[torch.Tensor] | None = None) -> None:
+        self._send_encoded(rank, encode(op, meta, tensors or []))
+
+    def _send_encoded(self, rank: int, msg: Encoded) -> None:
         try:
-            self.chans[rank].send(op, meta, tensors or [])
+            self.chans[rank].send_encoded(msg)
         except ChannelClosed as e:
             self._fail(f"rank {rank} on {self.hosts.get(rank)} is gone ({e}){self._exit_code(rank)}")
 
@@ -329,9 +332,9 @@ class RankExecutor:
     # ---- Executor ----------------------------------------------------------------------------
     def execute(self, batches: list[StepBatch]) -> list[torch.Tensor]:
         lay = self.layout
-        metas = [vars(b) for b in batches]
+        msgs = [encode("step", vars(b)) for b in batches]  # once per DP group, not once per rank
         for r in range(lay.world_size):
-            self._send(r, "step", metas[lay.dp_group_of(r)])
+            self._send_encoded(r, msgs[lay.dp_group_of(r)])
         res = self._gather(list(range(lay.world_size)))
         return [res[g * lay.attn_tp].tensors[0] for g in range(lay.attn_dp)]
 
@@ -351,8 +354,9 @@ class RankExecutor:
 
     def import_kv(self, group: int, blocks: list[int], tok_lo: int, kv: torch.Tensor) -> None:
         ranks = self._group_ranks(group)
+        msg = encode("import", {"blocks": blocks, "tok_lo": tok_lo}, [kv])  # every TP rank gets all heads
         for r in ranks:
-            self._send(r, "import", {"blocks": blocks, "tok_lo": tok_lo}, [kv])
+            self._send_encoded(r, msg)
         self._gather(ranks)
 
     def moe_stats(self) -> list[dict]:

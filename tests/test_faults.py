@@ -23,6 +23,7 @@ import pytest
 from migrate.live import MigrationError, migrate_live
 from migrate.procs import alive, children_of, launch, rank_processes, replica
 from migrate.soak import Stream, port_of, reference, replica_state, wait_for
+from tests.conftest import _free_port
 from tests.proxy import Proxy
 
 TTL = 2.0  # RELAYOUT_TRANSFER_TTL_S of every replica here: how long a transfer may sit idle
@@ -82,14 +83,6 @@ def kit(tmp_path_factory):
         if mounted:
             subprocess.run(["umount", str(full)], capture_output=True)
         shutil.rmtree(full, ignore_errors=True)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

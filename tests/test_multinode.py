@@ -56,8 +56,7 @@ def driver_in_thread(layout: str, local: list[int], port: int, out: dict) -> thr
 # ---- the channel ------------------------------------------------------------------------------------
 def test_channel_round_trips_tensors_without_pickle():
     a, b = socket.socketpair()
-    tx, rx = RankChannel.__new__(RankChannel), RankChannel.__new__(RankChannel)
-    tx.sock, tx.peer, rx.sock, rx.peer = a, "a", b, "b"
+    tx, rx = RankChannel(a), RankChannel(b)
     ts = [torch.randn(3, 4), torch.randn(4, 6).t(), torch.randn(2, 3).to(torch.bfloat16),
           torch.arange(7), torch.empty(0, 5), torch.tensor([True, False])]
     meta = {"blocks": [1, 2, 3], "nested": {"x": [0.5]}}
@@ -87,8 +86,7 @@ def _raw_frame(magic: bytes, header: bytes, payload: bytes) -> bytes:
 ])
 def test_channel_refuses_malformed_frames(frame, why):
     a, b = socket.socketpair()
-    rx = RankChannel.__new__(RankChannel)
-    rx.sock, rx.peer = b, "b"
+    rx = RankChannel(b)
     a.sendall(frame)
     with pytest.raises(ChannelError, match=why):
         rx.recv(timeout=10)

@@ -14,35 +14,8 @@ from pathlib import Path
 
 from openai import OpenAI
 
+from migrate.procs import alive, process_tree
 from tests.conftest import _free_port
-
-
-def _children(pid: int) -> set[int]:
-    """Every descendant of pid, from /proc (replicas run in their own session, parented by the agent)."""
-    parent: dict[int, int] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    parent[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                pass
-    out, todo = set(), [pid]
-    while todo:
-        p = todo.pop()
-        for c, pp in parent.items():
-            if pp == p and c not in out:
-                out.add(c)
-                todo.append(c)
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_up_serves_through_gateway_and_stops_on_sigterm(tmp_path: Path):
@@ -75,14 +48,14 @@ def test_up_serves_through_gateway_and_stops_on_sigterm(tmp_path: Path):
         again = client.completions.create(model="builtin:tiny", prompt="Hello", max_tokens=8, temperature=0, seed=1)
         assert again.choices[0].text == r.choices[0].text
 
-        kids = _children(p.pid)
+        kids = set(process_tree(p.pid)) - {p.pid}
         assert len(kids) >= 3, kids  # agent, gateway, replica (+ helpers)
         p.send_signal(signal.SIGTERM)
         assert p.wait(60) == 0, "".join(out)
         end = time.monotonic() + 10
-        while any(_alive(k) for k in kids) and time.monotonic() < end:
+        while any(alive(k) for k in kids) and time.monotonic() < end:
             time.sleep(0.2)
-        assert not [k for k in kids if _alive(k)], "".join(out)
+        assert not [k for k in kids if alive(k)], "".join(out)
     finally:
         if p.poll() is None:
             p.kill()
