@@ -20,9 +20,9 @@ from fastapi.responses import PlainTextResponse
 from prometheus_client import generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from agent.drain import drain_node
-from agent.node import Agent
-from agent.schema import (
+from relayout.agent.drain import drain_node
+from relayout.agent.node import Agent
+from relayout.agent.schema import (
     ID_RE,
     MAX_BODY,
     OP_TIMEOUT,
@@ -162,7 +162,7 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
         check_session_ids(body.sessions)
         dest = body.destination or (ag.data_dir / "checkpoints").as_uri()
         if body.destination:
-            from storage.stores import open_store
+            from relayout.storage.stores import open_store
 
             try:
                 if dest.startswith("file:"):
@@ -187,7 +187,7 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
     @v1.post("/restore", status_code=202)
     async def restore(body: RestoreBody):
         check_session_ids(body.sessions)
-        from engine.session_routes import RouteError, split_checkpoint_uri
+        from relayout.engine.session_routes import RouteError, split_checkpoint_uri
 
         try:
             split_checkpoint_uri(body.checkpoint)
@@ -222,7 +222,7 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
         r = running(rid)
         check_session_ids(body.sessions)
         try:
-            from migrate.live import migrate_live  # type: ignore[import-not-found]
+            from relayout.migrate.live import migrate_live  # type: ignore[import-not-found]
         except ImportError:
             raise AgentError(501, "live migration is not available in this build (migrate.live missing); "
                                   "use checkpoint + restore") from None
@@ -306,13 +306,13 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
 
     # ---- checkpoints ---------------------------------------------------------------------
     def store():
-        from storage.store_local import LocalStore
+        from relayout.storage.store_local import LocalStore
 
         return LocalStore(ag.data_dir / "checkpoints")
 
     def summary(cid: str) -> dict:
-        from storage.errors import StorageError
-        from storage.manifest import Manifest
+        from relayout.storage.errors import StorageError
+        from relayout.storage.manifest import Manifest
 
         try:
             m = Manifest.parse(store().get_manifest(cid))
@@ -336,7 +336,7 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
 
     @v1.delete("/checkpoints/{cid}")
     async def delete_checkpoint(cid: str):
-        from storage.errors import CheckpointNotFound
+        from relayout.storage.errors import CheckpointNotFound
 
         check_id(cid, "checkpoint")
         try:

@@ -56,11 +56,11 @@ def serve(
     """Serve one model replica with an OpenAI-compatible API; prints its URL once listening."""
     import os
 
-    from engine.config import ModelConfigError
-    from engine.layout import LayoutError
-    from engine.server import serve as _serve
-    from engine.weights import ModelNotFoundError
-    from engine.workers import RankFailure, RankPlacement, split_hostport
+    from relayout.engine.config import ModelConfigError
+    from relayout.engine.layout import LayoutError
+    from relayout.engine.server import serve as _serve
+    from relayout.engine.weights import ModelNotFoundError
+    from relayout.engine.workers import RankFailure, RankPlacement, split_hostport
 
     if kv_cache_mb is not None and kv_cache_mb < 1:
         _fail("--kv-cache-mb must be at least 1")
@@ -92,8 +92,8 @@ def rank(
     RELAYOUT_TOKEN when the driver has one. Exits 0 when the driver shuts the replica down."""
     import os
 
-    from engine.weights import ModelNotFoundError, resolve_model
-    from engine.workers import RankJoinError, rank_main
+    from relayout.engine.weights import ModelNotFoundError, resolve_model
+    from relayout.engine.workers import RankJoinError, rank_main
 
     env = os.environ
     try:
@@ -127,7 +127,7 @@ def up(
     data_dir: Path = typer.Option(Path.home() / ".relayout", "--data-dir", help="the agent's data dir"),
 ) -> None:
     """Everything on one machine: node agent, one replica launched through it, gateway in front."""
-    from agent.up import run_up
+    from relayout.agent.up import run_up
 
     raise typer.Exit(run_up(host, port, agent_port, data_dir, model, layout, log=lambda m: err.print(f"up: {m}")))
 
@@ -140,7 +140,7 @@ def model_create(
     shards: int = typer.Option(1, "--shards", help="number of safetensors files"),
 ) -> None:
     """Write a builtin model as a Hugging Face format directory."""
-    from engine.builtin import create_builtin
+    from relayout.engine.builtin import create_builtin
 
     name = name.removeprefix("builtin:")
     try:
@@ -161,7 +161,7 @@ def bench_engine(
     as_json: bool = typer.Option(False, "--json", help="print one JSON object on the last line"),
 ) -> None:
     """Decode tokens/s of this engine vs Hugging Face transformers generate (batch 1 and 16)."""
-    from engine import bench_engine as be
+    from relayout.engine import bench_engine as be
 
     try:
         lens = [int(x) for x in prompt_len.split(",") if x.strip()]
@@ -183,7 +183,7 @@ def bench_migration(
     as_json: bool = typer.Option(False, "--json", help="print one JSON object on the last line"),
 ) -> None:
     """Stall per session for live, cold and recompute moves between two layouts, at several context lengths."""
-    from migrate import bench_migration as bm
+    from relayout.migrate import bench_migration as bm
 
     try:
         ctx = [int(x) for x in contexts.split(",") if x.strip()] if contexts else None
@@ -208,7 +208,7 @@ def bench_overlap(
     as_json: bool = typer.Option(False, "--json", help="print one JSON object on the last line"),
 ) -> None:
     """Share of the experts' all-to-all hidden by two-micro-batch overlap (off vs on, same decode)."""
-    from engine import bench_overlap as bo
+    from relayout.engine import bench_overlap as bo
 
     res = bo.run(model, new_tokens=new_tokens, quick=quick, log=err.print)
     bo.print_table(res, Console())
@@ -226,7 +226,7 @@ def bench_snapshot(
     as_json: bool = typer.Option(False, "--json", help="print one JSON object on the last line"),
 ) -> None:
     """GB/s to snapshot and restore session KV next to a plain memory copy; codec ratios."""
-    from engine import bench_snapshot as bs
+    from relayout.engine import bench_snapshot as bs
 
     res = bs.run(model, sessions=sessions, tokens=tokens, reps=max(1, reps), quick=quick, log=err.print)
     bs.print_table(res, Console())
@@ -245,7 +245,7 @@ def gateway(
     port: int = typer.Option(8000, "--port"),
 ) -> None:
     """The clients' /v1/completions in front of the replicas; streams survive migrations."""
-    from migrate.gateway import run_gateway
+    from relayout.migrate.gateway import run_gateway
 
     if not agent and not replica:
         _fail("give at least one --agent or --replica")
@@ -264,7 +264,7 @@ def migrate_replica(
 
     from rich.progress import Progress
 
-    from migrate.live import MigrationError, migrate_live
+    from relayout.migrate.live import MigrationError, migrate_live
 
     with Progress(transient=True) as bar:
         task = bar.add_task("migrating", total=None)
@@ -298,7 +298,7 @@ def agent(
     token_file: Path = typer.Option(None, "--token-file", help="bearer token file (else RELAYOUT_TOKEN)"),
 ) -> None:
     """Run the node agent: launches replicas and runs checkpoint/restore/migration operations."""
-    from agent.agent import serve_agent
+    from relayout.agent.agent import serve_agent
 
     serve_agent(host, port, data_dir, _token(token_file))
 
@@ -470,7 +470,7 @@ def plan(
     """Expert load + fleet topology -> layout, device set and the reason (or why nothing is placeable)."""
     import sys
 
-    from migrate.plan_cli import format_plan_table, plan_main
+    from relayout.migrate.plan_cli import format_plan_table, plan_main
 
     try:
         text = sys.stdin.read() if input_json == "-" else Path(input_json).read_text()
@@ -496,7 +496,7 @@ def bench_placement(
                                       help="also plan a trace recorded from builtin:tiny"),
 ) -> None:
     """Balance and cross-node traffic of the planner's placement vs an EPLB-style baseline."""
-    from migrate.bench_placement import run_bench
+    from relayout.migrate.bench_placement import run_bench
 
     run_bench(json_out=as_json, include_engine=engine_trace)
 
@@ -515,8 +515,8 @@ def controller(
     import signal
     import threading
 
-    from migrate.controller import Controller, SubprocessLauncher
-    from migrate.policy import PolicyConfig, RelayoutPolicy
+    from relayout.migrate.controller import Controller, SubprocessLauncher
+    from relayout.migrate.policy import PolicyConfig, RelayoutPolicy
 
     if interval <= 0 or consecutive < 1 or margin <= 0:
         _fail("--interval and --margin must be positive, --consecutive at least 1")
@@ -544,7 +544,7 @@ def bench_soak(
 ) -> None:
     """Migrate running sessions back and forth between two layouts COUNT times; report whether RSS,
     file descriptors, processes and KV blocks return to their baseline (exit 1 on a leak)."""
-    from migrate import soak
+    from relayout.migrate import soak
 
     lays = [x.strip() for x in layouts.split(";") if x.strip()]
     if len(lays) != 2:

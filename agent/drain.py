@@ -9,8 +9,8 @@ from typing import Any
 
 import httpx
 
-from agent.node import Agent
-from agent.schema import OP_TIMEOUT, AgentError
+from relayout.agent.node import Agent
+from relayout.agent.schema import OP_TIMEOUT, AgentError
 
 DRAIN_PASSES = 8  # re-list and retry: sessions that finish or arrive while a replica is moved
 
@@ -19,7 +19,7 @@ async def drain_node(ag: Agent, op: dict, target: str, layouts: dict[str, str | 
     """Move every session of every replica on this node to new replicas of the same model on
     `target`, each with its own layout unless `layouts` plans another for it. Progress per replica is in op["result"] while it runs; a session that cannot be moved
     is listed in `sessions_not_moved` (the op then fails), never dropped silently."""
-    from migrate.live import MigrationError, migrate_live
+    from relayout.migrate.live import MigrationError, migrate_live
 
     res: dict[str, Any] = {"target_agent": target, "replicas": [], "sessions_moved": 0, "sessions_not_moved": []}
     op["result"] = res

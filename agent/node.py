@@ -16,9 +16,9 @@ from pathlib import Path
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from agent.registry import Registry
-from agent.schema import OP_TIMEOUT, AgentError, check_id
-from migrate.procs import stop_process
+from relayout.agent.registry import Registry
+from relayout.agent.schema import OP_TIMEOUT, AgentError, check_id
+from relayout.migrate.procs import stop_process
 
 URL_RE = re.compile(r"relayout serving .* on (http://\S+)")
 LAUNCH_TIMEOUT = float(os.environ.get("RELAYOUT_LAUNCH_TIMEOUT", "180"))

@@ -98,9 +98,9 @@ def validate_layout(model: str, layout: str | dict | None) -> str | None:
     """Parse and check a layout against the model before anything is launched; 400 naming the field."""
     import json
 
-    from engine.config import ModelConfig, ModelConfigError
-    from engine.layout import Layout, LayoutError
-    from engine.weights import ModelNotFoundError, resolve_model
+    from relayout.engine.config import ModelConfig, ModelConfigError
+    from relayout.engine.layout import Layout, LayoutError
+    from relayout.engine.weights import ModelNotFoundError, resolve_model
 
     try:
         path = resolve_model(model)

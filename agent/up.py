@@ -12,8 +12,8 @@ from typing import Any
 
 import httpx
 
-from agent.node import LAUNCH_TIMEOUT, relayout_cmd
-from migrate.procs import stop_process
+from relayout.agent.node import LAUNCH_TIMEOUT, relayout_cmd
+from relayout.migrate.procs import stop_process
 
 
 def _die_with_parent() -> None:

@@ -17,9 +17,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from engine.engine import LLMEngine
-from engine.session import SamplingParams, SessionState, SessionStatus
-from engine.workers import RankFailure
+from relayout.engine.engine import LLMEngine
+from relayout.engine.session import SamplingParams, SessionState, SessionStatus
+from relayout.engine.workers import RankFailure
 
 T = TypeVar("T")
 

@@ -13,8 +13,8 @@ from collections.abc import Callable
 
 import torch
 
-from engine.engine import LLMEngine
-from engine.session import SamplingParams
+from relayout.engine.engine import LLMEngine
+from relayout.engine.session import SamplingParams
 
 BATCHES = (1, 16)
 

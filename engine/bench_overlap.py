@@ -20,11 +20,11 @@ from dataclasses import replace
 
 import torch
 
-from engine.config import ModelConfig
-from engine.engine import LLMEngine
-from engine.layout import Layout
-from engine.session import SamplingParams
-from engine.weights import resolve_model
+from relayout.engine.config import ModelConfig
+from relayout.engine.engine import LLMEngine
+from relayout.engine.layout import Layout
+from relayout.engine.session import SamplingParams
+from relayout.engine.weights import resolve_model
 
 LAYOUTS = ("attn_dp=2,moe_ep=2", "attn_tp=2,moe_ep=2", "attn_dp=2,moe_ep=2,redundant")
 BATCHES = (4, 16)

@@ -16,10 +16,10 @@ from collections.abc import Callable
 
 import torch
 
-from engine.config import ModelConfig
-from engine.engine import LLMEngine
-from engine.session import SamplingParams
-from engine.snapshot import (
+from relayout.engine.config import ModelConfig
+from relayout.engine.engine import LLMEngine
+from relayout.engine.session import SamplingParams
+from relayout.engine.snapshot import (
     checkpoint,
     geometry,
     model_ref,
@@ -29,10 +29,10 @@ from engine.snapshot import (
     take_snapshot,
     write_snapshot,
 )
-from engine.weights import resolve_model
-from storage.checkpoint import CheckpointReader, CheckpointWriter
-from storage.codecs import CODECS, measure_codecs
-from storage.stores import MemoryStore
+from relayout.engine.weights import resolve_model
+from relayout.storage.checkpoint import CheckpointReader, CheckpointWriter
+from relayout.storage.codecs import CODECS, measure_codecs
+from relayout.storage.stores import MemoryStore
 
 CODEC_SAMPLE_BYTES = 32 * 2**20  # zstd at ~0.3-1 GB/s on 2 cores: a sample keeps the bench short
 

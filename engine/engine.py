@@ -11,17 +11,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.config import ModelConfig
-from engine.executor import Executor, LocalExecutor
-from engine.kv_cache import BLOCK_SIZE, BlockAllocator, blocks_needed
-from engine.layout import Layout
-from engine.runner import StepBatch, kv_block_bytes
-from engine.sampling import new_rng_state, sample
-from engine.scheduler import Scheduler
-from engine.session import SamplingParams, SessionState, SessionStatus
+from relayout.engine.config import ModelConfig
+from relayout.engine.executor import Executor, LocalExecutor
+from relayout.engine.kv_cache import BLOCK_SIZE, BlockAllocator, blocks_needed
+from relayout.engine.layout import Layout
+from relayout.engine.runner import StepBatch, kv_block_bytes
+from relayout.engine.sampling import new_rng_state, sample
+from relayout.engine.scheduler import Scheduler
+from relayout.engine.session import SamplingParams, SessionState, SessionStatus
 
 if TYPE_CHECKING:
-    from engine.workers import RankPlacement
+    from relayout.engine.workers import RankPlacement
 
 DEFAULT_KV_BYTES = int(os.environ.get("RELAYOUT_KV_BYTES", 256 * 2**20))
 
@@ -49,8 +49,8 @@ class LLMEngine:
                  num_blocks: int | None = None, device: str | None = None, dtype: torch.dtype = torch.float32,
                  max_num_seqs: int = 64, max_prefill_tokens: int = 512, max_finished: int = 4096,
                  placement: RankPlacement | None = None):
-        from engine.tokenizer import load_tokenizer
-        from engine.weights import resolve_model
+        from relayout.engine.tokenizer import load_tokenizer
+        from relayout.engine.weights import resolve_model
 
         self.model_ref = model
         self.model_dir = resolve_model(model)
@@ -72,7 +72,7 @@ class LLMEngine:
         if lay.world_size == 1 and (placement is None or placement.local_ranks in (None, [0])):
             self.executor = LocalExecutor(self.cfg, lay, self.model_dir, self.num_blocks, self.device, dtype)
         else:
-            from engine.workers import RankExecutor
+            from relayout.engine.workers import RankExecutor
 
             self.executor = RankExecutor(self.cfg, lay, self.model_dir, self.num_blocks, self.device, dtype,
                                          placement)
@@ -85,7 +85,7 @@ class LLMEngine:
     @property
     def fingerprint(self) -> str:
         if self._fingerprint is None:
-            from engine.weights import model_fingerprint
+            from relayout.engine.weights import model_fingerprint
 
             self._fingerprint = model_fingerprint(self.model_dir)
         return self._fingerprint

@@ -8,10 +8,10 @@ from typing import Protocol
 
 import torch
 
-from engine.config import ModelConfig
-from engine.layout import Layout
-from engine.parallel import ParallelState
-from engine.runner import ModelRunner, StepBatch
+from relayout.engine.config import ModelConfig
+from relayout.engine.layout import Layout
+from relayout.engine.parallel import ParallelState
+from relayout.engine.runner import ModelRunner, StepBatch
 
 
 class Executor(Protocol):

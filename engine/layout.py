@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
-from engine.config import ModelConfig
+from relayout.engine.config import ModelConfig
 
 
 class LayoutError(ValueError):

@@ -8,10 +8,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from engine.config import ModelConfig
-from engine.kv_cache import KVCache
-from engine.moe import SparseMoE
-from engine.parallel import ParallelState
+from relayout.engine.config import ModelConfig
+from relayout.engine.kv_cache import KVCache
+from relayout.engine.moe import SparseMoE
+from relayout.engine.parallel import ParallelState
 
 
 @dataclass
@@ -187,7 +187,7 @@ class MoEModel(torch.nn.Module):
     # ---- weights -------------------------------------------------------
     def load(self, model_dir: Path) -> None:
         """Load only this rank's shard: its attention heads and its expert slots."""
-        from engine.weights import load_weight_slice, load_weights
+        from relayout.engine.weights import load_weight_slice, load_weights
 
         cfg = self.cfg
         qwen = cfg.is_qwen3

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from engine.config import ModelConfig
-from engine.parallel import ParallelState
+from relayout.engine.config import ModelConfig
+from relayout.engine.parallel import ParallelState
 
 _GROUPED_MM = getattr(F, "grouped_mm", None)  # torch >= 2.10; a per-expert loop otherwise
 

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine.layout import Layout
+from relayout.engine.layout import Layout
 
 
 @dataclass

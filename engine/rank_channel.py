@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from storage.errors import CorruptCheckpoint
-from storage.stream import FRAME_PREFIX_BYTES, frame_head, parse_frame_header, parse_frame_prefix
+from relayout.storage.errors import CorruptCheckpoint
+from relayout.storage.stream import FRAME_PREFIX_BYTES, frame_head, parse_frame_header, parse_frame_prefix
 
 MAGIC_RANK = b"RLR1"
 MAX_MESSAGE_BYTES = 8 << 30  # one message's payload (a step's logits, a KV range)

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import torch
 
-from engine.config import ModelConfig
-from engine.kv_cache import BLOCK_SIZE, KVCache
-from engine.model import AttnMeta, MoEModel
-from engine.moe import SparseMoE
-from engine.parallel import ParallelState
-from engine.staging import KVStager
+from relayout.engine.config import ModelConfig
+from relayout.engine.kv_cache import BLOCK_SIZE, KVCache
+from relayout.engine.model import AttnMeta, MoEModel
+from relayout.engine.moe import SparseMoE
+from relayout.engine.parallel import ParallelState
+from relayout.engine.staging import KVStager
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.session import SessionState
+from relayout.engine.session import SessionState
 
 
 def new_rng_state(seed: int) -> bytes:

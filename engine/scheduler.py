@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from engine.kv_cache import BlockAllocator, KVBlockTable, blocks_needed
-from engine.session import SessionState, SessionStatus
+from relayout.engine.kv_cache import BlockAllocator, KVBlockTable, blocks_needed
+from relayout.engine.session import SessionState, SessionStatus
 
 
 @dataclass

@@ -19,13 +19,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.async_engine import AsyncEngine, EngineDeadError
-from engine.engine import RequestError
-from engine.session import SamplingParams
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from relayout.engine.async_engine import AsyncEngine, EngineDeadError
+from relayout.engine.engine import RequestError
+from relayout.engine.session import SamplingParams
+from relayout.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 if TYPE_CHECKING:
-    from engine.workers import RankPlacement
+    from relayout.engine.workers import RankPlacement
 
 MAX_COMPLETION_BODY = 8 << 20  # a 32k-token prompt as token ids is well under 1 MiB
 
@@ -219,7 +219,7 @@ def create_app(aengine: AsyncEngine, model_name: str) -> FastAPI:
         if request.url.path == "/v1/completions" and cl and cl.isdigit() and int(cl) > MAX_COMPLETION_BODY:
             return error_response(413, f"request body over {MAX_COMPLETION_BODY} bytes", "invalid_request_error")
         return await call_next(request)
-    from engine.session_routes import install_session_routes
+    from relayout.engine.session_routes import install_session_routes
 
     install_session_routes(app, aengine)
 
@@ -444,7 +444,7 @@ def serve(model: str = "builtin:tiny", layout: str | None = None, host: str = "1
     """Load the model, serve it until SIGTERM/SIGINT, then shut the engine (and its ranks) down."""
     import uvicorn
 
-    from engine.engine import LLMEngine
+    from relayout.engine.engine import LLMEngine
 
     # uvicorn re-raises the signal it caught once it has shut down; make that a clean exit 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

@@ -23,9 +23,9 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import ClientDisconnect
 
-from engine.async_engine import AsyncEngine
-from engine.engine import LLMEngine
-from engine.snapshot import (
+from relayout.engine.async_engine import AsyncEngine
+from relayout.engine.engine import LLMEngine
+from relayout.engine.snapshot import (
     CHUNK_TOKENS,
     IncomingTransfer,
     OutgoingTransfer,
@@ -42,12 +42,12 @@ from engine.snapshot import (
     take_snapshot,
     write_snapshot,
 )
-from engine.workers import RankFailure
-from storage.checkpoint import CheckpointReader, CheckpointWriter
-from storage.errors import StorageError
-from storage.store_base import Store
-from storage.stores import MemoryStore, open_store
-from storage.stream import (
+from relayout.engine.workers import RankFailure
+from relayout.storage.checkpoint import CheckpointReader, CheckpointWriter
+from relayout.storage.errors import StorageError
+from relayout.storage.store_base import Store
+from relayout.storage.stores import MemoryStore, open_store
+from relayout.storage.stream import (
     StreamReceiver,
     encode_abort_frame,
     encode_chunk_frame,
@@ -124,8 +124,8 @@ class SinkWriter(CheckpointWriter):
     """CheckpointWriter that tells the FrameSink each chunk's reference before putting it."""
 
     def put_kv(self, session_id, layer, head_lo, head_hi, tok_lo, tok_hi, tensor):  # type: ignore[override]
-        from storage.chunks import pack_kv
-        from storage.manifest import KVEntry
+        from relayout.storage.chunks import pack_kv
+        from relayout.storage.manifest import KVEntry
 
         self._check_open()
         data, ref = pack_kv(tensor, self.codec)
@@ -251,8 +251,8 @@ def _import_limits(engine: LLMEngine) -> tuple[int, int]:
     """(bytes one incoming transfer may stage, all rounds together; largest frame). A transfer
     can never need more than the KV this replica could hold, so a stream that declares or
     sends more is refused before it is buffered."""
-    from engine.kv_cache import BLOCK_SIZE
-    from storage.manifest import MAX_MANIFEST_BYTES
+    from relayout.engine.kv_cache import BLOCK_SIZE
+    from relayout.storage.manifest import MAX_MANIFEST_BYTES
 
     c = engine.cfg
     item = torch_itemsize(engine.dtype)
@@ -276,8 +276,8 @@ def torch_itemsize(dtype) -> int:
 def _precheck_restore(engine: LLMEngine, manifest, sessions: list[str] | None) -> None:
     """Refusals that need no chunk: model, geometry, ids, room, and KV no longer than the
     session's tokens (so no declared size can make verify() decode more than the replica holds)."""
-    from engine.session import SessionState
-    from storage.errors import CorruptCheckpoint
+    from relayout.engine.session import SessionState
+    from relayout.storage.errors import CorruptCheckpoint
 
     check_compatible(engine, manifest)
     plan_restore(engine, manifest, sessions)
@@ -671,18 +671,18 @@ def install_session_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
 
     @app.exception_handler(RouteError)
     async def _route_error(_: Request, e: RouteError):
-        from engine.server import error_response
+        from relayout.engine.server import error_response
 
         return error_response(e.status, e.message, "invalid_request_error" if e.status < 500 else "server_error")
 
     @app.exception_handler(RestoreError)
     async def _restore_error(_: Request, e: RestoreError):
-        from engine.server import error_response
+        from relayout.engine.server import error_response
 
         return error_response(409, str(e), "conflict")
 
     @app.exception_handler(StorageError)
     async def _storage_error(_: Request, e: StorageError):
-        from engine.server import error_response
+        from relayout.engine.server import error_response
 
         return error_response(400, f"{type(e).__name__}: {e}", "checkpoint_error")

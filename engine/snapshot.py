@@ -18,14 +18,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.engine import LLMEngine
-from engine.executor import LocalExecutor
-from engine.kv_cache import KVCache, blocks_needed
-from engine.session import SessionState, SessionStatus
-from storage.checkpoint import CheckpointReader, CheckpointWriter
-from storage.chunks import dtype_name, keep_freed_memory, new_kv_chunk, parallel_map
-from storage.errors import CorruptCheckpoint, ModelMismatch
-from storage.manifest import KVGeometry, Manifest, ModelRef
+from relayout.engine.engine import LLMEngine
+from relayout.engine.executor import LocalExecutor
+from relayout.engine.kv_cache import KVCache, blocks_needed
+from relayout.engine.session import SessionState, SessionStatus
+from relayout.storage.checkpoint import CheckpointReader, CheckpointWriter
+from relayout.storage.chunks import dtype_name, keep_freed_memory, new_kv_chunk, parallel_map
+from relayout.storage.errors import CorruptCheckpoint, ModelMismatch
+from relayout.storage.manifest import KVGeometry, Manifest, ModelRef
 
 CHUNK_TOKENS = 256  # a multiple of the KV block size
 
@@ -367,7 +367,7 @@ class IncomingTransfer:
 def import_range(engine: LLMEngine, store, manifest: Manifest, sid: str, group: int, blocks: list[int],
                  a: int, b: int) -> None:
     """Import tokens [a, b) of one session from whichever chunks cover them."""
-    from storage.chunks import kv_view
+    from relayout.storage.chunks import kv_view
 
     if b <= a:
         return

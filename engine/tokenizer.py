@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
-from engine.config import ModelConfig
+from relayout.engine.config import ModelConfig
 
 BYTE_SPECIALS = 256  # ids below are raw bytes; ids from here up are specials
 

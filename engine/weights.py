@@ -15,7 +15,7 @@ import torch
 import xxhash
 from safetensors import safe_open
 
-from engine.builtin import BUILTIN_NAMES, BUILTIN_VERSION, create_builtin
+from relayout.engine.builtin import BUILTIN_NAMES, BUILTIN_VERSION, create_builtin
 
 BUILTIN_PREFIX = "builtin:"
 SINGLE_FILE = "model.safetensors"

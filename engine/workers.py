@@ -32,12 +32,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from engine.config import ModelConfig
-from engine.layout import Layout
-from engine.parallel import init_groups
-from engine.rank_channel import ChannelClosed, ChannelError, Encoded, Message, RankChannel, encode
-from engine.runner import ModelRunner, StepBatch
-from engine.weights import model_identity
+from relayout.engine.config import ModelConfig
+from relayout.engine.layout import Layout
+from relayout.engine.parallel import init_groups
+from relayout.engine.rank_channel import ChannelClosed, ChannelError, Encoded, Message, RankChannel, encode
+from relayout.engine.runner import ModelRunner, StepBatch
+from relayout.engine.weights import model_identity
 
 STEP_TIMEOUT_S = float(os.environ.get("RELAYOUT_STEP_TIMEOUT_S", 300))
 JOIN_TIMEOUT_S = float(os.environ.get("RELAYOUT_RANK_JOIN_TIMEOUT_S", 600))

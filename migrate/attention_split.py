@@ -86,8 +86,8 @@ def measure_attention_splits(model: str, world: int, batches: list[int], steps: 
                              prompt_len: int = 16) -> dict[str, dict[int, float]]:
     """Time decode steps of our engine under every attn_dp x attn_tp split of `world` ranks.
     Slow (launches one replica per split); for `relayout plan`, not for unit tests."""
-    from engine.engine import LLMEngine
-    from engine.session import SamplingParams
+    from relayout.engine.engine import LLMEngine
+    from relayout.engine.session import SamplingParams
 
     out: dict[str, dict[int, float]] = {}
     for tp in (t for t in range(1, world + 1) if world % t == 0):

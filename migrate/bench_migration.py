@@ -50,7 +50,7 @@ class BenchError(RuntimeError):
 # ---- replicas --------------------------------------------------------------------------------------
 class Replica:
     def __init__(self, model: str, layout: str, kv_cache_mb: int, device: str | None = None):
-        args = [sys.executable, "-m", "agent.cli", "serve", "--model", model, "--layout", layout, "--port", "0",
+        args = [sys.executable, "-m", "relayout.agent.cli", "serve", "--model", model, "--layout", layout, "--port", "0",
                 "--kv-cache-mb", str(kv_cache_mb)]
         if device:
             args += ["--device", device]
@@ -199,8 +199,8 @@ def prompt(n: int, salt: int = 0) -> list[int]:
 
 
 def kv_bytes_per_token(model: str) -> int:
-    from engine.config import ModelConfig
-    from engine.weights import resolve_model
+    from relayout.engine.config import ModelConfig
+    from relayout.engine.weights import resolve_model
 
     c = ModelConfig.from_dir(resolve_model(model))
     return c.num_layers * c.num_kv_heads * c.head_dim * 4 * 2  # fp32, K and V
@@ -244,7 +244,7 @@ def _wait_gone(url: str, sid: str | None, timeout: float = 10.0) -> None:
 
 
 def measure_move(c: Ctx, mode: str, with_second: bool) -> dict:
-    from migrate.live import migrate_live
+    from relayout.migrate.live import migrate_live
 
     def reattach(src_stream: TokenStream) -> None:
         # the moment the source's stream ends without [DONE], follow the session on the target

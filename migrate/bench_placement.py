@@ -16,7 +16,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from migrate.planner import (
+from relayout.migrate.planner import (
     ExpertLoad,
     balance,
     cross_node_bytes,
@@ -91,9 +91,9 @@ def synthetic(name: str, s: float, *, experts: int = 64, layers: int = 8, tokens
 def engine_trace(prompts: int = 6, max_tokens: int = 8) -> Trace:
     """Routing recorded from LLMEngine('builtin:tiny'): counts from expert_stats(), co-activation
     by watching the router's top-k picks."""
-    from engine.engine import LLMEngine
-    from engine.moe import SparseMoE
-    from engine.session import SamplingParams
+    from relayout.engine.engine import LLMEngine
+    from relayout.engine.moe import SparseMoE
+    from relayout.engine.session import SamplingParams
 
     eng = LLMEngine("builtin:tiny")
     E, L = eng.cfg.num_experts, eng.cfg.num_layers

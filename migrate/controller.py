@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from engine.layout import Layout
-from migrate.live import MigrationError, MigrationResult, migrate_live
-from migrate.policy import Decision, RelayoutPolicy
-from migrate.procs import stop_process
+from relayout.engine.layout import Layout
+from relayout.migrate.live import MigrationError, MigrationResult, migrate_live
+from relayout.migrate.policy import Decision, RelayoutPolicy
+from relayout.migrate.procs import stop_process
 
 __all__ = ["Controller", "LaunchError", "Step", "SubprocessLauncher"]
 
@@ -54,7 +54,7 @@ class SubprocessLauncher:
         fd, log = tempfile.mkstemp(prefix="replica-", suffix=".log", dir=self.log_dir)
         with os.fdopen(fd, "w") as out:
             p = subprocess.Popen(
-                [sys.executable, "-m", "agent.cli", "serve", "--model", model, "--layout", json.dumps(layout.to_dict()),
+                [sys.executable, "-m", "relayout.agent.cli", "serve", "--model", model, "--layout", json.dumps(layout.to_dict()),
                  "--host", self.host, "--port", "0", *self.extra_args],
                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
@@ -140,8 +140,8 @@ class Controller:
             return
         self._model_filled = True
         try:
-            from engine.config import ModelConfig
-            from engine.weights import resolve_model
+            from relayout.engine.config import ModelConfig
+            from relayout.engine.weights import resolve_model
 
             cfg = ModelConfig.from_dir(resolve_model(model))
         except Exception as e:  # noqa: BLE001 - a model this host cannot read: keep the configured facts

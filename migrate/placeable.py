@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from migrate.topology import Device, Topology
+from relayout.migrate.topology import Device, Topology
 
 
 @dataclass(frozen=True)

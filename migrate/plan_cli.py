@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from migrate.attention_split import choose_attention_split
-from migrate.placeable import NotPlaceable, ReplicaNeeds, find_placeable_sets
-from migrate.planner import (
+from relayout.migrate.attention_split import choose_attention_split
+from relayout.migrate.placeable import NotPlaceable, ReplicaNeeds, find_placeable_sets
+from relayout.migrate.planner import (
     PlanError,
     balance,
     cross_node_bytes,
@@ -18,7 +18,7 @@ from migrate.planner import (
     redundant_for,
     to_layout,
 )
-from migrate.topology import Topology, TopologyError
+from relayout.migrate.topology import Topology, TopologyError
 
 
 def plan_main(input_json: dict) -> dict:
@@ -56,8 +56,8 @@ def _plan(inp: dict) -> dict:
         attn_reason = "no attention measurements given: data parallel attention (attn_dp = world size)"
     cfg = None
     if inp.get("model"):
-        from engine.config import ModelConfig
-        from engine.weights import resolve_model
+        from relayout.engine.config import ModelConfig
+        from relayout.engine.weights import resolve_model
 
         cfg = ModelConfig.from_dir(resolve_model(inp["model"]))
     layout = to_layout(placement, dp, tp, world, 1, cfg=cfg)

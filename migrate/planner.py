@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine.config import ModelConfig
-from engine.layout import Layout
-from migrate.attention_split import AttentionChoice, choose_attention_split, measure_attention_splits
-from migrate.placeable import Candidate, NotPlaceable, ReplicaNeeds, find_placeable_sets
+from relayout.engine.config import ModelConfig
+from relayout.engine.layout import Layout
+from relayout.migrate.attention_split import AttentionChoice, choose_attention_split, measure_attention_splits
+from relayout.migrate.placeable import Candidate, NotPlaceable, ReplicaNeeds, find_placeable_sets
 
 __all__ = [
     "AttentionChoice", "Candidate", "ExpertLoad", "NotPlaceable", "Placement", "PlanError", "ReplicaNeeds",

@@ -35,8 +35,8 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 
-from engine.layout import Layout
-from migrate.planner import ExpertLoad, Placement, balance, plan_placement, redundant_for
+from relayout.engine.layout import Layout
+from relayout.migrate.planner import ExpertLoad, Placement, balance, plan_placement, redundant_for
 
 __all__ = ["Decision", "Observation", "PolicyConfig", "RelayoutPolicy", "current_placement", "plan_for"]
 

@@ -78,7 +78,7 @@ def alive(pid: int) -> bool:
 
 
 def launch(*args: str, env: dict | None = None, timeout: float = 180) -> Proc:
-    p = subprocess.Popen([sys.executable, "-m", "agent.cli", *args], stdout=subprocess.PIPE,
+    p = subprocess.Popen([sys.executable, "-m", "relayout.agent.cli", *args], stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, cwd=ROOT,
                          env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     t0 = time.time()

@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from storage.chunks import dtype_name, kv_view, pack_kv, parallel_map
-from storage.errors import CorruptCheckpoint, ModelMismatch
-from storage.manifest import KVEntry, KVGeometry, Manifest, ModelRef, SessionEntry, coverage_gap
-from storage.store_base import Store, check_id
+from relayout.storage.chunks import dtype_name, kv_view, pack_kv, parallel_map
+from relayout.storage.errors import CorruptCheckpoint, ModelMismatch
+from relayout.storage.manifest import KVEntry, KVGeometry, Manifest, ModelRef, SessionEntry, coverage_gap
+from relayout.storage.store_base import Store, check_id
 
 ProgressFn = Callable[[int], None]  # called with the cumulative bytes written
 

@@ -27,9 +27,9 @@ import xxhash
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from storage.codecs import decode, encode
-from storage.errors import CorruptCheckpoint
-from storage.manifest import ChunkRef
+from relayout.storage.codecs import decode, encode
+from relayout.storage.errors import CorruptCheckpoint
+from relayout.storage.manifest import ChunkRef
 
 TENSOR_NAME = "kv"
 _T = TypeVar("_T")

@@ -15,7 +15,7 @@ import time
 import numpy as np
 import zstandard
 
-from storage.errors import CorruptCheckpoint
+from relayout.storage.errors import CorruptCheckpoint
 
 CODECS: tuple[str, ...] = ("none", "zstd", "zstd-planes")
 ZSTD_LEVEL = 1  # ~2x faster than level 3 on KV data for a ratio within ~4%

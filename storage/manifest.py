@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from storage.errors import CorruptCheckpoint
+from relayout.storage.errors import CorruptCheckpoint
 
 FORMAT_VERSION = 1
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024

@@ -12,9 +12,9 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
 
-from storage.chunks import chunk_hash
-from storage.errors import CheckpointNotFound, CorruptCheckpoint
-from storage.manifest import HASH_PATTERN, ID_PATTERN, Manifest
+from relayout.storage.chunks import chunk_hash
+from relayout.storage.errors import CheckpointNotFound, CorruptCheckpoint
+from relayout.storage.manifest import HASH_PATTERN, ID_PATTERN, Manifest
 
 ID_RE = re.compile(ID_PATTERN)
 HASH_RE = re.compile(HASH_PATTERN)

@@ -13,8 +13,8 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-from storage.errors import CheckpointNotFound, ChunkMissing
-from storage.store_base import HASH_RE, Store, check_hash, check_id
+from relayout.storage.errors import CheckpointNotFound, ChunkMissing
+from relayout.storage.store_base import HASH_RE, Store, check_hash, check_id
 
 
 def _fsync_dir(path: Path) -> None:

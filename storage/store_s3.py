@@ -17,8 +17,8 @@ import boto3
 from boto3.s3.transfer import TransferConfig
 from botocore.exceptions import BotoCoreError, ClientError
 
-from storage.errors import CheckpointNotFound, ChunkMissing, StorageError
-from storage.store_base import HASH_RE, Store, check_hash, check_id
+from relayout.storage.errors import CheckpointNotFound, ChunkMissing, StorageError
+from relayout.storage.store_base import HASH_RE, Store, check_hash, check_id
 
 DEFAULT_MULTIPART_THRESHOLD = 64 * 1024 * 1024
 _NOT_FOUND = {"NoSuchKey", "404", "NotFound"}

@@ -14,10 +14,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from storage.errors import CheckpointNotFound, ChunkMissing
-from storage.store_base import Store, check_hash, check_id
-from storage.store_local import LocalStore
-from storage.store_s3 import S3Store
+from relayout.storage.errors import CheckpointNotFound, ChunkMissing
+from relayout.storage.store_base import Store, check_hash, check_id
+from relayout.storage.store_local import LocalStore
+from relayout.storage.store_s3 import S3Store
 
 __all__ = ["Store", "LocalStore", "S3Store", "MemoryStore", "open_store"]
 

@@ -21,10 +21,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from storage.chunks import verify_chunk
-from storage.errors import ChunkMissing, CorruptCheckpoint, StorageError
-from storage.manifest import MAX_MANIFEST_BYTES, ChunkRef, Manifest
-from storage.store_base import Store
+from relayout.storage.chunks import verify_chunk
+from relayout.storage.errors import ChunkMissing, CorruptCheckpoint, StorageError
+from relayout.storage.manifest import MAX_MANIFEST_BYTES, ChunkRef, Manifest
+from relayout.storage.store_base import Store
 
 MAGIC_CHUNK = b"RLC1"
 MAGIC_MANIFEST = b"RLM1"

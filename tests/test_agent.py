@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from migrate.procs import stop_process
+from relayout.migrate.procs import stop_process
 
 TOKEN = "agent-test-token"
 H = {"Authorization": f"Bearer {TOKEN}"}
@@ -171,7 +171,7 @@ def test_agent_schema_fuzz_no_5xx(tmp_path):
     import schemathesis
     from hypothesis import HealthCheck, settings
 
-    from agent.agent import create_agent_app
+    from relayout.agent.agent import create_agent_app
 
     app = create_agent_app(tmp_path, TOKEN)
     schema = schemathesis.openapi.from_asgi("/openapi.json", app)

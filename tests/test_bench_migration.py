@@ -9,7 +9,7 @@ import sys
 
 
 def test_quick_bench_reports_documented_keys():
-    p = subprocess.run([sys.executable, "-m", "agent.cli", "bench", "migration", "--quick", "--contexts", "128",
+    p = subprocess.run([sys.executable, "-m", "relayout.agent.cli", "bench", "migration", "--quick", "--contexts", "128",
                         "--json"], capture_output=True, text=True, timeout=300,
                        env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert p.returncode == 0, p.stderr[-3000:]

@@ -2,7 +2,7 @@
 
 import json
 
-from engine import bench_overlap, bench_snapshot
+from relayout.engine import bench_overlap, bench_snapshot
 
 
 def test_bench_snapshot_quick():

@@ -5,13 +5,13 @@ import json
 
 import pytest
 
-from engine.engine import LLMEngine
-from engine.layout import Layout
-from engine.session import SamplingParams
-from engine.snapshot import RestoreError, checkpoint, release, restore
-from storage.checkpoint import CheckpointReader, CheckpointWriter
-from storage.errors import ChunkMissing, CorruptCheckpoint, ModelMismatch
-from storage.stores import LocalStore, S3Store
+from relayout.engine.engine import LLMEngine
+from relayout.engine.layout import Layout
+from relayout.engine.session import SamplingParams
+from relayout.engine.snapshot import RestoreError, checkpoint, release, restore
+from relayout.storage.checkpoint import CheckpointReader, CheckpointWriter
+from relayout.storage.errors import ChunkMissing, CorruptCheckpoint, ModelMismatch
+from relayout.storage.stores import LocalStore, S3Store
 
 LAYOUTS = ["attn_dp=1", "attn_tp=2", "attn_dp=2,moe_ep=2", "attn_dp=2,attn_tp=2,moe_ep=4"]
 PROMPTS = [[1, 5, 9], [7] * 20, list(range(10, 47)), [42, 43], list(range(60, 75))]

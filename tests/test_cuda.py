@@ -32,7 +32,7 @@ def report(name: str, **figures) -> None:
 
 
 def make_kv(layers=4, blocks=256, heads=4, dim=64, dtype=torch.float32, seed=0):
-    from engine.kv_cache import KVCache
+    from relayout.engine.kv_cache import KVCache
 
     kv = KVCache(layers, blocks, heads, dim, dtype, DEV)
     g = torch.Generator(device=DEV).manual_seed(seed)
@@ -43,7 +43,7 @@ def make_kv(layers=4, blocks=256, heads=4, dim=64, dtype=torch.float32, seed=0):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_export_import_bit_exact(dtype):
-    from engine.staging import KVStager
+    from relayout.engine.staging import KVStager
 
     kv = make_kv(dtype=dtype)
     st = KVStager(DEV, max_bytes=1 << 28, chunk_bytes=1 << 16)  # small chunks: many copies per layer
@@ -72,11 +72,11 @@ def test_export_import_bit_exact(dtype):
 def test_runner_snapshot_restore_roundtrip_on_cuda():
     """The engine's own path (ModelRunner.export_kv/import_kv through the stager): a checkpoint
     restored into a second replica continues with the same tokens."""
-    from engine.engine import LLMEngine
-    from engine.session import SamplingParams
-    from engine.snapshot import checkpoint, new_checkpoint_id, restore
-    from storage.checkpoint import CheckpointReader, CheckpointWriter
-    from storage.stores import MemoryStore
+    from relayout.engine.engine import LLMEngine
+    from relayout.engine.session import SamplingParams
+    from relayout.engine.snapshot import checkpoint, new_checkpoint_id, restore
+    from relayout.storage.checkpoint import CheckpointReader, CheckpointWriter
+    from relayout.storage.stores import MemoryStore
 
     a = LLMEngine("builtin:tiny", device="cuda", kv_cache_bytes=64 << 20)
     b = LLMEngine("builtin:tiny", device="cuda", kv_cache_bytes=64 << 20)
@@ -118,7 +118,7 @@ def _gbps(nbytes: int, fn, reps: int = 5) -> float:
 def test_d2h_gbps_stager_vs_raw_pinned_copy():
     """Stager export (gather + D2H into pinned staging, waited for) vs a raw pinned `copy_` of
     the same bytes from one contiguous device tensor; the old path (index + .cpu()) for contrast."""
-    from engine.staging import KVStager
+    from relayout.engine.staging import KVStager
 
     layers, heads, dim = 8, 8, 128  # builtin:bench's KV geometry: 64 KiB per token in float32
     tokens = 16384  # 1 GiB
@@ -170,9 +170,9 @@ def test_d2h_gbps_stager_vs_raw_pinned_copy():
 def test_decode_continues_while_snapshot_drains():
     """Decode steps on the compute stream while a 2 GiB export drains on the copy stream: steps
     complete before the export does, and their time is compared with steps without one."""
-    from engine.engine import LLMEngine
-    from engine.session import SamplingParams
-    from engine.staging import KVStager
+    from relayout.engine.engine import LLMEngine
+    from relayout.engine.session import SamplingParams
+    from relayout.engine.staging import KVStager
 
     eng = LLMEngine("builtin:bench", device="cuda", kv_cache_bytes=3 << 30)
     try:

@@ -20,9 +20,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from migrate.live import MigrationError, migrate_live
-from migrate.procs import alive, children_of, launch, rank_processes, replica
-from migrate.soak import Stream, port_of, reference, replica_state, wait_for
+from relayout.migrate.live import MigrationError, migrate_live
+from relayout.migrate.procs import alive, children_of, launch, rank_processes, replica
+from relayout.migrate.soak import Stream, port_of, reference, replica_state, wait_for
 from tests.conftest import _free_port
 from tests.proxy import Proxy
 
@@ -378,7 +378,7 @@ _seen_ids: list[str] = []
 def _record_transfer_ids(monkeypatch):
     import uuid
 
-    import migrate.live as live
+    import relayout.migrate.live as live
 
     real = uuid.uuid4
     _seen_ids.clear()
@@ -532,10 +532,10 @@ def test_disk_full_store_enospc():
 
     import torch
 
-    from storage.checkpoint import CheckpointWriter
-    from storage.chunks import pack_kv  # noqa: F401 - imported for the writer
-    from storage.manifest import KVGeometry, ModelRef
-    from storage.stores import MemoryStore
+    from relayout.storage.checkpoint import CheckpointWriter
+    from relayout.storage.chunks import pack_kv  # noqa: F401 - imported for the writer
+    from relayout.storage.manifest import KVGeometry, ModelRef
+    from relayout.storage.stores import MemoryStore
 
     class Full(MemoryStore):
         def _put_chunk_new(self, h, data):

@@ -7,10 +7,10 @@ import time
 import pytest
 import torch
 
-from engine.engine import LLMEngine
-from engine.layout import Layout, LayoutError
-from engine.session import SamplingParams
-from engine.workers import RankFailure
+from relayout.engine.engine import LLMEngine
+from relayout.engine.layout import Layout, LayoutError
+from relayout.engine.session import SamplingParams
+from relayout.engine.workers import RankFailure
 
 PROMPTS = [[1, 5, 9], [7] * 20, list(range(10, 47)), [42], list(range(60, 75))]
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)

@@ -10,8 +10,8 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from migrate import procs
-from migrate.live import MigrationError, migrate_live
+from relayout.migrate import procs
+from relayout.migrate.live import MigrationError, migrate_live
 
 
 def launch(*args: str) -> tuple[subprocess.Popen, str]:

@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from engine.builtin import BUILTIN_NAMES, builtin_tensors, create_builtin
-from engine.config import ModelConfig
-from engine.tokenizer import ByteTokenizer, HFTokenizer, IncrementalDetokenizer, load_tokenizer
-from engine.weights import (
+from relayout.engine.builtin import BUILTIN_NAMES, builtin_tensors, create_builtin
+from relayout.engine.config import ModelConfig
+from relayout.engine.tokenizer import ByteTokenizer, HFTokenizer, IncrementalDetokenizer, load_tokenizer
+from relayout.engine.weights import (
     ModelNotFoundError,
     load_weight_slice,
     load_weights,
@@ -215,7 +215,7 @@ def test_tokenizer_json_is_used(made, tmp_path):
 
 
 def test_config_defaults_and_refusals(made):
-    from engine.config import ModelConfigError
+    from relayout.engine.config import ModelConfigError
 
     hf = json.loads((made["tiny-mixtral"] / "config.json").read_text())
     for k in ("rope_parameters", "rms_norm_eps", "max_position_embeddings"):

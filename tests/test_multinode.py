@@ -18,11 +18,11 @@ import httpx
 import pytest
 import torch
 
-from engine.engine import LLMEngine
-from engine.rank_channel import ChannelClosed, ChannelError, RankChannel
-from engine.weights import resolve_model
-from engine.workers import RankFailure, RankJoinError, RankPlacement, free_port, rank_main
-from migrate.procs import ROOT, launch
+from relayout.engine.engine import LLMEngine
+from relayout.engine.rank_channel import ChannelClosed, ChannelError, RankChannel
+from relayout.engine.weights import resolve_model
+from relayout.engine.workers import RankFailure, RankJoinError, RankPlacement, free_port, rank_main
+from relayout.migrate.procs import ROOT, launch
 from tests.test_layouts import run
 
 TOKEN = "multinode-secret"
@@ -35,7 +35,7 @@ def rank_launcher(rank: int, world: int, endpoint_port: int, model: str = "built
     env.pop("RELAYOUT_TOKEN", None)
     if token is not None:
         env["RELAYOUT_TOKEN"] = token
-    return subprocess.Popen([sys.executable, "-m", "agent.cli", "rank", "--model", model, "--threads", "1"],
+    return subprocess.Popen([sys.executable, "-m", "relayout.agent.cli", "rank", "--model", model, "--threads", "1"],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -140,7 +140,7 @@ def test_ranks_on_two_launchers_match_world1():
     try:
         t.join(180)
         eng = out["engine"]
-        from engine.session import SamplingParams
+        from relayout.engine.session import SamplingParams
 
         eng.add_session([1, 2, 3], SamplingParams(max_tokens=400, ignore_eos=True))
         eng.step()
@@ -173,10 +173,10 @@ def test_remote_rank_with_another_model_stops_the_launch():
 
 def test_relayout_rank_needs_its_environment():
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "MASTER_ADDR", "MASTER_PORT")}
-    r = subprocess.run([sys.executable, "-m", "agent.cli", "rank"], cwd=ROOT, env=env, capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "relayout.agent.cli", "rank"], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 2 and "RANK is not set" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "agent.cli", "rank"], cwd=ROOT, env={**env, "RANK": "1"},
+    r = subprocess.run([sys.executable, "-m", "relayout.agent.cli", "rank"], cwd=ROOT, env={**env, "RANK": "1"},
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "MASTER_ADDR" in r.stderr
 

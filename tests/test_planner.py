@@ -8,11 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.config import ModelConfig
-from migrate.bench_placement import TOPOLOGIES, default_traces, evaluate
-from migrate.placeable import NotPlaceable, ReplicaNeeds, find_placeable_sets
-from migrate.plan_cli import format_plan_table, plan_main
-from migrate.planner import (
+from relayout.engine.config import ModelConfig
+from relayout.migrate.bench_placement import TOPOLOGIES, default_traces, evaluate
+from relayout.migrate.placeable import NotPlaceable, ReplicaNeeds, find_placeable_sets
+from relayout.migrate.plan_cli import format_plan_table, plan_main
+from relayout.migrate.planner import (
     ExpertLoad,
     PlanError,
     choose_attention_split,
@@ -20,7 +20,7 @@ from migrate.planner import (
     redundant_for,
     to_layout,
 )
-from migrate.topology import Device, Node, Topology, TopologyError
+from relayout.migrate.topology import Device, Node, Topology, TopologyError
 
 
 def _cfg(experts: int, layers: int, dense: tuple[int, ...] = ()) -> ModelConfig:

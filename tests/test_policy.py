@@ -15,13 +15,13 @@ import httpx
 import numpy as np
 import pytest
 
-from engine.config import ModelConfig
-from engine.layout import Layout
-from engine.weights import resolve_model
-from migrate.controller import Controller, SubprocessLauncher
-from migrate.planner import Placement, balance
-from migrate.policy import Observation, PolicyConfig, RelayoutPolicy, current_placement
-from migrate.procs import stop_process
+from relayout.engine.config import ModelConfig
+from relayout.engine.layout import Layout
+from relayout.engine.weights import resolve_model
+from relayout.migrate.controller import Controller, SubprocessLauncher
+from relayout.migrate.planner import Placement, balance
+from relayout.migrate.policy import Observation, PolicyConfig, RelayoutPolicy, current_placement
+from relayout.migrate.procs import stop_process
 
 E, L = 8, 2
 EP2 = Layout.parse("attn_dp=2,moe_ep=2")
@@ -207,7 +207,7 @@ def test_controller_dry_run_and_failed_launch(monkeypatch):
 def test_cli_plan_and_controller_help(tmp_path):
     from typer.testing import CliRunner
 
-    from agent.cli import app
+    from relayout.agent.cli import app
 
     topo = {"nodes": [{"name": "n1", "nvlink_domain_gbps": 450, "network_gbps": 25,
                        "devices": [{"id": f"n1/gpu{j}", "memory_gb": 80, "free": True} for j in range(4)]}]}
@@ -319,7 +319,7 @@ class YieldingLauncher(SubprocessLauncher):
 
 def _launch_gateway(replica_url: str, log_dir) -> tuple[subprocess.Popen, str]:
     log = open(log_dir / "gateway.log", "w")
-    p = subprocess.Popen([sys.executable, "-m", "agent.cli", "gateway", "--replica", replica_url, "--port", "0"],
+    p = subprocess.Popen([sys.executable, "-m", "relayout.agent.cli", "gateway", "--replica", replica_url, "--port", "0"],
                          stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     t0 = time.time()
     while time.time() - t0 < 60:

@@ -14,9 +14,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.async_engine import AsyncEngine, EngineDeadError
-from engine.engine import LLMEngine, RequestError
-from engine.session import SamplingParams, SessionStatus
+from relayout.engine.async_engine import AsyncEngine, EngineDeadError
+from relayout.engine.engine import LLMEngine, RequestError
+from relayout.engine.session import SamplingParams, SessionStatus
 
 ROOT = Path(__file__).resolve().parent.parent
 KV_MB = 1  # builtin:tiny: 512 B/token → 2048 tokens, so an over-long request is cheap to make
@@ -24,7 +24,7 @@ KV_MB = 1  # builtin:tiny: 512 B/token → 2048 tokens, so an over-long request 
 
 def start_server(*args: str) -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    p = subprocess.Popen([sys.executable, "-m", "agent.cli", "serve", "--port", "0", *args], cwd=ROOT, env=env,
+    p = subprocess.Popen([sys.executable, "-m", "relayout.agent.cli", "serve", "--port", "0", *args], cwd=ROOT, env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 60
     lines = []
@@ -163,8 +163,8 @@ def test_resume_past_the_generated_tokens_waits_for_them(server):
 
 
 def test_stop_text_hold_back():
-    from engine.server import StopTextStream
-    from engine.tokenizer import ByteTokenizer
+    from relayout.engine.server import StopTextStream
+    from relayout.engine.tokenizer import ByteTokenizer
 
     ts = StopTextStream(ByteTokenizer(), ["abc", "zz"])
     assert ts.add(list(b"xxab")) == "xx"  # "ab" may start "abc": held back

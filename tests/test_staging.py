@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kv_cache import KVCache
-from engine.staging import (
+from relayout.engine.kv_cache import KVCache
+from relayout.engine.staging import (
     MIN_CLASS,
     HostEvent,
     HostOps,
@@ -361,9 +361,9 @@ def test_pool_cap_waits_for_inflight_buffers_then_overflows():
 
 # ---- wiring ---------------------------------------------------------------------------------------
 def test_runner_uses_stager_only_on_cuda_and_both_paths_agree():
-    from engine.engine import LLMEngine
-    from engine.session import SamplingParams
-    from engine.snapshot import take_snapshot
+    from relayout.engine.engine import LLMEngine
+    from relayout.engine.session import SamplingParams
+    from relayout.engine.snapshot import take_snapshot
 
     eng = LLMEngine("builtin:tiny", device="cpu", kv_cache_bytes=4 << 20)
     try:

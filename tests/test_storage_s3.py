@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from storage.checkpoint import CheckpointReader, CheckpointWriter
-from storage.errors import CheckpointNotFound, ChunkMissing, CorruptCheckpoint
-from storage.manifest import KVGeometry, ModelRef
-from storage.stores import S3Store, open_store
+from relayout.storage.checkpoint import CheckpointReader, CheckpointWriter
+from relayout.storage.errors import CheckpointNotFound, ChunkMissing, CorruptCheckpoint
+from relayout.storage.manifest import KVGeometry, ModelRef
+from relayout.storage.stores import S3Store, open_store
 from tests.conftest import S3_BUCKET
 
 pytest.importorskip("moto.server")

@@ -9,14 +9,14 @@ import threading
 
 import httpx
 
-from migrate.procs import launch
+from relayout.migrate.procs import launch
 
 # the bound we state: the migrator's peak RSS grows by less than this while moving ≥ 64 MiB
 BOUND_MIB = 24
 
 MIGRATOR = r"""
 import json, resource, sys
-from migrate.live import migrate_live
+from relayout.migrate.live import migrate_live
 import httpx  # noqa: F401  (imports done before the baseline)
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 res = migrate_live(sys.argv[1], sys.argv[2], max_rounds=2, small_bytes=0)

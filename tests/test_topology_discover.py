@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from migrate import topology as T
+from relayout.migrate import topology as T
 
 
 class NVMLError(Exception):
@@ -139,7 +139,7 @@ def test_two_separate_nvlink_pairs():
 
 
 def test_no_nvml_no_driver_no_gpu(monkeypatch, caplog):
-    caplog.set_level(logging.INFO, logger="migrate.topology")
+    caplog.set_level(logging.INFO, logger="relayout.migrate.topology")
     monkeypatch.setitem(sys.modules, "pynvml", None)  # import fails
     assert T.discover() is None
     assert "nvidia-ml-py is not installed" in T.last_discover_reason

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from openai import OpenAI
 
-from migrate.procs import alive, process_tree
+from relayout.migrate.procs import alive, process_tree
 from tests.conftest import _free_port
 
 

@@ -54,7 +54,7 @@ step() {
 } >"$OUT/env.log" 2>&1
 export PYTHONPATH=${PYTHONPATH:-$PWD}
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site:$PWD
-relayout() { "$PY" -m agent.cli "$@"; }
+relayout() { "$PY" -m relayout.agent.cli "$@"; }
 
 # ---- 2. env -------------------------------------------------------------------------------------
 {
@@ -88,10 +88,10 @@ export RELAYOUT_GPU_RESULTS="$OUT/cuda_results.jsonl"
 step pytest_cuda 170 "$PY" -m pytest -q -m cuda -s -p no:cacheprovider tests/test_cuda.py
 
 # ---- 4./5. benches ------------------------------------------------------------------------------
-step bench_snapshot 110 "$PY" -m agent.cli bench snapshot --json
+step bench_snapshot 110 "$PY" -m relayout.agent.cli bench snapshot --json
 # the --quick target layout is attn_tp=2: two ranks; on one GPU both share it (NCCL may refuse)
 (( NGPU < 2 )) && say "note: $NGPU GPU(s); bench migration's attn_tp=2 target puts 2 ranks on one GPU"
-RELAYOUT_STEP_TIMEOUT_S=60 step bench_migration 130 "$PY" -m agent.cli bench migration --quick --json
+RELAYOUT_STEP_TIMEOUT_S=60 step bench_migration 130 "$PY" -m relayout.agent.cli bench migration --quick --json
 
 # ---- 6. the CPU suite's staging/checkpoint tests, on CUDA ---------------------------------------
 step pytest_more 90 "$PY" -m pytest -q -x -p no:cacheprovider tests/test_staging.py tests/test_topology_discover.py \
