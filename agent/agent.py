@@ -18,8 +18,6 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse
 from prometheus_client import generate_latest
-from starlette.exceptions import HTTPException as StarletteHTTPException
-
 from relayout.agent.drain import drain_node
 from relayout.agent.node import Agent
 from relayout.agent.schema import (
@@ -37,6 +35,7 @@ from relayout.agent.schema import (
     error_response,
     validate_layout,
 )
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 
 def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "127.0.0.1") -> FastAPI:

@@ -262,9 +262,8 @@ def migrate_replica(
     """Move sessions between two replicas directly (no agent), with a progress display."""
     import os
 
-    from rich.progress import Progress
-
     from relayout.migrate.live import MigrationError, migrate_live
+    from rich.progress import Progress
 
     with Progress(transient=True) as bar:
         task = bar.add_task("migrating", total=None)

@@ -8,7 +8,6 @@ import time
 from typing import Any
 
 import httpx
-
 from relayout.agent.node import Agent
 from relayout.agent.schema import OP_TIMEOUT, AgentError
 

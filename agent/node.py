@@ -15,7 +15,6 @@ from pathlib import Path
 
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge
-
 from relayout.agent.registry import Registry
 from relayout.agent.schema import OP_TIMEOUT, AgentError, check_id
 from relayout.migrate.procs import stop_process

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-
 from relayout.agent.node import LAUNCH_TIMEOUT, relayout_cmd
 from relayout.migrate.procs import stop_process
 

@@ -12,7 +12,6 @@ import time
 from collections.abc import Callable
 
 import torch
-
 from relayout.engine.engine import LLMEngine
 from relayout.engine.session import SamplingParams
 

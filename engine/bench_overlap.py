@@ -19,7 +19,6 @@ from collections.abc import Callable
 from dataclasses import replace
 
 import torch
-
 from relayout.engine.config import ModelConfig
 from relayout.engine.engine import LLMEngine
 from relayout.engine.layout import Layout

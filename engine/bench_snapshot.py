@@ -15,7 +15,6 @@ import time
 from collections.abc import Callable
 
 import torch
-
 from relayout.engine.config import ModelConfig
 from relayout.engine.engine import LLMEngine
 from relayout.engine.session import SamplingParams

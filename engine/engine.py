@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-
 from relayout.engine.config import ModelConfig
 from relayout.engine.executor import Executor, LocalExecutor
 from relayout.engine.kv_cache import BLOCK_SIZE, BlockAllocator, blocks_needed

@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
-
 from relayout.engine.config import ModelConfig
 from relayout.engine.layout import Layout
 from relayout.engine.parallel import ParallelState

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
 from relayout.engine.config import ModelConfig
 from relayout.engine.kv_cache import KVCache
 from relayout.engine.moe import SparseMoE

@@ -13,7 +13,6 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
 from relayout.engine.config import ModelConfig
 from relayout.engine.parallel import ParallelState
 

@@ -7,7 +7,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
 from relayout.engine.layout import Layout
 
 

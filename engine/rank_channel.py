@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
 from relayout.storage.errors import CorruptCheckpoint
 from relayout.storage.stream import FRAME_PREFIX_BYTES, frame_head, parse_frame_header, parse_frame_prefix
 

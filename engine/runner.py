@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-
 from relayout.engine.config import ModelConfig
 from relayout.engine.kv_cache import BLOCK_SIZE, KVCache
 from relayout.engine.model import AttnMeta, MoEModel

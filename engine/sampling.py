@@ -4,7 +4,6 @@ depend on what else is batched with it, and survive checkpoint and migration."""
 from __future__ import annotations
 
 import torch
-
 from relayout.engine.session import SessionState
 
 

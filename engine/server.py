@@ -17,12 +17,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field
-from starlette.exceptions import HTTPException as StarletteHTTPException
-
 from relayout.engine.async_engine import AsyncEngine, EngineDeadError
 from relayout.engine.engine import RequestError
 from relayout.engine.session import SamplingParams
 from relayout.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 if TYPE_CHECKING:
     from relayout.engine.workers import RankPlacement
@@ -443,7 +442,6 @@ def serve(model: str = "builtin:tiny", layout: str | None = None, host: str = "1
           kv_cache_mb: int | None = None, device: str | None = None, placement: RankPlacement | None = None) -> None:
     """Load the model, serve it until SIGTERM/SIGINT, then shut the engine (and its ranks) down."""
     import uvicorn
-
     from relayout.engine.engine import LLMEngine
 
     # uvicorn re-raises the signal it caught once it has shut down; make that a clean exit 0

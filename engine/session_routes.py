@@ -21,8 +21,6 @@ from pathlib import Path
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
-from starlette.requests import ClientDisconnect
-
 from relayout.engine.async_engine import AsyncEngine
 from relayout.engine.engine import LLMEngine
 from relayout.engine.snapshot import (
@@ -53,6 +51,7 @@ from relayout.storage.stream import (
     encode_chunk_frame,
     encode_raw_manifest_frame,
 )
+from starlette.requests import ClientDisconnect
 
 ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 SOURCE_RE = re.compile(r"^https?://[A-Za-z0-9.\-\[\]:]+(/[A-Za-z0-9._~/\-]*)?$")

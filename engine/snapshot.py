@@ -17,7 +17,6 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-
 from relayout.engine.engine import LLMEngine
 from relayout.engine.executor import LocalExecutor
 from relayout.engine.kv_cache import KVCache, blocks_needed

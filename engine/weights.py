@@ -13,9 +13,8 @@ from pathlib import Path
 
 import torch
 import xxhash
-from safetensors import safe_open
-
 from relayout.engine.builtin import BUILTIN_NAMES, BUILTIN_VERSION, create_builtin
+from safetensors import safe_open
 
 BUILTIN_PREFIX = "builtin:"
 SINGLE_FILE = "model.safetensors"

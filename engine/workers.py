@@ -31,7 +31,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
 from relayout.engine.config import ModelConfig
 from relayout.engine.layout import Layout
 from relayout.engine.parallel import init_groups

@@ -13,9 +13,6 @@ import json
 from dataclasses import dataclass
 
 import numpy as np
-from rich.console import Console
-from rich.table import Table
-
 from relayout.migrate.planner import (
     ExpertLoad,
     balance,
@@ -24,6 +21,8 @@ from relayout.migrate.planner import (
     plan_placement,
     redundant_for,
 )
+from rich.console import Console
+from rich.table import Table
 
 TOPOLOGIES = {"1x8": (1, 8), "2x4": (2, 4), "4x4": (4, 4)}
 

@@ -22,7 +22,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
-
 from relayout.engine.layout import Layout
 from relayout.migrate.live import MigrationError, MigrationResult, migrate_live
 from relayout.migrate.policy import Decision, RelayoutPolicy

@@ -5,8 +5,6 @@ agent/cli.py wires the command; this module does the work and formats the answer
 
 from __future__ import annotations
 
-from rich.table import Table
-
 from relayout.migrate.attention_split import choose_attention_split
 from relayout.migrate.placeable import NotPlaceable, ReplicaNeeds, find_placeable_sets
 from relayout.migrate.planner import (
@@ -19,6 +17,7 @@ from relayout.migrate.planner import (
     to_layout,
 )
 from relayout.migrate.topology import Topology, TopologyError
+from rich.table import Table
 
 
 def plan_main(input_json: dict) -> dict:

@@ -23,7 +23,6 @@ import heapq
 from dataclasses import dataclass, field
 
 import numpy as np
-
 from relayout.engine.config import ModelConfig
 from relayout.engine.layout import Layout
 from relayout.migrate.attention_split import AttentionChoice, choose_attention_split, measure_attention_splits

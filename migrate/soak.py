@@ -9,7 +9,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-
 from relayout.migrate.procs import Proc, replica, usage
 
 

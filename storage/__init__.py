@@ -7,7 +7,13 @@ a tensor type.
 from relayout.storage.checkpoint import CheckpointReader, CheckpointWriter
 from relayout.storage.chunks import chunk_hash, pack_kv, unpack_kv
 from relayout.storage.codecs import CODECS, decode, encode, measure_codecs
-from relayout.storage.errors import CheckpointNotFound, ChunkMissing, CorruptCheckpoint, ModelMismatch, StorageError
+from relayout.storage.errors import (
+    CheckpointNotFound,
+    ChunkMissing,
+    CorruptCheckpoint,
+    ModelMismatch,
+    StorageError,
+)
 from relayout.storage.manifest import ChunkRef, KVEntry, KVGeometry, Manifest, ModelRef, SessionEntry
 from relayout.storage.stores import LocalStore, MemoryStore, S3Store, Store, open_store
 from relayout.storage.stream import (

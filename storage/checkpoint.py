@@ -15,7 +15,6 @@ from types import TracebackType
 from typing import Any
 
 import torch
-
 from relayout.storage.chunks import dtype_name, kv_view, pack_kv, parallel_map
 from relayout.storage.errors import CorruptCheckpoint, ModelMismatch
 from relayout.storage.manifest import KVEntry, KVGeometry, Manifest, ModelRef, SessionEntry, coverage_gap

@@ -24,12 +24,11 @@ from typing import TypeVar
 
 import torch
 import xxhash
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
-
 from relayout.storage.codecs import decode, encode
 from relayout.storage.errors import CorruptCheckpoint
 from relayout.storage.manifest import ChunkRef
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
 
 TENSOR_NAME = "kv"
 _T = TypeVar("_T")

@@ -14,7 +14,6 @@ import time
 
 import numpy as np
 import zstandard
-
 from relayout.storage.errors import CorruptCheckpoint
 
 CODECS: tuple[str, ...] = ("none", "zstd", "zstd-planes")

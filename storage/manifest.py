@@ -16,7 +16,6 @@ import math
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-
 from relayout.storage.errors import CorruptCheckpoint
 
 FORMAT_VERSION = 1

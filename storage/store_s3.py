@@ -16,7 +16,6 @@ from typing import Any
 import boto3
 from boto3.s3.transfer import TransferConfig
 from botocore.exceptions import BotoCoreError, ClientError
-
 from relayout.storage.errors import CheckpointNotFound, ChunkMissing, StorageError
 from relayout.storage.store_base import HASH_RE, Store, check_hash, check_id
 

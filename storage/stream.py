@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
-
 from relayout.storage.chunks import verify_chunk
 from relayout.storage.errors import ChunkMissing, CorruptCheckpoint, StorageError
 from relayout.storage.manifest import MAX_MANIFEST_BYTES, ChunkRef, Manifest

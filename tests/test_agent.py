@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import httpx
-
 from relayout.migrate.procs import stop_process
 
 TOKEN = "agent-test-token"
@@ -170,7 +169,6 @@ def test_agent_checkpoint_restore_across_agents(tmp_path, s3_env):
 def test_agent_schema_fuzz_no_5xx(tmp_path):
     import schemathesis
     from hypothesis import HealthCheck, settings
-
     from relayout.agent.agent import create_agent_app
 
     app = create_agent_app(tmp_path, TOKEN)

@@ -4,7 +4,6 @@ import itertools
 import json
 
 import pytest
-
 from relayout.engine.engine import LLMEngine
 from relayout.engine.layout import Layout
 from relayout.engine.session import SamplingParams

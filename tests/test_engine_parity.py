@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from relayout.engine.engine import LLMEngine
 from relayout.engine.session import SamplingParams
 

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from relayout.migrate.live import MigrationError, migrate_live
 from relayout.migrate.procs import alive, children_of, launch, rank_processes, replica
 from relayout.migrate.soak import Stream, port_of, reference, replica_state, wait_for
+
 from tests.conftest import _free_port
 from tests.proxy import Proxy
 
@@ -531,7 +531,6 @@ def test_disk_full_store_enospc():
     import errno
 
     import torch
-
     from relayout.storage.checkpoint import CheckpointWriter
     from relayout.storage.chunks import pack_kv  # noqa: F401 - imported for the writer
     from relayout.storage.manifest import KVGeometry, ModelRef

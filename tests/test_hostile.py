@@ -14,7 +14,6 @@ import torch
 import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from relayout.storage.chunks import chunk_hash, pack_kv, unpack_kv
 from relayout.storage.errors import CorruptCheckpoint
 from relayout.storage.manifest import ChunkRef, Manifest
@@ -25,11 +24,10 @@ IMPORT_LIMIT = 2 << 20
 
 @pytest.fixture(scope="module")
 def app_client(tmp_path_factory):
-    from starlette.testclient import TestClient
-
     from relayout.engine.async_engine import AsyncEngine
     from relayout.engine.engine import LLMEngine
     from relayout.engine.server import create_app
+    from starlette.testclient import TestClient
 
     root = tmp_path_factory.mktemp("hostile")
     mp = pytest.MonkeyPatch()

@@ -6,7 +6,6 @@ import time
 
 import pytest
 import torch
-
 from relayout.engine.engine import LLMEngine
 from relayout.engine.layout import Layout, LayoutError
 from relayout.engine.session import SamplingParams

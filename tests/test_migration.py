@@ -9,7 +9,6 @@ import threading
 import httpx
 import pytest
 from openai import OpenAI
-
 from relayout.migrate import procs
 from relayout.migrate.live import MigrationError, migrate_live
 

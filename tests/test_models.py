@@ -8,8 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
-
 from relayout.engine.builtin import BUILTIN_NAMES, builtin_tensors, create_builtin
 from relayout.engine.config import ModelConfig
 from relayout.engine.tokenizer import ByteTokenizer, HFTokenizer, IncrementalDetokenizer, load_tokenizer
@@ -21,6 +19,7 @@ from relayout.engine.weights import (
     resolve_model,
     weight_files,
 )
+from safetensors import safe_open
 
 SMALL = ("tiny", "tiny-mixtral")
 PROMPTS = [b"Hello, world", b"The quick brown fox", b"abc", b"\x00\x01\x02"]

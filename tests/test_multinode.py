@@ -17,12 +17,12 @@ import time
 import httpx
 import pytest
 import torch
-
 from relayout.engine.engine import LLMEngine
 from relayout.engine.rank_channel import ChannelClosed, ChannelError, RankChannel
 from relayout.engine.weights import resolve_model
 from relayout.engine.workers import RankFailure, RankJoinError, RankPlacement, free_port, rank_main
 from relayout.migrate.procs import ROOT, launch
+
 from tests.test_layouts import run
 
 TOKEN = "multinode-secret"

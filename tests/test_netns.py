@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from relayout.migrate.procs import stop_process
+
 from tests.test_agent import TOKEN
 
 ADDR_A, ADDR_B = "10.200.0.1", "10.200.0.2"

@@ -7,7 +7,6 @@ import json
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from relayout.engine.config import ModelConfig
 from relayout.migrate.bench_placement import TOPOLOGIES, default_traces, evaluate
 from relayout.migrate.placeable import NotPlaceable, ReplicaNeeds, find_placeable_sets

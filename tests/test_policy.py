@@ -14,7 +14,6 @@ import time
 import httpx
 import numpy as np
 import pytest
-
 from relayout.engine.config import ModelConfig
 from relayout.engine.layout import Layout
 from relayout.engine.weights import resolve_model
@@ -205,9 +204,8 @@ def test_controller_dry_run_and_failed_launch(monkeypatch):
 
 
 def test_cli_plan_and_controller_help(tmp_path):
-    from typer.testing import CliRunner
-
     from relayout.agent.cli import app
+    from typer.testing import CliRunner
 
     topo = {"nodes": [{"name": "n1", "nvlink_domain_gbps": 450, "network_gbps": 25,
                        "devices": [{"id": f"n1/gpu{j}", "memory_gb": 80, "free": True} for j in range(4)]}]}

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from relayout.engine.async_engine import AsyncEngine, EngineDeadError
 from relayout.engine.engine import LLMEngine, RequestError
 from relayout.engine.session import SamplingParams, SessionStatus

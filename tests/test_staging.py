@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from relayout.engine.kv_cache import KVCache
 from relayout.engine.staging import (
     MIN_CLASS,

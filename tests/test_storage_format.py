@@ -12,11 +12,16 @@ import torch
 import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from relayout.storage.checkpoint import CheckpointReader, CheckpointWriter
 from relayout.storage.chunks import chunk_hash, pack_kv, unpack_kv
 from relayout.storage.codecs import CODECS, decode, encode, measure_codecs
-from relayout.storage.errors import CheckpointNotFound, ChunkMissing, CorruptCheckpoint, ModelMismatch, StorageError
+from relayout.storage.errors import (
+    CheckpointNotFound,
+    ChunkMissing,
+    CorruptCheckpoint,
+    ModelMismatch,
+    StorageError,
+)
 from relayout.storage.manifest import MAX_MANIFEST_BYTES, ChunkRef, KVGeometry, Manifest, ModelRef
 from relayout.storage.stores import LocalStore, MemoryStore, Store, open_store
 from relayout.storage.stream import (

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from relayout.storage.checkpoint import CheckpointReader, CheckpointWriter
 from relayout.storage.errors import CheckpointNotFound, ChunkMissing, CorruptCheckpoint
 from relayout.storage.manifest import KVGeometry, ModelRef
 from relayout.storage.stores import S3Store, open_store
+
 from tests.conftest import S3_BUCKET
 
 pytest.importorskip("moto.server")

@@ -8,7 +8,6 @@ import sys
 import threading
 
 import httpx
-
 from relayout.migrate.procs import launch
 
 # the bound we state: the migrator's peak RSS grows by less than this while moving ≥ 64 MiB

@@ -7,7 +7,6 @@ import sys
 from types import SimpleNamespace
 
 import pytest
-
 from relayout.migrate import topology as T
 
 

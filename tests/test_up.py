@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 from openai import OpenAI
-
 from relayout.migrate.procs import alive, process_tree
+
 from tests.conftest import _free_port
 
 
