@@ -1,4 +1,4 @@
-"""The node agent (SPEC §4): launches replicas on this node, runs checkpoint / restore /
+"""The node agent (docs/agent-api.md): launches replicas on this node, runs checkpoint / restore /
 migration operations against them, and lists its own checkpoint store.
 
 `create_agent_app(data_dir, token)` builds the FastAPI app; `relayout agent` serves it."""

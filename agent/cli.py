@@ -1,4 +1,4 @@
-"""The `relayout` command line (SPEC §8).
+"""The `relayout` command line (docs/cli.md).
 
 One function per subcommand; the work lives in the modules they import lazily, so
 `relayout --help` stays fast. Other subcommands (agent, gateway, checkpoint, restore,
@@ -17,7 +17,7 @@ from rich.console import Console
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="Checkpoint and live-migrate the in-flight sessions of MoE serving replicas.")
 model_app = typer.Typer(no_args_is_help=True, help="Model files.")
-bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks, measured side by side in one run (SPEC §9).")
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks, measured side by side in one run (docs/benchmarks.md).")
 app.add_typer(model_app, name="model")
 app.add_typer(bench_app, name="bench")
 

@@ -1,4 +1,4 @@
-"""The replica's OpenAI-compatible HTTP API (SPEC §3) on top of an AsyncEngine."""
+"""The replica's OpenAI-compatible HTTP API (docs/replica-api.md) on top of an AsyncEngine."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 MAX_COMPLETION_BODY = 8 << 20  # a 32k-token prompt as token ids is well under 1 MiB
 
-_LIVE = {"waiting": "running", "running": "running", "paused": "running"}  # SPEC §3 names
+_LIVE = {"waiting": "running", "running": "running", "paused": "running"}  # docs/replica-api.md names
 
 
 # ---- errors ---------------------------------------------------------------------------

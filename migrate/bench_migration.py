@@ -1,4 +1,4 @@
-"""`relayout bench migration` (SPEC §9): the stall a session sees when it moves between two
+"""`relayout bench migration` (docs/benchmarks.md): the stall a session sees when it moves between two
 replicas of different layouts, live (pre-copy) vs cold (stop-and-copy) vs recompute (abort and
 re-prefill on the target), at several context lengths.
 

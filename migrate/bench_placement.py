@@ -1,4 +1,4 @@
-"""`relayout bench placement`: planner vs EPLB-style baseline on the same load traces (SPEC §9).
+"""`relayout bench placement`: planner vs EPLB-style baseline on the same load traces (docs/benchmarks.md).
 
 Traces: synthetic skewed routing (Zipf popularity at a few exponents, experts that fire together
 in clusters not aligned with expert ids, a drifting hot set folded in by ExpertLoad's moving

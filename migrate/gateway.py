@@ -1,4 +1,4 @@
-"""The clients' `/v1/completions` in front of replicas (SPEC §5).
+"""The clients' `/v1/completions` in front of replicas (docs/gateway.md).
 
 Every request is streamed from a replica with token ids; when the replica's stream ends
 because the session was migrated (no `[DONE]`), the gateway asks where it went and

@@ -1,4 +1,4 @@
-"""`relayout plan`: expert load + fleet topology -> layout, device set and the reason (SPEC §6).
+"""`relayout plan`: expert load + fleet topology -> layout, device set and the reason (docs/layouts.md).
 
 agent/cli.py wires the command; this module does the work and formats the answer.
 """

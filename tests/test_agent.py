@@ -1,4 +1,4 @@
-"""Node agent (SPEC §4): real agent processes over loopback HTTP, a replica moved between two
+"""Node agent (docs/agent-api.md): real agent processes over loopback HTTP, a replica moved between two
 agents through S3 (moto) with a layout change, security checks, restart, and a schema fuzz."""
 
 from __future__ import annotations
