@@ -452,7 +452,8 @@ def add_plugin_commands(root: typer.Typer) -> list[str]:
         try:
             root.add_typer(ep.load(), name=ep.name)
         except (ImportError, AttributeError) as e:
-            err.print(f"[yellow]warning:[/yellow] plugin command {ep.name!r} ({ep.value}) not loaded: {e}")
+            err.print(f"[yellow]warning:[/yellow] plugin command {ep.name!r} ({ep.value}) not loaded: {e}",
+                      soft_wrap=True)
             continue
         added.append(ep.name)
     if "bench" not in added:
