@@ -1,6 +1,6 @@
 """The wheel holds the relayout packages and nothing else (no tests/, no deploy/, no top-level
 `engine` or `agent` next to other distributions), and declares the `relayout` command and the
-`bench` plugin command.
+`bench` plugin command; the container images copy every package they build from.
 
 The wheel is built from a copy of the source tree (setuptools writes build/ and *.egg-info next to
 the sources, and a stale build/ could leak removed modules into the wheel)."""
@@ -59,3 +59,14 @@ def test_entry_points(wheel):
     eps.read_string(wheel.read(ep_file).decode())
     assert eps["console_scripts"]["relayout"] == "relayout.agent.cli:app"
     assert eps["relayout.commands"]["bench"] == "relayout.bench.cli:bench_app"
+
+
+@pytest.mark.parametrize("flavour", ["cpu", "cuda"])
+def test_images_build_from_every_package(flavour):
+    # the images run `pip install .` on a copy of only the folders they name: one left out fails the build
+    docker = ROOT / "deploy" / "docker"
+    dockerfile = (docker / f"Dockerfile.{flavour}").read_text()
+    ignore = (docker / f"Dockerfile.{flavour}.dockerignore").read_text().split()
+    for pkg in PACKAGES:
+        assert f"COPY {pkg} ./{pkg}" in dockerfile.splitlines(), (flavour, pkg)
+        assert f"!{pkg}/**" in ignore, (flavour, pkg)
