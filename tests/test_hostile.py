@@ -1,7 +1,7 @@
 """Hostile input to the replica's session routes and to the chunk decoder: garbage frames,
 lying sizes, checkpoints crafted to exhaust memory, oversized and malformed requests,
 traversal in ids and URIs. Every refusal is a 4xx with a JSON error, never a 500, and leaves
-no KV blocks reserved. (Manifest and frame parsers are fuzzed in test_storage_format.py.)"""
+no KV blocks reserved. (Manifest and frame parsers are fuzzed in test_storage_format_hostile.py.)"""
 
 from __future__ import annotations
 
