@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 from relayout.migrate.dispatch_model import Placement, check_load, check_slots
 
-__all__ = ["eplb_placement", "rebalance"]
+__all__ = ["eplb_placement", "eplb_reference", "rebalance"]
 
 
 def _pack(weights: np.ndarray, num_packs: int) -> tuple[np.ndarray, np.ndarray]:
@@ -104,3 +104,15 @@ def eplb_placement(load: list[list[float]], num_devices: int, node_of: list[int]
     nodes = max(node_of) + 1
     rows = rebalance(load, num_slots, num_groups, nodes, num_devices, policy=policy)
     return Placement(rows, num_devices, list(node_of), [f"eplb_{policy}"] * len(rows))
+
+
+def eplb_reference(load: list[list[float]], num_devices: int, node_of: list[int], num_slots: int,
+                   num_groups: int | None = None) -> Placement:
+    """EPLB as `relayout plan` compares with: hierarchical when the nodes are equal, contiguous
+    and divide the expert groups (default: one group per node), else global."""
+    nodes = max(node_of) + 1
+    E = len(load[0])
+    groups = nodes if num_groups is None else int(num_groups)
+    equal = node_of == sorted(node_of) and len(set(node_of.count(n) for n in range(nodes))) == 1
+    hier = equal and groups > 0 and E % groups == 0 and groups % nodes == 0 and num_slots % nodes == 0
+    return eplb_placement(load, num_devices, node_of, num_slots, groups, "hierarchical" if hier else "global")

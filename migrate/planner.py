@@ -42,7 +42,7 @@ from relayout.migrate.placeable import Candidate, NotPlaceable, ReplicaNeeds, fi
 
 __all__ = [
     "DEFAULT_LOCALITY_WEIGHT", "AttentionChoice", "Candidate", "ExpertLoad", "NotPlaceable", "Placement",
-    "PlanError", "ReplicaNeeds", "balance", "choose_attention_split", "cross_node_bytes", "cross_node_fraction",
+    "PlanError", "ReplicaNeeds", "balance", "check_load", "choose_attention_split", "cross_node_bytes", "cross_node_fraction",
     "find_placeable_sets", "measure_attention_splits", "plan_placement", "redundant_for", "to_layout",
     "worst_layer_balance",
 ]
@@ -325,9 +325,11 @@ def plan_placement(load: list[list[float]], num_devices: int, devices_per_node: 
     for i, lr in enumerate(load):
         lv = np.asarray(lr, dtype=float)
         c = check_coact(coact, i, E)
-        # two starts: copies capped at one per device, or at one node's worth (which keeps a hot
-        # expert's copies even across equal nodes); the local search ends in different optima
-        caps = sorted({num_devices, int(np.bincount(nodes).max())}, reverse=True)
+        # several starts: copies capped at one per device, one node's worth (which keeps a hot
+        # expert's copies even across equal nodes) or half that (fewer, heavier copies leave room
+        # to pack the rest); the local search ends in different optima
+        dpn = int(np.bincount(nodes).max())
+        caps = sorted({c for c in (num_devices, dpn, max(1, dpn // 2)) if c * E >= spd * num_devices}, reverse=True)
         best = None
         for cap in caps:
             s = _Search(_construct(lv, num_devices, nodes, spd, cap), lv, c, num_devices, nodes,
