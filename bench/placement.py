@@ -85,7 +85,7 @@ def synthetic(name: str, s: float, *, experts: int = 64, layers: int = 8, tokens
     windows = max(1, bursts)
     perms = [rng.permutation(experts) for _ in range(layers)]
     groups = [np.array_split(rng.permutation(experts), clusters) for _ in range(layers)]
-    for w in range(windows):
+    for _ in range(windows):
         counts, coacts = [], []
         for layer in range(layers):
             pop = np.empty(experts)
@@ -196,7 +196,7 @@ def run_bench(json_out: bool = False, include_engine: bool = True) -> dict:
                     "cross_node_fraction = cross-node token copies / routed copies (co-activated copies bound "
                     "for one node cross once); cross_node_bytes = those copies x hidden bytes; "
                     "baseline = eplb_hierarchical"}
-    Console(stderr=json_out).print(table)
+    Console(stderr=json_out, width=160).print(table)
     if json_out:
         print(json.dumps(out))
     return out
