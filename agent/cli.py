@@ -379,10 +379,18 @@ def plan(
     input_json: str = typer.Argument("-", metavar="[INPUT.json|-]",
                                      help="{topology, load, needs, ...} as JSON; - reads stdin"),
     as_json: bool = typer.Option(False, "--json", help="print the plan as one JSON object on the last line"),
+    locality_weight: float = typer.Option(
+        None, "--locality-weight", min=0.0, max=1.0,
+        help="0..1: how the planner trades GPU balance for fewer cross-node token copies when spare "
+             "slots cannot buy both (0 = best balance, 1 = fewest cross-node copies; default 0.1, or "
+             "the input's locality_weight)"),
 ) -> None:
-    """Expert load + fleet topology -> layout, device set and the reason (or why nothing is placeable)."""
+    """Expert load + fleet topology -> layout, device set and the reason (or why nothing is placeable).
+
+    Exits 2 when the input breaks a rule (the message names the field), 1 when no device set fits."""
     import sys
 
+    from relayout.bench.eplb import eplb_reference
     from relayout.migrate.plan_cli import format_plan_table, plan_main
 
     try:
@@ -394,10 +402,14 @@ def plan(
         _fail(f"{input_json}: not valid JSON: {e}")
     if not isinstance(inp, dict):
         _fail("the plan input must be a JSON object {topology, load, needs, ...}")
-    res = plan_main(inp)
+    if locality_weight is not None:
+        inp["locality_weight"] = locality_weight
+    res = plan_main(inp, reference=eplb_reference, reference_name="DeepSeek EPLB")
     Console(stderr=as_json).print(format_plan_table(res))
     if as_json:
         print(json.dumps(res), flush=True)
+    if res.get("invalid_input"):
+        _fail(res["error"], 2)
     if "error" in res:
         raise typer.Exit(1)
 

@@ -110,15 +110,8 @@ def bench_placement(
     engine_trace: bool = typer.Option(True, "--engine-trace/--no-engine-trace",
                                       help="also plan a trace recorded from builtin:tiny"),
 ) -> None:
-    """Balance and cross-node traffic of the planner's placement vs an EPLB-style baseline."""
-    try:
-        from relayout.bench.placement import run_bench
-    except ModuleNotFoundError as e:
-        # TODO(merge): the placement bench moves from migrate/bench_placement.py to bench/placement.py
-        # on another branch; drop this fallback once both are merged.
-        if e.name != "relayout.bench.placement":
-            raise
-        from relayout.migrate.bench_placement import run_bench
+    """Balance and cross-node traffic of the planner's placement vs DeepSeek's EPLB (both policies)."""
+    from relayout.bench.placement import run_bench
 
     run_bench(json_out=as_json, include_engine=engine_trace)
 
