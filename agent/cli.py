@@ -390,7 +390,6 @@ def plan(
     Exits 2 when the input breaks a rule (the message names the field), 1 when no device set fits."""
     import sys
 
-    from relayout.bench.eplb import eplb_reference
     from relayout.migrate.plan_cli import format_plan_table, plan_main
 
     try:
@@ -404,7 +403,8 @@ def plan(
         _fail("the plan input must be a JSON object {topology, load, needs, ...}")
     if locality_weight is not None:
         inp["locality_weight"] = locality_weight
-    res = plan_main(inp, reference=eplb_reference, reference_name="DeepSeek EPLB")
+    ref, ref_name = _plan_reference()
+    res = plan_main(inp, reference=ref, reference_name=ref_name)
     Console(stderr=as_json).print(format_plan_table(res))
     if as_json:
         print(json.dumps(res), flush=True)
@@ -412,6 +412,20 @@ def plan(
         _fail(res["error"], 2)
     if "error" in res:
         raise typer.Exit(1)
+
+
+def _plan_reference():
+    """The yardstick `relayout plan` compares its placement with: the first entry point of the
+    `relayout.plan_references` group (DeepSeek's EPLB from relayout.bench), loaded by name so the
+    product never imports the benchmarks; none installed, no comparison."""
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group="relayout.plan_references"):
+        try:
+            return ep.load(), ep.name
+        except (ImportError, AttributeError) as e:
+            err.print(f"[yellow]warning:[/yellow] plan reference {ep.name!r} not loaded: {e}")
+    return None, "reference"
 
 
 @app.command()
@@ -454,7 +468,6 @@ def add_plugin_commands(root: typer.Typer) -> list[str]:
     """Add every typer app registered under the `relayout.commands` entry point group as a
     sub-command named after its entry point; returns the names added. A plugin that fails to
     import is reported on stderr and left out, so a broken plugin cannot break the product."""
-    import importlib
     from importlib.metadata import entry_points
 
     added: list[str] = []
@@ -468,14 +481,6 @@ def add_plugin_commands(root: typer.Typer) -> list[str]:
                       soft_wrap=True)
             continue
         added.append(ep.name)
-    if "bench" not in added:
-        # An install made before pyproject.toml declared the entry point (an editable install
-        # re-reads it only on `pip install -e .`): load the bench commands by name if present.
-        try:
-            root.add_typer(importlib.import_module("relayout.bench.cli").bench_app, name="bench")
-            added.append("bench")
-        except ImportError:
-            pass  # not installed: the product runs without it
     return added
 
 
