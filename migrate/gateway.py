@@ -124,6 +124,10 @@ def create_gateway_app(agents: list[str], replicas: list[str] | None = None, tok
             resp = await client.send(req, stream=True)
         yield {"error": {"message": f"session {sid} moved more than {MAX_HOPS} times", "type": "upstream_error"}}
 
+    from relayout.migrate.gateway_chat import install_chat_gateway_route
+
+    install_chat_gateway_route(app, ups, client, follow)  # chat streams reattach the same way
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         try:
