@@ -1,4 +1,4 @@
-"""The gateway's `/v1/chat/completions`: streamed from a replica like completions, and kept
+"""The gateway's `/v1/chat/completions` (and the completions route's usage and logprobs helpers): streamed from a replica like completions, and kept
 alive across migrations by the same reattach logic (the gateway's `follow`).
 
 A chat session remembers that it is one (engine/streaming.py), so the replica's
@@ -34,7 +34,6 @@ def install_chat_gateway_route(app: FastAPI, ups: Any, client: httpx.AsyncClient
             return error_response(400, "request body must be a JSON object")
         want_stream = bool(body.get("stream"))
         want_ids = bool(body.get("return_token_ids"))
-        want_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         up = {**body, "stream": True, "return_token_ids": True, "stream_options": {"include_usage": True}}
         try:
             url = await ups.pick(client)
@@ -63,7 +62,7 @@ def install_chat_gateway_route(app: FastAPI, ups: Any, client: httpx.AsyncClient
         if want_stream:
             async def sse() -> AsyncIterator[bytes]:
                 async for ev in events():
-                    if "usage" in ev and not ev.get("choices") and not want_usage:
+                    if unwanted_usage(ev, body):
                         continue
                     if not want_ids:
                         for c in ev.get("choices", []):
@@ -103,3 +102,15 @@ async def _collect(events: AsyncIterator[dict], body: dict, want_ids: bool) -> A
         choice["token_ids"] = ids
     return {"id": sid, "object": "chat.completion", "created": created, "model": model, "choices": [choice],
             "usage": usage or {"completion_tokens": len(ids)}}
+
+
+def unwanted_usage(ev: dict, body: dict) -> bool:
+    """The usage chunk (always asked for upstream) of a stream whose client did not ask for it."""
+    return "usage" in ev and not ev.get("choices") and not (body.get("stream_options") or {}).get("include_usage")
+
+
+def join_completion_logprobs(acc: dict | None, lp: dict | None) -> dict | None:
+    """The legacy completions logprobs of one more chunk appended ({tokens, token_logprobs, ...} lists)."""
+    if not lp:
+        return acc
+    return {k: (acc or {}).get(k, []) + v for k, v in lp.items()}
