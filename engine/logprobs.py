@@ -61,8 +61,12 @@ class CompletionLogprobs:
             text = token_text(self.tok, t)
             out["tokens"].append(text)
             out["token_logprobs"].append(chosen)
-            # the k most likely, plus the chosen token (OpenAI: "up to logprobs+1 elements")
-            top = {token_text(self.tok, i): v for i, v in zip(top_ids, top_lps, strict=True)}
+            # the chosen token and the k most likely (OpenAI: "up to logprobs+1 elements"); where two
+            # ids decode to the same string the chosen one, then the likelier, keeps the key
+            top: dict[str, float] = {}
+            for i, v in zip(top_ids, top_lps, strict=True):
+                key = token_text(self.tok, i)
+                top.setdefault(key, chosen if key == text else v)
             top.setdefault(text, chosen)
             out["top_logprobs"].append(top)
             out["text_offset"].append(self.offset)
