@@ -39,6 +39,7 @@ class _Snap:
     token_ids: list[int] = field(default_factory=list)
     status: SessionStatus = SessionStatus.WAITING
     finish_reason: str | None = None
+    logprobs: list[list] = field(default_factory=list)  # per token, when the session asked for them
     waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = field(default_factory=list)
 
     @property
@@ -128,6 +129,13 @@ class AsyncEngine:
                 "token_ids": list(s.token_ids),
                 "finish_reason": s.finish_reason,
             }
+
+    def logprobs(self, session_id: str, lo: int, hi: int) -> list[list]:
+        """Logprob records of generated tokens [lo, hi) (published with the ids: a batch from
+        `stream` has them); empty for a session that did not ask for logprobs."""
+        with self._lock:
+            s = self._snaps.get(session_id)
+            return list(s.logprobs[lo:hi]) if s is not None else []
 
     async def stream(self, session_id: str, from_token: int = 0) -> AsyncIterator[list[int]]:
         """Batches of generated token ids from index `from_token` on, until the session is
@@ -263,6 +271,9 @@ class AsyncEngine:
                     snap.token_ids.extend(s.output_token_ids[len(snap.token_ids):])
                 elif len(s.output_token_ids) < len(snap.token_ids):  # replaced by an import
                     snap.token_ids = list(s.output_token_ids)
+                    snap.logprobs = []
+                if len(s.logprobs) > len(snap.logprobs):
+                    snap.logprobs.extend(s.logprobs[len(snap.logprobs):])
                 snap.status, snap.finish_reason = s.status, s.finish_reason
                 wake += snap.waiters
             if len(self._snaps) > _MAX_DONE_SNAPSHOTS + 256:  # amortised: trim in batches

@@ -14,6 +14,7 @@ from relayout.engine.config import ModelConfig
 from relayout.engine.executor import Executor, LocalExecutor
 from relayout.engine.kv_cache import BLOCK_SIZE, BlockAllocator, blocks_needed
 from relayout.engine.layout import Layout
+from relayout.engine.logprobs import token_logprobs
 from relayout.engine.runner import StepBatch, kv_block_bytes
 from relayout.engine.sampling import new_rng_state, sample
 from relayout.engine.scheduler import Scheduler
@@ -204,6 +205,8 @@ class LLMEngine:
                 if self.logits_hook is not None:
                     self.logits_hook(s.session_id, logits[g][row])
                 tok = sample(logits[g][row], s)
+                if s.sampling.logprobs is not None:  # only sessions that asked pay for it
+                    s.logprobs.append(token_logprobs(logits[g][row], tok, s.sampling.logprobs))
                 row += 1
                 events.append(self._append(s, tok))
         return events
