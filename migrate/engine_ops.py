@@ -1,9 +1,12 @@
-"""The protocol's engine operations on a serving replica: each one a call on the AsyncEngine's
-thread, at a step boundary (migrate.transfers.EngineOps, the real one)."""
+"""The protocol's engine operations (migrate.transfers.EngineOps, the real one): each runs as
+one function on the engine's thread, at a step boundary. `call` hands that function over:
+AsyncEngine.call on a serving replica; a direct call where the caller owns the engine (tests)."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from relayout.engine.async_engine import AsyncEngine
 from relayout.engine.engine import LLMEngine
@@ -12,10 +15,16 @@ from relayout.engine.snapshot import CHUNK_TOKENS, geometry, model_ref, take_sna
 from relayout.migrate.transfers import Cut, Incoming
 from relayout.storage.manifest import Manifest
 
+EngineCall = Callable[[Callable[[LLMEngine], Any]], Awaitable[Any]]
 
-class AsyncEngineOps:
-    def __init__(self, aengine: AsyncEngine):
-        self.aengine = aengine
+
+class EngineThreadOps:
+    def __init__(self, call: EngineCall, note_migrated: Callable[[list[str], str], None] | None = None):
+        self.call, self.note_migrated = call, note_migrated
+
+    @classmethod
+    def of(cls, aengine: AsyncEngine) -> EngineThreadOps:
+        return cls(aengine.call, aengine.note_migrated)
 
     async def cut(self, sessions: list[str] | None, pause: bool, sent: dict[str, int],
                   max_tokens: int | None) -> Cut:
@@ -34,24 +43,24 @@ class AsyncEngineOps:
             snaps = take_snapshot(e, paused if pause else sessions, sent, max_tokens)
             return Cut(paused, snaps, model_ref(e), e.layout.to_dict(), geometry(e))
 
-        return await self.aengine.call(cut)
+        return await self.call(cut)
 
     async def resume(self, session_ids: list[str]) -> None:
-        await self.aengine.call(lambda e: e.resume(session_ids))
+        await self.call(lambda e: e.resume(session_ids))
 
     async def release(self, session_ids: list[str], migrated_to: str | None) -> None:
-        if migrated_to:
-            self.aengine.note_migrated(session_ids, migrated_to)
-        await self.aengine.call(lambda e: e.release(session_ids))
+        if migrated_to and self.note_migrated is not None:
+            self.note_migrated(session_ids, migrated_to)
+        await self.call(lambda e: e.release(session_ids))
 
     async def receive(self, t: Incoming, manifest: Manifest, final: bool) -> dict:
-        return await self.aengine.call(lambda e: receive_round(e, t, manifest, final))
+        return await self.call(lambda e: receive_round(e, t, manifest, final))
 
     async def commit(self, t: Incoming) -> list[str]:
-        return await self.aengine.call(lambda e: commit_incoming(e, t))
+        return await self.call(lambda e: commit_incoming(e, t))
 
     async def abort(self, t: Incoming) -> None:
-        await self.aengine.call(lambda e: abort_incoming(e, t))
+        await self.call(lambda e: abort_incoming(e, t))
 
 
 def import_limits(engine: LLMEngine) -> tuple[int, int]:

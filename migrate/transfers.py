@@ -127,7 +127,7 @@ class Incoming:
 
 
 class EngineOps(Protocol):
-    """What the protocol does on the replica's engine thread (AsyncEngineOps: the real one)."""
+    """What the protocol does on the replica's engine thread (migrate.engine_ops: the real one)."""
 
     async def cut(self, sessions: list[str] | None, pause: bool, sent: dict[str, int],
                   max_tokens: int | None) -> Cut:
