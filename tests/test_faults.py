@@ -17,16 +17,31 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
-from relayout.migrate.live import MigrationError, MigrationResult, migrate_live
+from relayout.migrate.live import MigrationError, migrate_live
 from relayout.migrate.procs import alive, children_of, launch, rank_processes, replica
 
 from tests.conftest import _free_port
-from tests.migration_helpers import Stream, port_of, reference, replica_state, wait_for
+from tests.migration_helpers import (
+    Moved,
+    Stream,
+    finish,
+    finish_moved,
+    idle,
+    migrate_with_streams,
+    no_transfers,
+    port_of,
+    record_transfer_ids,
+    reference,
+    replica_state,
+    streams_on,
+    transfers_on,
+    unchanged,
+    wait_for,
+)
 from tests.proxy import Proxy
 
 TTL = 2.0  # RELAYOUT_TRANSFER_TTL_S of every replica here: how long a transfer may sit idle
@@ -94,76 +109,11 @@ def refs(kit):
 
 
 def start_streams(src: str, follow: list[str], n: int = 3) -> list[Stream]:
-    ss = [Stream(src, BODIES[i], follow) for i in range(n)]
-    for s in ss:
-        assert s.started.wait(60)
-    return ss
+    return streams_on(src, BODIES[:n], follow)
 
 
-@dataclass
-class Moved:
-    """What one arranged migration left: the streams, and the result or the error it ended with."""
-
-    streams: list[Stream]
-    result: MigrationResult | None = None
-    error: BaseException | None = None
-    seconds: float = 0.0
-
-
-def migrate_streams(src: str, target: str, follow: list[str], *, arm: Callable[[], object] | None = None,
-                    raises: type[BaseException] | None = None, match: str | None = None, **kw) -> Moved:
-    """The shape of every migration fault: three streams on `src` (followed to `follow`), then
-    `arm()` (the fault), then migrate_live(src, target, small_bytes=0, **kw) — which must raise
-    `raises` (matching `match`) when given."""
-    m = Moved(start_streams(src, follow))
-    if arm is not None:
-        arm()
-    t0 = time.time()
-    if raises is None:
-        m.result = migrate_live(src, target, small_bytes=0, **kw)
-    else:
-        with pytest.raises(raises, match=match) as ei:
-            migrate_live(src, target, small_bytes=0, **kw)
-        m.error = ei.value
-    m.seconds = time.time() - t0
-    return m
-
-
-def finish(ss: list[Stream], refs: list[list[int]], where: str) -> None:
-    """Every stream ended with the undisturbed tokens, last served by `where`."""
-    for i, s in enumerate(ss):
-        s.join(120)
-        assert s.error is None, s.error
-        assert s.tokens == refs[i], f"session {i} changed ({len(s.tokens)} tokens)"
-        assert s.owners[-1] == where, (i, s.owners)
-
-
-def unchanged(ss: list[Stream], refs: list[list[int]]) -> None:
-    """Every stream ended with the undisturbed tokens, wherever it finished."""
-    for i, s in enumerate(ss):
-        s.join(120)
-        assert s.error is None and s.tokens == refs[i]
-
-
-def finish_moved(m: Moved, refs: list[list[int]], target: str, source: str) -> None:
-    """Every stream ended with the undisturbed tokens; the moved sessions last served by `target`,
-    the others (finished before the final round) by `source`."""
-    assert m.result is not None and m.result.sessions
-    for i, s in enumerate(m.streams):
-        s.join(120)
-        assert s.error is None and s.tokens == refs[i]
-        assert s.owners[-1] == (target if s.sid in m.result.sessions else source), (i, s.owners)
-
-
-def idle(url: str, timeout: float = 10) -> None:
-    """No sessions and no KV blocks left on the replica (reservations included)."""
-    st = wait_for(lambda: (lambda r: r if not r["sessions"] and r["kv_blocks_used"] == 0 else None)(replica_state(url)),
-                  timeout)
-    assert st, replica_state(url)
-
-
-def no_transfers(url: str, tid: str) -> dict:
-    return httpx.get(f"{url}/v1/sessions/transfers/{tid}", timeout=5).json()
+def migrate_streams(src: str, target: str, follow: list[str], **kw) -> Moved:
+    return migrate_with_streams(src, target, follow, BODIES, **kw)
 
 
 @pytest.fixture()
@@ -347,35 +297,16 @@ def test_migrator_dies_after_commit_target_resumes_alone(ab, refs):
     idle(b)
 
 
-def _transfers_on(url: str) -> list[str]:
-    # the transfer id is not returned when the migrator dies; find it from the target's log of ids
-    out = []
-    for tid in _seen_ids:
-        st = no_transfers(url, tid)
-        if st["incoming"] or st["outgoing"]:
-            out.append(tid)
-    return out
-
-
-_seen_ids: list[str] = []
+_seen_ids: list[str] = []  # transfer ids migrate_live made in this test (it returns none when it dies)
 
 
 @pytest.fixture(autouse=True)
 def _record_transfer_ids(monkeypatch):
-    import uuid
+    record_transfer_ids(monkeypatch, _seen_ids)
 
-    import relayout.migrate.live as live
 
-    real = uuid.uuid4
-    _seen_ids.clear()
-
-    def rec():
-        u = real()
-        _seen_ids.append(f"mig-{u.hex[:16]}")
-        return u
-
-    monkeypatch.setattr(live.uuid, "uuid4", rec)
-    yield
+def _transfers_on(url: str) -> list[str]:
+    return transfers_on(url, _seen_ids)
 
 
 def test_agent_killed_mid_operation_and_restarted(kit, px, refs, tmp_path):

@@ -12,9 +12,9 @@ import pytest
 import torch
 from relayout.engine.session import SamplingParams, SessionState, SessionStatus
 from relayout.engine.snapshot import SessionSnapshot
+from relayout.migrate.frame_sink import FrameSink
 from relayout.migrate.transfers import (
     Cut,
-    FrameSink,
     ImportTooLarge,
     Incoming,
     RoundCut,
