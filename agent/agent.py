@@ -186,11 +186,12 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
     @v1.post("/restore", status_code=202)
     async def restore(body: RestoreBody):
         check_session_ids(body.sessions)
-        from relayout.engine.session_routes import RouteError, split_checkpoint_uri
+        from relayout.engine.web import HTTPError
+        from relayout.migrate.replica_routes import split_checkpoint_uri
 
         try:
             split_checkpoint_uri(body.checkpoint)
-        except RouteError as e:
+        except HTTPError as e:
             raise AgentError(400, f"checkpoint: {e.message}") from None
         if isinstance(body.replica, str):
             running(body.replica)

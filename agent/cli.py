@@ -54,24 +54,20 @@ def serve(
                                            "MASTER_ADDR:MASTER_PORT); default 127.0.0.1 and a free port"),
 ) -> None:
     """Serve one model replica with an OpenAI-compatible API; prints its URL once listening."""
-    import os
-
     from relayout.engine.config import ModelConfigError
     from relayout.engine.layout import LayoutError
-    from relayout.engine.server import serve as _serve
     from relayout.engine.weights import ModelNotFoundError
-    from relayout.engine.workers import RankFailure, RankPlacement, split_hostport
+    from relayout.engine.workers import RankFailure
+    from relayout.migrate.serve import rank_placement
+    from relayout.migrate.serve import serve as _serve
 
     if kv_cache_mb is not None and kv_cache_mb < 1:
         _fail("--kv-cache-mb must be at least 1")
-    placement = None
-    if local_ranks is not None or rank_endpoint is not None:
-        try:
-            split_hostport(rank_endpoint or "127.0.0.1:0")
-        except ValueError as e:
-            _fail(f"--rank-endpoint: {e}")
-        placement = RankPlacement(local_ranks=None if local_ranks is None else _int_list(local_ranks, "--local-ranks"),
-                                  endpoint=rank_endpoint or "127.0.0.1:0", token=os.environ.get("RELAYOUT_TOKEN"))
+    ranks = None if local_ranks is None else _int_list(local_ranks, "--local-ranks")
+    try:
+        placement = rank_placement(ranks, rank_endpoint)
+    except ValueError as e:
+        _fail(f"--rank-endpoint: {e}")
     try:
         _serve(model, layout, host, port, kv_cache_mb=kv_cache_mb, device=device, placement=placement)
     except (LayoutError, ModelNotFoundError, ModelConfigError, RankFailure, ValueError) as e:

@@ -261,7 +261,7 @@ def install_chat_routes(app: FastAPI, aengine: AsyncEngine, model_name: str) -> 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         if not aengine.healthy:
-            raise EngineDeadError(str(aengine._dead()))
+            raise EngineDeadError(str(aengine.dead_error()))
         if template is None:
             raise RequestError(f"model {model_name} has no chat template (chat_template in tokenizer_config.json)")
         text = template.render(req.template_messages(), req.add_generation_prompt)

@@ -136,23 +136,38 @@ class LLMEngine:
             if s is None or s.is_finished:
                 raise KeyError(f"session {sid} is not running on this replica")
         for sid in session_ids:
-            s = self.sessions[sid]
-            if s in self.scheduler.waiting:
-                self.scheduler.waiting.remove(s)
-                self.scheduler.paused_waiting.append(s)
-            s.status = SessionStatus.PAUSED
+            self.scheduler.pause(self.sessions[sid])
 
     def resume(self, session_ids: list[str]) -> None:
+        """Let paused sessions run again (unknown or not paused ones are skipped)."""
         for sid in session_ids:
             s = self.sessions.get(sid)
-            if s is None or s.status != SessionStatus.PAUSED:
-                continue
-            if s in self.scheduler.paused_waiting:
-                self.scheduler.paused_waiting.remove(s)
-                s.status = SessionStatus.WAITING
-                self.scheduler.waiting.appendleft(s)
-            else:
-                s.status = SessionStatus.RUNNING if s.num_computed else SessionStatus.WAITING
+            if s is not None:
+                self.scheduler.resume(s)
+
+    def release(self, session_ids: list[str], status: SessionStatus = SessionStatus.MIGRATED) -> None:
+        """The sessions live elsewhere now (a migration's commit, a checkpoint with stop): free them."""
+        for sid in session_ids:
+            s = self.sessions.get(sid)
+            if s is not None and not s.is_finished:
+                self._finish(s, s.finish_reason or "migrated", status)
+
+    def adopt(self, s: SessionState, group: int, blocks: list[int] | None) -> None:
+        """Take in a session that arrived from elsewhere (restore, live transfer). With `blocks`
+        (already holding its first `s.num_computed` tokens of KV) it is placed in that group's
+        running set in its current status; without, it queues to be prefilled from scratch."""
+        s.dp_group = group
+        self.sessions[s.session_id] = s
+        if blocks is None:
+            self.scheduler.add(s)
+        else:
+            self.scheduler.place(s, group, blocks)
+
+    def discard(self, session_id: str) -> None:
+        """Forget a session that never became this replica's (an uncommitted transfer), freeing its blocks."""
+        s = self.sessions.pop(session_id, None)
+        if s is not None:
+            self.scheduler.remove(s)
 
     def _finish(self, s: SessionState, reason: str, status: SessionStatus = SessionStatus.FINISHED) -> None:
         s.status = status

@@ -1,16 +1,16 @@
-"""The replica's OpenAI-compatible HTTP API (docs/replica-api.md) on top of an AsyncEngine."""
+"""The replica's OpenAI-compatible HTTP API on top of an AsyncEngine (docs/replica-api.md).
+
+Serving only: the routes that move sessions, and the `serve` command that composes a whole
+replica, are migrate's (migrate.replica_routes, migrate.serve)."""
 
 from __future__ import annotations
 
-import signal
-import sys
 import time
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import PlainTextResponse
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field
@@ -32,35 +32,12 @@ from relayout.engine.streaming import (
 )
 from relayout.engine.streaming import usage as _usage
 from relayout.engine.tokenizer import Tokenizer
-from starlette.exceptions import HTTPException as StarletteHTTPException
-
-if TYPE_CHECKING:
-    from relayout.engine.workers import RankPlacement
+from relayout.engine.web import BodyLimit, HTTPError, error_response, install_error_handlers
 
 MAX_COMPLETION_BODY = 8 << 20  # a 32k-token prompt as token ids is well under 1 MiB
+COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
-_LIVE = {"waiting": "running", "running": "running", "paused": "running"}  # docs/replica-api.md names
-
-
-# ---- errors ---------------------------------------------------------------------------
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.type = status, message, type_
-
-
-def error_response(status: int, message: str, type_: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type_, "code": status}}, status_code=status)
-
-
-def _validation_message(exc: RequestValidationError) -> str:
-    parts = []
-    for e in exc.errors():
-        if e.get("type") == "json_invalid":
-            return f"request body is not valid JSON: {e.get('ctx', {}).get('error', e.get('msg'))}"
-        loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
-        parts.append(f"{loc or 'body'}: {e.get('msg')}")
-    return "; ".join(parts) or "invalid request"
+_LIVE = {"waiting": "running", "running": "running", "paused": "running"}  # the replica API's names
 
 
 # ---- request ------------------------------------------------------------------------------
@@ -89,19 +66,19 @@ class CompletionRequest(BaseModel):
         p = self.prompt
         if isinstance(p, list) and p and isinstance(p[0], (str, list)):
             if len(p) != 1:
-                raise APIError(400, "only one prompt per request is supported (got a batch of prompts)")
+                raise HTTPError(400, "only one prompt per request is supported (got a batch of prompts)")
             p = p[0]
         return tok.encode(p) if isinstance(p, str) else list(p)
 
     def sampling(self) -> SamplingParams:
         if self.n not in (None, 1) or self.best_of not in (None, 1):
-            raise APIError(400, "n and best_of must be 1")
+            raise HTTPError(400, "n and best_of must be 1")
         if self.echo:
-            raise APIError(400, "echo is not supported")
+            raise HTTPError(400, "echo is not supported")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-            raise APIError(400, f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {self.logprobs}")
+            raise HTTPError(400, f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {self.logprobs}")
         if self.max_tokens is not None and self.max_tokens < 1:
-            raise APIError(400, f"max_tokens must be at least 1, got {self.max_tokens}")
+            raise HTTPError(400, f"max_tokens must be at least 1, got {self.max_tokens}")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             max_tokens=16 if self.max_tokens is None else self.max_tokens,
@@ -178,56 +155,33 @@ def create_app(aengine: AsyncEngine, model_name: str) -> FastAPI:
 
     app = FastAPI(title="relayout replica", lifespan=lifespan)
 
-    @app.middleware("http")
-    async def _body_limit(request: Request, call_next):
-        # a completion body is a prompt and a few fields: refuse megabytes before parsing them
-        cl = request.headers.get("content-length")
-        if request.url.path in ("/v1/completions", "/v1/chat/completions") and cl and cl.isdigit() and int(cl) > MAX_COMPLETION_BODY:
-            return error_response(413, f"request body over {MAX_COMPLETION_BODY} bytes", "invalid_request_error")
-        return await call_next(request)
-    from relayout.engine.session_routes import install_session_routes
-
-    install_session_routes(app, aengine)
-
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, e: APIError):
-        return error_response(e.status, e.message, e.type)
+    # a completion body is a prompt and a few fields: refuse megabytes before parsing them
+    app.add_middleware(BodyLimit, limit=lambda path: MAX_COMPLETION_BODY if path in COMPLETION_PATHS else None)
+    install_error_handlers(app)
 
     @app.exception_handler(RequestError)
     async def _request_error(_: Request, e: RequestError):
         return error_response(400, str(e), "invalid_request_error")
 
-    @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, e: RequestValidationError):
-        return error_response(400, _validation_message(e), "invalid_request_error")
-
     @app.exception_handler(EngineDeadError)
     async def _dead(_: Request, e: EngineDeadError):
         return error_response(503, str(e), "engine_unavailable")
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, e: StarletteHTTPException):
-        return error_response(e.status_code, str(e.detail), "not_found_error" if e.status_code == 404 else "invalid_request_error")
-
-    @app.exception_handler(Exception)
-    async def _internal(_: Request, e: Exception):
-        return error_response(500, f"internal error: {type(e).__name__}", "server_error")
-
     def require_healthy() -> None:
         if not aengine.healthy:
-            raise EngineDeadError(str(aengine._dead()))
+            raise EngineDeadError(str(aengine.dead_error()))
 
     def snapshot(sid: str) -> dict:
         snap = aengine.get(sid)
         if snap is None:
-            raise APIError(404, f"no session {sid!r} on this replica", "not_found_error")
+            raise HTTPError(404, f"no session {sid!r} on this replica", "not_found_error")
         return snap
 
     # ---- routes --------------------------------------------------------------------------
     @app.get("/health")
     async def health():
         if not aengine.healthy:
-            return error_response(503, str(aengine._dead()), "engine_unavailable")
+            return error_response(503, str(aengine.dead_error()), "engine_unavailable")
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -280,7 +234,7 @@ def create_app(aengine: AsyncEngine, model_name: str) -> FastAPI:
     async def session_stream(sid: str, request: Request, from_token: int = 0, return_token_ids: bool = False):
         s = snapshot(sid)
         if from_token < 0:
-            raise APIError(400, "from_token must be >= 0")
+            raise HTTPError(400, "from_token must be >= 0")
         spec = await spec_of(aengine, sid)  # a chat session resumes as chat chunks
         return streaming_response(session_events(
             aengine, request, sid, model=model_name, created=int(time.time()), shape=shape_for(spec, tok), spec=spec,
@@ -301,7 +255,7 @@ def create_app(aengine: AsyncEngine, model_name: str) -> FastAPI:
                 from_token=0, with_ids=req.return_token_ids, prompt_len=len(ids)))
         out, records, snap = await collect(aengine, request, sid)
         if snap.get("state") == "migrated":
-            raise APIError(409, migrated_message(sid), "session_migrated")
+            raise HTTPError(409, migrated_message(sid), "session_migrated")
         ts = StopTextStream(tok, params.stop)
         text = ts.add(out) + ts.finish()
         lp = CompletionLogprobs(tok).add(out, records) if params.logprobs is not None else None
@@ -314,36 +268,3 @@ def create_app(aengine: AsyncEngine, model_name: str) -> FastAPI:
     install_chat_routes(app, aengine, model_name)
 
     return app
-
-
-# ---- serve -------------------------------------------------------------------------------------------
-def serve(model: str = "builtin:tiny", layout: str | None = None, host: str = "127.0.0.1", port: int = 8000,
-          kv_cache_mb: int | None = None, device: str | None = None, placement: RankPlacement | None = None) -> None:
-    """Load the model, serve it until SIGTERM/SIGINT, then shut the engine (and its ranks) down."""
-    import uvicorn
-    from relayout.engine.engine import LLMEngine
-
-    # uvicorn re-raises the signal it caught once it has shut down; make that a clean exit 0
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    engine = LLMEngine(model, layout, kv_cache_bytes=kv_cache_mb * 2**20 if kv_cache_mb else None, device=device,
-                       placement=placement)
-    aengine = AsyncEngine(engine)
-    try:
-        app = create_app(aengine, model)
-
-        class _Server(uvicorn.Server):
-            async def startup(self, sockets=None):
-                await super().startup(sockets)
-                if self.started:
-                    bound = self.servers[0].sockets[0].getsockname()[1] if self.servers else port
-                    print(f"relayout serving {model} on http://{host}:{bound}", flush=True)
-
-            async def shutdown(self, sockets=None):
-                await aengine.stop()  # end open streams first, so their connections can close
-                await super().shutdown(sockets)
-
-        _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)).run()
-    finally:
-        aengine.stop_sync(timeout=10)
-        if aengine._thread is None:  # never started: the loop thread did not shut the engine down
-            engine.shutdown()
