@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 BLOCK_SIZE = 16
+FP8_KV = torch.float8_e4m3fn  # the element type of an fp8_e4m3 KV pool
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -30,6 +31,15 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
         return
     np.copyto(d, s)  # bit copy: the same dtype on both sides
+
+
+def kv_storage_dtype(kv_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV pool's element type for a KV dtype name ("auto": the model's)."""
+    if kv_dtype == "auto":
+        return model_dtype
+    if kv_dtype == "fp8_e4m3":
+        raise ValueError("kv_dtype fp8_e4m3 is not supported by this engine yet (use auto)")
+    raise ValueError(f"unknown KV dtype {kv_dtype!r}; allowed: auto, fp8_e4m3")
 
 
 class OutOfBlocks(RuntimeError):
@@ -97,8 +107,10 @@ class KVCache:
     """One rank's KV tensors: per layer [num_blocks, block_size, local_kv_heads, head_dim]."""
 
     def __init__(self, num_layers: int, num_blocks: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, block_size: int = BLOCK_SIZE):
+                 dtype: torch.dtype, device: torch.device, block_size: int = BLOCK_SIZE,
+                 compute_dtype: torch.dtype | None = None):
         self.block_size = block_size
+        self.compute_dtype = compute_dtype or dtype  # what attention reads
         shape = (num_blocks, block_size, kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]

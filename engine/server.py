@@ -289,6 +289,8 @@ def create_app(aengine: AsyncEngine, model_name: str) -> FastAPI:
             return {
                 "model": model_name,
                 "layout": e.layout.to_dict(),
+                "dtype": str(e.dtype).removeprefix("torch."),
+                "kv_dtype": e.kv_dtype_name,
                 "sessions": [{"id": sid, "state": s.status.value, "num_tokens": s.num_tokens}
                              for sid, s in e.sessions.items() if not s.is_finished],
                 "expert_counts": st["expert_counts"],
@@ -439,7 +441,8 @@ def _usage(prompt: int, completion: int) -> dict:
 
 # ---- serve -------------------------------------------------------------------------------------------
 def serve(model: str = "builtin:tiny", layout: str | None = None, host: str = "127.0.0.1", port: int = 8000,
-          kv_cache_mb: int | None = None, device: str | None = None, placement: RankPlacement | None = None) -> None:
+          kv_cache_mb: int | None = None, device: str | None = None, placement: RankPlacement | None = None,
+          dtype: str | None = None, kv_dtype: str | None = None) -> None:
     """Load the model, serve it until SIGTERM/SIGINT, then shut the engine (and its ranks) down."""
     import uvicorn
     from relayout.engine.engine import LLMEngine
@@ -447,7 +450,7 @@ def serve(model: str = "builtin:tiny", layout: str | None = None, host: str = "1
     # uvicorn re-raises the signal it caught once it has shut down; make that a clean exit 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     engine = LLMEngine(model, layout, kv_cache_bytes=kv_cache_mb * 2**20 if kv_cache_mb else None, device=device,
-                       placement=placement)
+                       placement=placement, dtype=dtype, kv_dtype=kv_dtype)
     aengine = AsyncEngine(engine)
     try:
         app = create_app(aengine, model)

@@ -80,3 +80,171 @@ def test_checkpoint_of_low_precision_kv(dtype, codec):
     assert r.verify() > 0
     for layer in range(3):
         assert same_bits(r.read_kv("s", layer, 1, 3), kv[layer, :, 1:3].contiguous())
+
+
+# ---- the engine in reduced precision -----------------------------------------------------------------
+PROMPTS = [[1, 5, 9], [7] * 20, list(range(10, 47)), [3, 1, 4, 1, 5, 9, 2, 6], [42], list(range(100, 170)),
+           [8, 8, 9, 9, 10], list(range(200, 213))]
+# Parity metric: max |Δlogit| over the vocabulary divided by the reference's logit range at that step.
+# bfloat16 keeps 8 significant bits (relative rounding 2^-9); the bound allows a few roundings' worth
+# of drift through 2 layers. A routing choice is discontinuous: where the low-precision reference
+# itself flips an expert choice that float32 makes (it then sits > BOUND from float32), ours must
+# instead agree with float32.
+BOUND = {torch.bfloat16: 0.02, torch.float16: 0.005}
+
+
+def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((ours - ref).abs().max() / (ref.max() - ref.min()))
+
+
+@pytest.mark.parametrize("arch,dtype", [("qwen3moe", torch.bfloat16), ("mixtral", torch.bfloat16),
+                                        ("qwen3moe", torch.float16)], ids=str)
+def test_reduced_precision_parity_with_transformers(hf_models, arch, dtype):
+    from relayout.engine.engine import LLMEngine
+    from relayout.engine.session import SamplingParams
+    from transformers import AutoModelForCausalLM
+
+    path = hf_models[arch]
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    ref32 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    n, bound = 8, BOUND[dtype]
+    eng = LLMEngine(str(path), max_prefill_tokens=32, dtype=dtype)
+    assert eng.dtype == dtype and eng.executor.runner.kv.k[0].dtype == dtype  # type: ignore[attr-defined]
+    assert eng.executor.runner.model.lm_head.dtype == dtype  # type: ignore[attr-defined]
+    seen: dict[str, list[torch.Tensor]] = {}
+    eng.logits_hook = lambda sid, lg: seen.setdefault(sid, []).append(lg.clone())
+    sessions = [eng.add_session(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p in PROMPTS]
+    while eng.has_work():
+        eng.step()
+    eng.shutdown()
+    errs, flips, decisive, equal_prompts = [], 0, 0, 0
+    for p, s in zip(PROMPTS, sessions, strict=True):
+        ids, all_decisive = list(p), True
+        for step in range(n):
+            with torch.no_grad():  # the references on OUR prefix: every step is compared
+                theirs = ref(torch.tensor([ids])).logits[0, -1].float()
+                theirs32 = ref32(torch.tensor([ids])).logits[0, -1].float()
+            ours = seen[s.session_id][step]
+            assert ours.dtype == torch.float32  # sampling sees float32 logits
+            err = rel_err(ours, theirs)
+            errs.append(err)
+            where = f"prompt len {len(p)} step {step}"
+            if err > bound:  # only where the reference's own rounding flipped a routing choice
+                flips += 1
+                assert rel_err(theirs, theirs32) > bound, f"{where}: {err:.4f} from {dtype} transformers"
+                assert rel_err(ours, theirs32) <= bound, f"{where}: {rel_err(ours, theirs32):.4f} from float32"
+                all_decisive = False
+            else:
+                top2 = theirs.topk(2).values
+                if float(top2[0] - top2[1]) / float(theirs.max() - theirs.min()) > 2 * bound:
+                    decisive += 1
+                    assert s.output_token_ids[step] == int(theirs.argmax()), f"{where}: greedy token differs"
+                else:
+                    all_decisive = False
+            ids.append(s.output_token_ids[step])
+        equal_prompts += all_decisive
+    errs_t = torch.tensor(errs)
+    print(f"\n{arch} {dtype}: max|Δlogit|/range median {errs_t.median():.4f} p90 {errs_t.quantile(0.9):.4f} "
+          f"max {errs_t.max():.4f} (bound {bound}); reference routing flips {flips}/{len(errs)}; "
+          f"greedy equal on {decisive} decisive steps, whole sequences on {equal_prompts}/{len(PROMPTS)} prompts")
+    assert flips <= len(errs) // 10
+    assert float(errs_t.median()) < bound / 2
+    assert decisive >= len(errs) // 4  # the token check is not vacuous
+
+
+CKPT_PROMPTS = [[1, 5, 9], [7] * 20, list(range(10, 47)), [42, 43], list(range(60, 75))]
+
+
+def ckpt_params():
+    from relayout.engine.session import SamplingParams
+
+    return [SamplingParams(max_tokens=10, ignore_eos=True)] * 3 + [
+        SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=5, ignore_eos=True),
+        SamplingParams(max_tokens=10, temperature=1.2, top_k=20, seed=77, ignore_eos=True),
+    ]
+
+
+@pytest.mark.parametrize("layout", ["attn_dp=1", "attn_dp=2,moe_ep=2"])
+def test_bf16_sessions_continue_after_checkpoint_restore(layout, tmp_path):
+    """bfloat16 KV goes into a checkpoint as is (manifest dtype bfloat16) and comes back bit for bit:
+    sessions cut mid-prefill and mid-decode continue exactly as an undisturbed run of the same layout."""
+    from relayout.engine.engine import LLMEngine
+    from relayout.engine.snapshot import checkpoint, release, restore
+    from relayout.storage.stores import LocalStore
+
+    params = ckpt_params()
+    source = LLMEngine("builtin:tiny", layout, max_prefill_tokens=16, dtype="bfloat16")
+    target = source if layout != "attn_dp=1" else LLMEngine("builtin:tiny", layout, max_prefill_tokens=16,
+                                                             dtype=torch.bfloat16)
+    try:
+        undisturbed = source.generate(CKPT_PROMPTS, params)
+        ids = [source.add_session(p, q, session_id=f"s{i}").session_id
+               for i, (p, q) in enumerate(zip(CKPT_PROMPTS, params, strict=True))]
+        for _ in range(4):
+            source.step()
+        assert any(0 < len(source.sessions[i].output_token_ids) < 10 for i in ids)
+        store = LocalStore(tmp_path)
+        with CheckpointWriter(store, "bf16", codec="zstd-planes") as w:
+            m = checkpoint(source, w, ids)
+        assert m.kv.dtype == "bfloat16"
+        release(source, ids)
+        restore(target, CheckpointReader(store, "bf16"))
+        while any(not target.sessions[i].is_finished for i in ids):
+            target.step()
+        assert [target.sessions[i].output_token_ids for i in ids] == undisturbed
+    finally:
+        source.shutdown()
+        if target is not source:
+            target.shutdown()
+
+
+def test_unknown_dtypes_are_refused_naming_the_allowed_values():
+    from relayout.engine.config import check_dtype, parse_dtype, parse_kv_dtype
+    from relayout.engine.engine import LLMEngine
+
+    assert parse_dtype(None, "cpu") == torch.float32 and parse_dtype(None, "cuda") == torch.bfloat16
+    assert parse_dtype("float16") == torch.float16 and check_dtype(None) is None
+    with pytest.raises(ValueError, match="unknown dtype 'float64'; allowed: float32, bfloat16, float16"):
+        LLMEngine("builtin:tiny", dtype="float64")
+    with pytest.raises(ValueError, match="unknown dtype 'int8'"):
+        LLMEngine("builtin:tiny", dtype=torch.int8)
+    with pytest.raises(ValueError, match="unknown KV dtype 'fp4'; allowed: auto, fp8_e4m3"):
+        parse_kv_dtype("fp4")
+
+
+def test_cli_and_agent_refuse_bad_dtypes_and_launch_bf16(tmp_path):
+    """`relayout serve --dtype float64` exits 2 naming the allowed values; the agent answers 400 for a bad
+    dtype and launches a bfloat16 replica whose /v1/replica says so."""
+    import subprocess
+    import sys
+
+    import httpx
+    from relayout.migrate.procs import launch, stop_process
+
+    bad = subprocess.run([sys.executable, "-m", "relayout.agent.cli", "serve", "--dtype", "float64"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--dtype: unknown dtype 'float64'; allowed: float32, bfloat16, float16" in " ".join(
+        bad.stderr.split()), bad.stderr
+    bad = subprocess.run([sys.executable, "-m", "relayout.agent.cli", "serve", "--kv-dtype", "int4"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--kv-dtype: unknown KV dtype 'int4'; allowed: auto, fp8_e4m3" in " ".join(
+        bad.stderr.split()), bad.stderr
+    token = "dtype-test-token"
+    hdr = {"Authorization": f"Bearer {token}"}
+    agent = launch("agent", "--port", "0", "--data-dir", str(tmp_path), env={"RELAYOUT_TOKEN": token})
+    try:
+        for body, said in (({"dtype": "float64"}, "unknown dtype 'float64'"), ({"kv_dtype": "fp4"}, "unknown KV dtype")):
+            r = httpx.post(f"{agent.url}/v1/replicas", json={"model": "builtin:tiny", **body}, headers=hdr, timeout=60)
+            assert r.status_code == 400 and said in r.text, r.text
+        r = httpx.post(f"{agent.url}/v1/replicas", json={"model": "builtin:tiny", "dtype": "bfloat16"}, headers=hdr,
+                       timeout=200)
+        assert r.status_code == 201, r.text
+        url = r.json()["url"]
+        info = httpx.get(f"{url}/v1/replica", headers=hdr, timeout=30).json()
+        assert (info["dtype"], info["kv_dtype"]) == ("bfloat16", "auto")
+        out = httpx.post(f"{url}/v1/completions", headers=hdr, timeout=60, json={
+            "prompt": "hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True, "return_token_ids": True}).json()
+        assert len(out["choices"][0]["token_ids"]) == 4, out
+        assert httpx.delete(f"{agent.url}/v1/replicas/{r.json()['id']}", headers=hdr, timeout=60).status_code < 300
+    finally:
+        stop_process(agent.p, 30)
