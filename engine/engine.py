@@ -58,6 +58,8 @@ class LLMEngine:
         self.dtype = dtype = parse_dtype(dtype, self.device)
         self.kv_dtype_name = parse_kv_dtype(kv_dtype)
         self.kv_dtype = kv_storage_dtype(self.kv_dtype_name, dtype)  # the KV pool's element type
+        if self.kv_dtype_name != "auto" and self.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"kv_dtype {self.kv_dtype_name} needs a CPU or CUDA device, not {self.device.type}")
         self.model_ref = model
         self.model_dir = resolve_model(model)
         self.cfg = ModelConfig.from_dir(self.model_dir)

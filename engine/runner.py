@@ -77,12 +77,14 @@ class ModelRunner:
 
     # ---- session KV in and out ----------------------------------------
     def export_kv(self, blocks: list[int], tok_lo: int, tok_hi: int) -> torch.Tensor:
+        self.kv.refuse_quantised()  # before the staging path, which knows no scales
         if self.stager is not None and tok_hi > tok_lo:
             # a view of a pinned pool buffer: it goes back to the pool once the caller drops it
             return self.stager.export(self.kv, blocks, tok_lo, tok_hi).wait()
         return self.kv.export_tokens(blocks, tok_lo, tok_hi).cpu()
 
     def import_kv(self, blocks: list[int], tok_lo: int, kv_all_heads: torch.Tensor) -> None:
+        self.kv.refuse_quantised()
         lo, hi = self.kv_range
         if self.stager is not None:
             # returns at once: the compute stream waits for the copy before the next step
@@ -109,6 +111,6 @@ class ModelRunner:
 
 
 def kv_block_bytes(cfg: ModelConfig, kv_heads: int, dtype: torch.dtype = torch.float32) -> int:
-    """Bytes one KV block takes across every layer (float8: with its float32 scale per head)."""
-    per_head = BLOCK_SIZE * cfg.head_dim * dtype.itemsize + (4 if dtype.itemsize == 1 else 0)
+    """Bytes one KV block takes across every layer (float8: with its float32 scale per token and head)."""
+    per_head = BLOCK_SIZE * (cfg.head_dim * dtype.itemsize + (4 if dtype.itemsize == 1 else 0))
     return 2 * cfg.num_layers * kv_heads * per_head

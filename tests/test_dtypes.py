@@ -248,3 +248,39 @@ def test_cli_and_agent_refuse_bad_dtypes_and_launch_bf16(tmp_path):
         assert httpx.delete(f"{agent.url}/v1/replicas/{r.json()['id']}", headers=hdr, timeout=60).status_code < 300
     finally:
         stop_process(agent.p, 30)
+
+
+def test_fp8_kv_greedy_agreement_with_bf16_kv():
+    """fp8_e4m3 KV (a float32 scale per token and KV head) against bfloat16 KV, the model in bfloat16:
+    32 prompts x 64 greedy tokens. Prints the agreement; asserts only a loose floor (the tiny random
+    model's top-2 margins are small, so one flipped token sends a sequence elsewhere)."""
+    import random
+
+    from relayout.engine.engine import LLMEngine
+    from relayout.engine.kv_cache import FP8_KV
+    from relayout.engine.session import SamplingParams
+    from relayout.engine.snapshot import checkpoint
+
+    rnd = random.Random(0)
+    prompts = [[rnd.randrange(1, 250) for _ in range(rnd.randrange(4, 60))] for _ in range(32)]
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    out, num_blocks = {}, {}
+    for kv in ("auto", "fp8_e4m3"):
+        eng = LLMEngine("builtin:tiny", dtype="bfloat16", kv_dtype=kv, kv_cache_bytes=8 << 20)
+        pool = eng.executor.runner.kv  # type: ignore[attr-defined]
+        assert pool.k[0].dtype == (FP8_KV if kv != "auto" else torch.bfloat16)
+        out[kv] = eng.generate(prompts, params)
+        if kv != "auto":
+            assert eng.num_blocks > 1.5 * num_blocks["auto"]  # fp8 + scales: about half the bytes per block
+            eng.add_session([1, 2, 3], params, session_id="held")
+            eng.step()
+            with pytest.raises(ValueError, match="fp8_e4m3 KV are not supported yet"):
+                checkpoint(eng, CheckpointWriter(MemoryStore(), "fp8"), ["held"])
+        num_blocks[kv] = eng.num_blocks
+        eng.shutdown()
+    same = [sum(x == y for x, y in zip(a, b, strict=True)) for a, b in zip(out["auto"], out["fp8_e4m3"], strict=True)]
+    prefix = [next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), 64)
+              for a, b in zip(out["auto"], out["fp8_e4m3"], strict=True)]
+    print(f"\nfp8_e4m3 vs bfloat16 KV, 32 prompts x 64 tokens: tokens equal at {sum(same) / (32 * 64):.1%} of positions, "
+          f"mean common prefix {sum(prefix) / 32:.1f} tokens, {prefix.count(64)}/32 sequences identical")
+    assert sum(prefix) / 32 >= 8
