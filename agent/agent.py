@@ -19,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse
 from prometheus_client import generate_latest
 from relayout.agent.drain import drain_node
-from relayout.agent.node import Agent
+from relayout.agent.node import Agent, check_dtypes
 from relayout.agent.schema import (
     ID_RE,
     MAX_BODY,
@@ -132,7 +132,7 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
         if body.name and body.name in ag.reg.replicas:
             raise AgentError(409, f"replica {body.name!r} already exists")
         layout = await asyncio.to_thread(validate_layout, body.model, body.layout)
-        return await ag.launch(body.model, layout, body.name)
+        return await ag.launch(body.model, layout, body.name, dtype=body.dtype, kv_dtype=body.kv_dtype)
 
     @v1.get("/replicas/{rid}")
     async def get_replica(rid: str):
@@ -199,7 +199,9 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
         else:
             if ag.draining:
                 raise AgentError(409, "agent is draining")
-            new = (body.replica.model, await asyncio.to_thread(validate_layout, body.replica.model, body.replica.layout))
+            nr = body.replica
+            check_dtypes(nr.dtype, nr.kv_dtype)
+            new = (nr.model, await asyncio.to_thread(validate_layout, nr.model, nr.layout), None, nr.dtype, nr.kv_dtype)
             rid = None
 
         async def work(op):

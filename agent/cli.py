@@ -38,6 +38,16 @@ def _int_list(value: str, what: str) -> list[int]:
     return out
 
 
+def _check_dtypes(dtype: str | None, kv_dtype: str | None) -> None:
+    from relayout.engine.config import check_dtype, parse_kv_dtype
+
+    for flag, check, value in (("--dtype", check_dtype, dtype), ("--kv-dtype", parse_kv_dtype, kv_dtype)):
+        try:
+            check(value)
+        except ValueError as e:
+            _fail(f"{flag}: {e}")
+
+
 @app.command()
 def serve(
     model: str = typer.Option("builtin:tiny", "--model", "-m", help="builtin:NAME or a Hugging Face model directory"),
@@ -46,6 +56,9 @@ def serve(
     port: int = typer.Option(8000, "--port", help="0 picks a free port (the printed URL shows it)"),
     kv_cache_mb: int = typer.Option(None, "--kv-cache-mb", help="KV cache size per attention-DP group"),
     device: str = typer.Option(None, "--device", help="cuda, cuda:1, cpu (default: cuda when present)"),
+    dtype: str = typer.Option(None, "--dtype", help="weights and activations: float32, bfloat16, float16 "
+                                                   "(default: bfloat16 on CUDA, float32 on the CPU)"),
+    kv_dtype: str = typer.Option("auto", "--kv-dtype", help="KV cache: auto (the model dtype) or fp8_e4m3"),
     local_ranks: str = typer.Option(None, "--local-ranks",
                                     help="ranks to run on this host, e.g. 0,1 (default: all); the others join "
                                          "from other hosts with `relayout rank`"),
@@ -63,13 +76,15 @@ def serve(
 
     if kv_cache_mb is not None and kv_cache_mb < 1:
         _fail("--kv-cache-mb must be at least 1")
+    _check_dtypes(dtype, kv_dtype)
     ranks = None if local_ranks is None else _int_list(local_ranks, "--local-ranks")
     try:
         placement = rank_placement(ranks, rank_endpoint)
     except ValueError as e:
         _fail(f"--rank-endpoint: {e}")
     try:
-        _serve(model, layout, host, port, kv_cache_mb=kv_cache_mb, device=device, placement=placement)
+        _serve(model, layout, host, port, kv_cache_mb=kv_cache_mb, device=device, placement=placement, dtype=dtype,
+               kv_dtype=kv_dtype)
     except (LayoutError, ModelNotFoundError, ModelConfigError, RankFailure, ValueError) as e:
         _fail(str(e))
 
@@ -121,11 +136,16 @@ def up(
     model: str = typer.Option("builtin:tiny", "--model", "-m", help="the replica's model"),
     layout: str = typer.Option(None, "--layout", "-l", help="the replica's layout"),
     data_dir: Path = typer.Option(Path.home() / ".relayout", "--data-dir", help="the agent's data dir"),
+    dtype: str = typer.Option(None, "--dtype", help="the replica's float32, bfloat16 or float16 "
+                                                   "(default: bfloat16 on CUDA, float32 on the CPU)"),
+    kv_dtype: str = typer.Option(None, "--kv-dtype", help="the replica's KV cache: auto or fp8_e4m3"),
 ) -> None:
     """Everything on one machine: node agent, one replica launched through it, gateway in front."""
     from relayout.agent.up import run_up
 
-    raise typer.Exit(run_up(host, port, agent_port, data_dir, model, layout, log=lambda m: err.print(f"up: {m}")))
+    _check_dtypes(dtype, kv_dtype)
+    raise typer.Exit(run_up(host, port, agent_port, data_dir, model, layout, log=lambda m: err.print(f"up: {m}"),
+                            dtype=dtype, kv_dtype=kv_dtype))
 
 
 # ---- models ----------------------------------------------------------------------------------------

@@ -23,6 +23,17 @@ URL_RE = re.compile(r"relayout serving .* on (http://\S+)")
 LAUNCH_TIMEOUT = float(os.environ.get("RELAYOUT_LAUNCH_TIMEOUT", "180"))
 
 
+def check_dtypes(dtype: str | None, kv_dtype: str | None) -> None:
+    """A replica's dtype and KV dtype names, or AgentError 400 naming the allowed values."""
+    from relayout.engine.config import check_dtype, parse_kv_dtype
+
+    try:
+        check_dtype(dtype)
+        parse_kv_dtype(kv_dtype)
+    except ValueError as e:
+        raise AgentError(400, str(e)) from None
+
+
 def relayout_cmd() -> list[str]:
     exe = Path(sys.executable).with_name("relayout")
     if exe.exists():
@@ -118,7 +129,9 @@ class Agent:
         return self.refresh(rid)
 
     # ---- replicas ---------------------------------------------------------------------------
-    async def launch(self, model: str, layout: str | None, name: str | None = None) -> dict:
+    async def launch(self, model: str, layout: str | None, name: str | None = None, dtype: str | None = None,
+                     kv_dtype: str | None = None) -> dict:
+        check_dtypes(dtype, kv_dtype)  # before any process starts
         rid = name or f"r-{secrets.token_hex(4)}"
         if rid in self.reg.replicas:
             raise AgentError(409, f"replica {rid!r} already exists")
@@ -126,6 +139,10 @@ class Agent:
         cmd = relayout_cmd() + ["serve", "--model", model, "--host", self.host, "--port", "0"]
         if layout:
             cmd += ["--layout", layout]
+        if dtype:
+            cmd += ["--dtype", dtype]
+        if kv_dtype:
+            cmd += ["--kv-dtype", kv_dtype]
         env = dict(os.environ, RELAYOUT_DATA_DIR=str(self.data_dir), RELAYOUT_FILE_ROOTS=os.pathsep.join(self.file_roots()))
         if self.token:
             env["RELAYOUT_TOKEN"] = self.token

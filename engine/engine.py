@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from relayout.engine.config import ModelConfig
+from relayout.engine.config import ModelConfig, parse_dtype, parse_kv_dtype
 from relayout.engine.executor import Executor, LocalExecutor
-from relayout.engine.kv_cache import BLOCK_SIZE, BlockAllocator, blocks_needed
+from relayout.engine.kv_cache import BLOCK_SIZE, BlockAllocator, blocks_needed, kv_storage_dtype
 from relayout.engine.layout import Layout
 from relayout.engine.logprobs import token_logprobs
 from relayout.engine.runner import StepBatch, kv_block_bytes
@@ -46,22 +46,29 @@ def pick_device(name: str | None = None) -> torch.device:
 
 class LLMEngine:
     def __init__(self, model: str, layout: Layout | str | None = None, *, kv_cache_bytes: int | None = None,
-                 num_blocks: int | None = None, device: str | None = None, dtype: torch.dtype = torch.float32,
-                 max_num_seqs: int = 64, max_prefill_tokens: int = 512, max_finished: int = 4096,
-                 placement: RankPlacement | None = None):
+                 num_blocks: int | None = None, device: str | None = None, dtype: torch.dtype | str | None = None,
+                 kv_dtype: str | None = None, max_num_seqs: int = 64, max_prefill_tokens: int = 512,
+                 max_finished: int = 4096, placement: RankPlacement | None = None):
+        """`dtype`: weights and activations (float32, bfloat16, float16; None: bfloat16 on CUDA,
+        float32 on the CPU). `kv_dtype`: "auto" (the model dtype) or "fp8_e4m3"."""
         from relayout.engine.tokenizer import load_tokenizer
         from relayout.engine.weights import resolve_model
 
+        self.device = pick_device(device)
+        # names checked before anything loads: a bad one is the caller's mistake, said at once
+        self.dtype = dtype = parse_dtype(dtype, self.device)
+        self.kv_dtype_name = parse_kv_dtype(kv_dtype)
+        self.kv_dtype = kv_storage_dtype(self.kv_dtype_name, dtype)  # the KV pool's element type
+        if self.kv_dtype_name != "auto" and self.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"kv_dtype {self.kv_dtype_name} needs a CPU or CUDA device, not {self.device.type}")
         self.model_ref = model
         self.model_dir = resolve_model(model)
         self.cfg = ModelConfig.from_dir(self.model_dir)
         self.layout = (layout if isinstance(layout, Layout) else Layout.parse(layout)).validate(self.cfg)
-        self.dtype = dtype
-        self.device = pick_device(device)
         self.tokenizer = load_tokenizer(self.model_dir, self.cfg)
         lay = self.layout
         kv_heads = lay.kv_head_range(0, self.cfg.num_kv_heads)
-        per_block = kv_block_bytes(self.cfg, kv_heads[1] - kv_heads[0], dtype)
+        per_block = kv_block_bytes(self.cfg, kv_heads[1] - kv_heads[0], self.kv_dtype)
         self.num_blocks = num_blocks or max(4, (kv_cache_bytes or DEFAULT_KV_BYTES) // per_block)
         self.max_model_len = min(self.cfg.max_position_embeddings, self.num_blocks * BLOCK_SIZE - 1)
         self.allocators = [BlockAllocator(self.num_blocks) for _ in range(lay.attn_dp)]
@@ -70,12 +77,13 @@ class LLMEngine:
         self.max_finished = max_finished
         self.executor: Executor
         if lay.world_size == 1 and (placement is None or placement.local_ranks in (None, [0])):
-            self.executor = LocalExecutor(self.cfg, lay, self.model_dir, self.num_blocks, self.device, dtype)
+            self.executor = LocalExecutor(self.cfg, lay, self.model_dir, self.num_blocks, self.device, dtype,
+                                          self.kv_dtype)
         else:
             from relayout.engine.workers import RankExecutor
 
             self.executor = RankExecutor(self.cfg, lay, self.model_dir, self.num_blocks, self.device, dtype,
-                                         placement)
+                                         placement, kv_dtype=self.kv_dtype)
         self.num_steps = 0
         self.tokens_generated = 0
         self._fingerprint: str | None = None

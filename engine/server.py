@@ -210,6 +210,8 @@ def create_app(aengine: AsyncEngine, model_name: str) -> FastAPI:
             return {
                 "model": model_name,
                 "layout": e.layout.to_dict(),
+                "dtype": str(e.dtype).removeprefix("torch."),
+                "kv_dtype": e.kv_dtype_name,
                 "sessions": [{"id": sid, "state": s.status.value, "num_tokens": s.num_tokens}
                              for sid, s in e.sessions.items() if not s.is_finished],
                 "expert_counts": st["expert_counts"],

@@ -39,7 +39,8 @@ def rank_placement(local_ranks: list[int] | None, rank_endpoint: str | None) -> 
 
 
 def serve(model: str = "builtin:tiny", layout: str | None = None, host: str = "127.0.0.1", port: int = 8000,
-          kv_cache_mb: int | None = None, device: str | None = None, placement: RankPlacement | None = None) -> None:
+          kv_cache_mb: int | None = None, device: str | None = None, placement: RankPlacement | None = None,
+          dtype: str | None = None, kv_dtype: str | None = None) -> None:
     """Load the model, serve it until SIGTERM/SIGINT, then shut the engine (and its ranks) down."""
     import uvicorn
     from relayout.engine.engine import LLMEngine
@@ -47,7 +48,7 @@ def serve(model: str = "builtin:tiny", layout: str | None = None, host: str = "1
     # uvicorn re-raises the signal it caught once it has shut down; make that a clean exit 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     engine = LLMEngine(model, layout, kv_cache_bytes=kv_cache_mb * 2**20 if kv_cache_mb else None, device=device,
-                       placement=placement)
+                       placement=placement, dtype=dtype, kv_dtype=kv_dtype)
     aengine = AsyncEngine(engine)
     try:
         app = create_replica_app(aengine, model)
@@ -83,6 +84,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--kv-cache-mb", type=int, default=None)
     ap.add_argument("--device", default=None)
+    ap.add_argument("--dtype", default=None, help="weights and activations: float32, bfloat16, float16 "
+                    "(default bfloat16 on CUDA, float32 on the CPU)")
+    ap.add_argument("--kv-dtype", default="auto", help="KV cache: auto (the model dtype) or fp8_e4m3")
     ap.add_argument("--local-ranks", default=None, help="ranks to run on this host, e.g. 0,1 (default: all)")
     ap.add_argument("--rank-endpoint", default=None, help="HOST:PORT where ranks join this driver")
     a = ap.parse_args(argv)
@@ -94,7 +98,8 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:
         ap.error(f"--local-ranks/--rank-endpoint: {e}")
     try:
-        serve(a.model, a.layout, a.host, a.port, kv_cache_mb=a.kv_cache_mb, device=a.device, placement=placement)
+        serve(a.model, a.layout, a.host, a.port, kv_cache_mb=a.kv_cache_mb, device=a.device, placement=placement,
+              dtype=a.dtype, kv_dtype=a.kv_dtype)
     except (LayoutError, ModelNotFoundError, ModelConfigError, RankFailure, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
