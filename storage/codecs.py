@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import struct
 import time
+from collections.abc import Sequence
 
 import numpy as np
 import zstandard
@@ -41,14 +42,17 @@ _RECORD = np.dtype([("mode", "u1"), ("size", "<u4")])  # packed: 5 bytes
 # spread over it (at least four: a KV chunk's K half and V half differ). Sign/exponent planes compress by their skewed byte
 # histogram, not by repeats: zstd level 1 with its smallest match table finds few matches and
 # Huffman-codes the rest, which is both ~2x faster and a few % denser than plain level 1 there.
-# Planes whose sample does not shrink that way are tried with plain level 1 (noisy low mantissa
-# bytes can still hold repeated rows: layer-0 V of a repeated token), else stored raw: noise
-# then costs a copy, not a zstd pass.
+# Plain level 1 is taken where the sample shows it finding repeats the other misses (rows of KV
+# repeat whole: layer-0 V of a repeated token, even in its noisy low mantissa bytes); a plane
+# that neither shrinks is stored raw: noise then costs a copy, not a zstd pass.
 _SAMPLE_MIN_WINDOWS, _SAMPLE_WINDOW_BYTES, _SAMPLE_FRACTION = 4, 16 * 1024, 8
+_SAMPLE_WHOLE_BELOW = 32 * 1024  # a plane this small is its own sample
 _HISTOGRAM_PARAMS = zstandard.ZstdCompressionParameters.from_level(ZSTD_LEVEL, min_match=7, hash_log=6)
 _MATCH_PARAMS = zstandard.ZstdCompressionParameters.from_level(ZSTD_LEVEL)
 _MIN_HISTOGRAM_RATIO = 1.1  # below this a sign/exponent-like plane is not worth the literal coder
 _MIN_MATCH_RATIO = 1.03  # below this a plane is stored raw
+_MATCH_BLOCK_BYTES = 32 * 1024
+_MATCH_PREMIUM = 1.05  # plain level 1 is taken over the histogram coder if its sample is this much smaller
 
 
 def _fill_plane(src: np.ndarray, words: np.ndarray | None, tmp: np.ndarray | None, k: int, i: int,
@@ -71,24 +75,41 @@ def _word_view(a: np.ndarray, k: int) -> np.ndarray | None:
     return a.view(f"<u{k}") if k in (2, 4, 8) else None
 
 
+def _compress_in_blocks(cctx: zstandard.ZstdCompressor, data: np.ndarray) -> bytes:
+    """One zstd frame of `data`, cut into blocks of _MATCH_BLOCK_BYTES. zstd's fast strategy skips
+    ever faster through input without matches and slows down only at a match or a block start:
+    in one 128 KiB block, a noisy K half would make it skip past the repeats of the V half after it."""
+    obj = cctx.compressobj(size=len(data))
+    parts = []
+    for lo in range(0, len(data), _MATCH_BLOCK_BYTES):
+        parts.append(obj.compress(data[lo : lo + _MATCH_BLOCK_BYTES]))
+        parts.append(obj.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK))
+    parts.append(obj.flush())
+    return b"".join(parts)
+
+
 def _plane_frame(plane: np.ndarray) -> bytes | None:
     """`plane` as a zstd frame with the settings worth spending on it (judged on a sample of it),
     or None: store it raw."""
     m = len(plane)
-    whole = m <= 2 * _SAMPLE_MIN_WINDOWS * _SAMPLE_WINDOW_BYTES  # small: the sample is the plane itself
+    whole = m <= _SAMPLE_WHOLE_BELOW
     if whole:
         sample = plane
     else:
         windows = max(_SAMPLE_MIN_WINDOWS, m // (_SAMPLE_FRACTION * _SAMPLE_WINDOW_BYTES))
-        step, w = m // windows, _SAMPLE_WINDOW_BYTES
+        step, w = m // windows, m // (_SAMPLE_FRACTION * windows)
         sample = np.concatenate([plane[j * step : j * step + w] for j in range(windows)])
-    for params, min_ratio in ((_HISTOGRAM_PARAMS, _MIN_HISTOGRAM_RATIO), (_MATCH_PARAMS, _MIN_MATCH_RATIO)):
-        cctx = zstandard.ZstdCompressor(compression_params=params)
-        frame = cctx.compress(sample)
-        if len(sample) >= min_ratio * len(frame):
-            frame = frame if whole else cctx.compress(plane)
-            return frame if len(frame) < m else None
-    return None
+    hist = zstandard.ZstdCompressor(compression_params=_HISTOGRAM_PARAMS)
+    match = zstandard.ZstdCompressor(compression_params=_MATCH_PARAMS)
+    hist_sample, match_sample = hist.compress(sample), _compress_in_blocks(match, sample)
+    # the faster histogram coder unless plain level 1 finds repeats it misses
+    if len(sample) >= _MIN_HISTOGRAM_RATIO * len(hist_sample) and len(hist_sample) <= _MATCH_PREMIUM * len(match_sample):
+        frame = hist_sample if whole else hist.compress(plane)
+    elif len(sample) >= _MIN_MATCH_RATIO * len(match_sample):
+        frame = match_sample if whole else _compress_in_blocks(match, plane)
+    else:
+        return None
+    return frame if len(frame) < m else None
 
 
 def _encode_planes_into(out: bytearray, raw: bytes, k: int) -> int:
@@ -253,22 +274,29 @@ def decode(codec: str, data: bytes, raw_size: int, itemsize: int) -> bytes:
     return out
 
 
-def measure_codecs(raw: bytes, itemsize: int) -> dict[str, dict[str, float]]:
-    """Per codec: ratio (raw/stored), gbps (raw bytes through encode+decode), and each direction alone."""
+def measure_codecs(raw: bytes | Sequence[bytes], itemsize: int, reps: int = 1) -> dict[str, dict[str, float]]:
+    """Per codec: ratio (raw/stored), gbps (raw bytes through encode+decode), and each direction alone.
+    `raw` is one buffer or a list of chunks (each encoded on its own, as pack_kv does); speeds are of
+    one thread (per core), each direction the best of `reps` tries."""
+    chunks = [raw] if isinstance(raw, (bytes, bytearray, memoryview)) else list(raw)
+    n = sum(len(c) for c in chunks)
     results: dict[str, dict[str, float]] = {}
     for name in CODECS:
-        t0 = time.perf_counter()
-        enc = encode(name, raw, itemsize)
-        t1 = time.perf_counter()
-        dec = decode(name, enc, len(raw), itemsize)
-        t2 = time.perf_counter()
-        if dec != raw:
-            raise RuntimeError(f"codec {name} is not lossless")
-        n = len(raw) / 1e9
+        t_enc = t_dec = float("inf")
+        for _ in range(max(1, reps)):
+            t0 = time.perf_counter()
+            enc = [encode(name, c, itemsize) for c in chunks]
+            t1 = time.perf_counter()
+            dec = [decode(name, e, len(c), itemsize) for e, c in zip(enc, chunks, strict=True)]
+            t2 = time.perf_counter()
+            t_enc, t_dec = min(t_enc, t1 - t0), min(t_dec, t2 - t1)
+            if any(d != c for d, c in zip(dec, chunks, strict=True)):
+                raise RuntimeError(f"codec {name} is not lossless")
+        gb = n / 1e9
         results[name] = {
-            "ratio": len(raw) / max(len(enc), 1),
-            "gbps": n / max(t2 - t0, 1e-9),
-            "encode_gbps": n / max(t1 - t0, 1e-9),
-            "decode_gbps": n / max(t2 - t1, 1e-9),
+            "ratio": n / max(sum(len(e) for e in enc), 1),
+            "gbps": gb / max(t_enc + t_dec, 1e-9),
+            "encode_gbps": gb / max(t_enc, 1e-9),
+            "decode_gbps": gb / max(t_dec, 1e-9),
         }
     return results
