@@ -77,8 +77,10 @@ class Proc:
         self._log_offset = log_offset
         self._lines: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self._seen = threading.Event()
+        self._pump_thread: threading.Thread | None = None
         if log is None and p.stdout is not None:
-            threading.Thread(target=self._pump, name=f"{what}-output", daemon=True).start()
+            self._pump_thread = threading.Thread(target=self._pump, name=f"{what}-output", daemon=True)
+            self._pump_thread.start()
 
     def _pump(self) -> None:
         # reads until EOF so the child never blocks on a full pipe
@@ -147,6 +149,22 @@ class Proc:
 
     def poll(self) -> int | None:
         return self.p.poll()
+
+    def wait(self, timeout: float | None = None) -> int:
+        """The exit code once it exited (subprocess.TimeoutExpired after `timeout`); `output()` is then complete."""
+        code = self.p.wait(timeout)
+        if self._pump_thread is not None:
+            self._pump_thread.join(5)  # a grandchild holding the pipe open must not hold this up
+        return code
+
+    def send_signal(self, sig: int) -> None:
+        self.p.send_signal(sig)
+
+    def kill(self) -> None:
+        """SIGKILL, reaped."""
+        if self.p.poll() is None:
+            self.p.kill()
+        self.p.wait()
 
     @property
     def returncode(self) -> int | None:
