@@ -110,7 +110,8 @@ class Proc:
     def _find_ready(self) -> re.Match[str] | None:
         if self.log is None:
             return self.match
-        m = self.ready.search(self.output())
+        text = self.output()
+        m = self.ready.search(text[: text.rfind("\n") + 1])  # whole lines only: a URL may be half written
         self.match = m
         return m
 
@@ -166,17 +167,14 @@ class Proc:
             self.p.kill()
         self.p.wait()
 
+    kill9 = kill
+
     @property
     def returncode(self) -> int | None:
         return self.p.returncode
 
     def children(self) -> list[int]:
         return children_of(self.pid)
-
-    def kill9(self) -> None:
-        if self.p.poll() is None:
-            os.kill(self.pid, signal.SIGKILL)
-            self.p.wait(10)
 
     def stop(self, timeout: float = 15.0) -> None:
         stop_process(self.p, timeout)
