@@ -70,7 +70,7 @@ class Proc:
 
     def __init__(self, p: subprocess.Popen, url: str = "", *, ready: re.Pattern[str] = READY_RE,
                  log: Path | None = None, log_offset: int = 0, what: str = "process",
-                 echo: Callable[[str], None] | None = None):
+                 echo: Callable[[str], None] | None = None, pump: bool = False):
         self.p, self.url, self.pid = p, url, p.pid
         self.ready, self.log, self.what, self.echo = ready, log, what, echo
         self.match: re.Match[str] | None = None  # the ready line's match (for patterns with more groups)
@@ -78,7 +78,7 @@ class Proc:
         self._lines: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self._seen = threading.Event()
         self._pump_thread: threading.Thread | None = None
-        if log is None and p.stdout is not None:
+        if pump and p.stdout is not None:  # only the Proc that started it reads its pipe
             self._pump_thread = threading.Thread(target=self._pump, name=f"{what}-output", daemon=True)
             self._pump_thread.start()
 
@@ -218,7 +218,7 @@ def spawn(module: str, *args: str, env: Mapping[str, str | None] | None = None, 
         return Proc(subprocess.Popen(cmd, **common), ready=ready, what=what)
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
                          **common)
-    return Proc(p, ready=ready, what=what, echo=echo)
+    return Proc(p, ready=ready, what=what, echo=echo, pump=True)
 
 
 def start(module: str, *args: str, timeout: float = 180.0, wait: bool = True, **kw) -> Proc:
