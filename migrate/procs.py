@@ -9,7 +9,6 @@ Every child is started through an entry point of the layer it belongs to: replic
 from __future__ import annotations
 
 import collections
-import importlib.util
 import os
 import re
 import signal
@@ -183,8 +182,9 @@ class Proc:
 # ---- starting ----------------------------------------------------------------------------------
 def replica_entry() -> list[str]:
     """`python -m` arguments that start a replica server."""
-    # TODO(lead): drop the fallback once relayout.migrate.serve is on every branch
-    if importlib.util.find_spec(REPLICA_MODULE) is None:
+    # TODO(lead): drop the fallback once relayout.migrate.serve is on every branch. A sibling file, not
+    # importlib's find_spec: in a checkout shadowing an editable install, find_spec finds the other tree's.
+    if not Path(__file__).with_name("serve.py").exists():
         return [CLI_MODULE, "serve"]
     return [REPLICA_MODULE]
 
