@@ -1,4 +1,4 @@
-"""The node agent (SPEC §4): launches replicas on this node, runs checkpoint / restore /
+"""The node agent (docs/agent-api.md): launches replicas on this node, runs checkpoint / restore /
 migration operations against them, and lists its own checkpoint store.
 
 `create_agent_app(data_dir, token)` builds the FastAPI app; `relayout agent` serves it."""
@@ -17,7 +17,7 @@ from fastapi import APIRouter, Depends, FastAPI
 from fastapi.responses import PlainTextResponse
 from prometheus_client import generate_latest
 from relayout.agent.drain import drain_node
-from relayout.agent.node import Agent
+from relayout.agent.node import Agent, check_dtypes
 from relayout.agent.schema import (
     OP_TIMEOUT,
     CheckpointBody,
@@ -83,7 +83,7 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
         if body.name and body.name in ag.reg.replicas:
             raise HTTPError(409, f"replica {body.name!r} already exists")
         layout = await asyncio.to_thread(validate_layout, body.model, body.layout)
-        return await ag.launch(body.model, layout, body.name)
+        return await ag.launch(body.model, layout, body.name, dtype=body.dtype, kv_dtype=body.kv_dtype)
 
     @v1.get("/replicas/{rid}")
     async def get_replica(rid: str):
@@ -137,11 +137,11 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
     @v1.post("/restore", status_code=202)
     async def restore(body: RestoreBody):
         web.check_ids(body.sessions)
-        from relayout.engine.session_routes import RouteError, split_checkpoint_uri
+        from relayout.migrate.replica_routes import split_checkpoint_uri
 
         try:
             split_checkpoint_uri(body.checkpoint)
-        except RouteError as e:
+        except HTTPError as e:
             raise HTTPError(400, f"checkpoint: {e.message}") from None
         if isinstance(body.replica, str):
             running(body.replica)
@@ -149,7 +149,9 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
         else:
             if ag.draining:
                 raise HTTPError(409, "agent is draining")
-            new = (body.replica.model, await asyncio.to_thread(validate_layout, body.replica.model, body.replica.layout))
+            nr = body.replica
+            check_dtypes(nr.dtype, nr.kv_dtype)
+            new = (nr.model, await asyncio.to_thread(validate_layout, nr.model, nr.layout), None, nr.dtype, nr.kv_dtype)
             rid = None
 
         async def work(op):

@@ -1,9 +1,11 @@
-"""The `relayout` command line (SPEC §8).
+"""The `relayout` command line (docs/cli.md).
 
 One function per subcommand; the work lives in the modules they import lazily, so
 `relayout --help` stays fast. Other subcommands (agent, gateway, checkpoint, restore,
-migrate, drain, plan) are added below as `@app.command()`s or sub-apps; new benchmarks
-are `@bench_app.command()`s next to `bench engine`.
+migrate, drain, plan) are added below as `@app.command()`s or sub-apps. Sub-commands that
+are not part of the product (`relayout bench ...`, in `relayout.bench.cli`) come in as
+plugins: typer apps registered under the `relayout.commands` entry point group, which this
+module loads by name and never imports.
 """
 
 from __future__ import annotations
@@ -17,9 +19,7 @@ from rich.console import Console
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="Checkpoint and live-migrate the in-flight sessions of MoE serving replicas.")
 model_app = typer.Typer(no_args_is_help=True, help="Model files.")
-bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks, measured side by side in one run (SPEC §9).")
 app.add_typer(model_app, name="model")
-app.add_typer(bench_app, name="bench")
 
 err = Console(stderr=True)
 
@@ -38,6 +38,16 @@ def _int_list(value: str, what: str) -> list[int]:
     return out
 
 
+def _check_dtypes(dtype: str | None, kv_dtype: str | None) -> None:
+    from relayout.engine.config import check_dtype, parse_kv_dtype
+
+    for flag, check, value in (("--dtype", check_dtype, dtype), ("--kv-dtype", parse_kv_dtype, kv_dtype)):
+        try:
+            check(value)
+        except ValueError as e:
+            _fail(f"{flag}: {e}")
+
+
 @app.command()
 def serve(
     model: str = typer.Option("builtin:tiny", "--model", "-m", help="builtin:NAME or a Hugging Face model directory"),
@@ -46,6 +56,9 @@ def serve(
     port: int = typer.Option(8000, "--port", help="0 picks a free port (the printed URL shows it)"),
     kv_cache_mb: int = typer.Option(None, "--kv-cache-mb", help="KV cache size per attention-DP group"),
     device: str = typer.Option(None, "--device", help="cuda, cuda:1, cpu (default: cuda when present)"),
+    dtype: str = typer.Option(None, "--dtype", help="weights and activations: float32, bfloat16, float16 "
+                                                   "(default: bfloat16 on CUDA, float32 on the CPU)"),
+    kv_dtype: str = typer.Option("auto", "--kv-dtype", help="KV cache: auto (the model dtype) or fp8_e4m3"),
     local_ranks: str = typer.Option(None, "--local-ranks",
                                     help="ranks to run on this host, e.g. 0,1 (default: all); the others join "
                                          "from other hosts with `relayout rank`"),
@@ -54,26 +67,24 @@ def serve(
                                            "MASTER_ADDR:MASTER_PORT); default 127.0.0.1 and a free port"),
 ) -> None:
     """Serve one model replica with an OpenAI-compatible API; prints its URL once listening."""
-    import os
-
     from relayout.engine.config import ModelConfigError
     from relayout.engine.layout import LayoutError
-    from relayout.engine.server import serve as _serve
     from relayout.engine.weights import ModelNotFoundError
-    from relayout.engine.workers import RankFailure, RankPlacement, split_hostport
+    from relayout.engine.workers import RankFailure
+    from relayout.migrate.serve import rank_placement
+    from relayout.migrate.serve import serve as _serve
 
     if kv_cache_mb is not None and kv_cache_mb < 1:
         _fail("--kv-cache-mb must be at least 1")
-    placement = None
-    if local_ranks is not None or rank_endpoint is not None:
-        try:
-            split_hostport(rank_endpoint or "127.0.0.1:0")
-        except ValueError as e:
-            _fail(f"--rank-endpoint: {e}")
-        placement = RankPlacement(local_ranks=None if local_ranks is None else _int_list(local_ranks, "--local-ranks"),
-                                  endpoint=rank_endpoint or "127.0.0.1:0", token=os.environ.get("RELAYOUT_TOKEN"))
+    _check_dtypes(dtype, kv_dtype)
+    ranks = None if local_ranks is None else _int_list(local_ranks, "--local-ranks")
     try:
-        _serve(model, layout, host, port, kv_cache_mb=kv_cache_mb, device=device, placement=placement)
+        placement = rank_placement(ranks, rank_endpoint)
+    except ValueError as e:
+        _fail(f"--rank-endpoint: {e}")
+    try:
+        _serve(model, layout, host, port, kv_cache_mb=kv_cache_mb, device=device, placement=placement, dtype=dtype,
+               kv_dtype=kv_dtype)
     except (LayoutError, ModelNotFoundError, ModelConfigError, RankFailure, ValueError) as e:
         _fail(str(e))
 
@@ -125,11 +136,16 @@ def up(
     model: str = typer.Option("builtin:tiny", "--model", "-m", help="the replica's model"),
     layout: str = typer.Option(None, "--layout", "-l", help="the replica's layout"),
     data_dir: Path = typer.Option(Path.home() / ".relayout", "--data-dir", help="the agent's data dir"),
+    dtype: str = typer.Option(None, "--dtype", help="the replica's float32, bfloat16 or float16 "
+                                                   "(default: bfloat16 on CUDA, float32 on the CPU)"),
+    kv_dtype: str = typer.Option(None, "--kv-dtype", help="the replica's KV cache: auto or fp8_e4m3"),
 ) -> None:
     """Everything on one machine: node agent, one replica launched through it, gateway in front."""
     from relayout.agent.up import run_up
 
-    raise typer.Exit(run_up(host, port, agent_port, data_dir, model, layout, log=lambda m: err.print(f"up: {m}")))
+    _check_dtypes(dtype, kv_dtype)
+    raise typer.Exit(run_up(host, port, agent_port, data_dir, model, layout, log=lambda m: err.print(f"up: {m}"),
+                            dtype=dtype, kv_dtype=kv_dtype))
 
 
 # ---- models ----------------------------------------------------------------------------------------
@@ -148,92 +164,6 @@ def model_create(
     except ValueError as e:
         _fail(str(e))
     Console().print(f"wrote builtin:{name} to {out}")
-
-
-# ---- benchmarks ----------------------------------------------------------------------------------------
-@bench_app.command("engine")
-def bench_engine(
-    model: str = typer.Option("builtin:bench", "--model", "-m"),
-    new_tokens: int = typer.Option(32, "--new-tokens", help="tokens generated per sequence"),
-    prompt_len: str = typer.Option("32,512", "--prompt-len", help="prompt lengths to measure, comma-separated"),
-    threads: int = typer.Option(None, "--threads", help="torch CPU threads for both sides (default: torch's)"),
-    reps: int = typer.Option(2, "--reps", help="best of this many runs per figure"),
-    as_json: bool = typer.Option(False, "--json", help="print one JSON object on the last line"),
-) -> None:
-    """Decode tokens/s of this engine vs Hugging Face transformers generate (batch 1 and 16)."""
-    from relayout.engine import bench_engine as be
-
-    try:
-        lens = [int(x) for x in prompt_len.split(",") if x.strip()]
-        res = be.run(model, new_tokens=new_tokens, prompt_len=lens, threads=threads, reps=max(1, reps),
-                     log=err.print)
-    except be.MissingDependency as e:
-        _fail(str(e))
-    be.print_table(res, Console())
-    if as_json:
-        print(json.dumps(res), flush=True)
-
-
-@bench_app.command("migration")
-def bench_migration(
-    model: str = typer.Option(None, "--model", "-m", help="default builtin:bench (builtin:tiny with --quick)"),
-    contexts: str = typer.Option(None, "--contexts", help="context lengths in tokens, e.g. 1024,4096,16384"),
-    quick: bool = typer.Option(False, "--quick", help="short contexts (256,1024) on builtin:tiny"),
-    device: str = typer.Option(None, "--device", help="the replicas' device (default: cuda when present)"),
-    as_json: bool = typer.Option(False, "--json", help="print one JSON object on the last line"),
-) -> None:
-    """Stall per session for live, cold and recompute moves between two layouts, at several context lengths."""
-    from relayout.migrate import bench_migration as bm
-
-    try:
-        ctx = [int(x) for x in contexts.split(",") if x.strip()] if contexts else None
-    except ValueError:
-        _fail(f"--contexts must be comma-separated integers, got {contexts!r}")
-    if ctx is not None and (not ctx or min(ctx) < 16):
-        _fail("--contexts needs at least one length of 16 tokens or more")
-    try:
-        res = bm.run(model, ctx, quick=quick, device=device, log=err.print)
-    except bm.BenchError as e:
-        _fail(str(e), 1)
-    bm.print_table(res, Console(stderr=as_json))
-    if as_json:
-        print(json.dumps(res), flush=True)
-
-
-@bench_app.command("overlap")
-def bench_overlap(
-    model: str = typer.Option("builtin:bench", "--model", "-m"),
-    new_tokens: int = typer.Option(16, "--new-tokens", help="decode steps per run"),
-    quick: bool = typer.Option(False, "--quick", help="one layout, one batch, a few steps (smoke test)"),
-    as_json: bool = typer.Option(False, "--json", help="print one JSON object on the last line"),
-) -> None:
-    """Share of the experts' all-to-all hidden by two-micro-batch overlap (off vs on, same decode)."""
-    from relayout.engine import bench_overlap as bo
-
-    res = bo.run(model, new_tokens=new_tokens, quick=quick, log=err.print)
-    bo.print_table(res, Console())
-    if as_json:
-        print(json.dumps(res), flush=True)
-
-
-@bench_app.command("snapshot")
-def bench_snapshot(
-    model: str = typer.Option("builtin:bench", "--model", "-m"),
-    sessions: int = typer.Option(4, "--sessions"),
-    tokens: int = typer.Option(2048, "--tokens", help="KV tokens per session"),
-    reps: int = typer.Option(3, "--reps", help="best of this many tries per figure"),
-    quick: bool = typer.Option(False, "--quick", help="tiny sizes (smoke test)"),
-    as_json: bool = typer.Option(False, "--json", help="print one JSON object on the last line"),
-) -> None:
-    """GB/s to snapshot and restore session KV next to a plain memory copy; codec ratios."""
-    from relayout.engine import bench_snapshot as bs
-
-    res = bs.run(model, sessions=sessions, tokens=tokens, reps=max(1, reps), quick=quick, log=err.print)
-    bs.print_table(res, Console())
-    if as_json:
-        print(json.dumps(res), flush=True)
-
-
 
 
 # ---- gateway and live migration ------------------------------------------------------------------
@@ -461,8 +391,15 @@ def plan(
     input_json: str = typer.Argument("-", metavar="[INPUT.json|-]",
                                      help="{topology, load, needs, ...} as JSON; - reads stdin"),
     as_json: bool = typer.Option(False, "--json", help="print the plan as one JSON object on the last line"),
+    locality_weight: float = typer.Option(
+        None, "--locality-weight", min=0.0, max=1.0,
+        help="0..1: how the planner trades GPU balance for fewer cross-node token copies when spare "
+             "slots cannot buy both (0 = best balance, 1 = fewest cross-node copies; default 0.1, or "
+             "the input's locality_weight)"),
 ) -> None:
-    """Expert load + fleet topology -> layout, device set and the reason (or why nothing is placeable)."""
+    """Expert load + fleet topology -> layout, device set and the reason (or why nothing is placeable).
+
+    Exits 2 when the input breaks a rule (the message names the field), 1 when no device set fits."""
     import sys
 
     from relayout.migrate.plan_cli import format_plan_table, plan_main
@@ -476,24 +413,31 @@ def plan(
         _fail(f"{input_json}: not valid JSON: {e}")
     if not isinstance(inp, dict):
         _fail("the plan input must be a JSON object {topology, load, needs, ...}")
-    res = plan_main(inp)
+    if locality_weight is not None:
+        inp["locality_weight"] = locality_weight
+    ref, ref_name = _plan_reference()
+    res = plan_main(inp, reference=ref, reference_name=ref_name)
     Console(stderr=as_json).print(format_plan_table(res))
     if as_json:
         print(json.dumps(res), flush=True)
+    if res.get("invalid_input"):
+        _fail(res["error"], 2)
     if "error" in res:
         raise typer.Exit(1)
 
 
-@bench_app.command("placement")
-def bench_placement(
-    as_json: bool = typer.Option(False, "--json", help="print one JSON object on the last line"),
-    engine_trace: bool = typer.Option(True, "--engine-trace/--no-engine-trace",
-                                      help="also plan a trace recorded from builtin:tiny"),
-) -> None:
-    """Balance and cross-node traffic of the planner's placement vs an EPLB-style baseline."""
-    from relayout.migrate.bench_placement import run_bench
+def _plan_reference():
+    """The yardstick `relayout plan` compares its placement with: the first entry point of the
+    `relayout.plan_references` group (DeepSeek's EPLB from relayout.bench), loaded by name so the
+    product never imports the benchmarks; none installed, no comparison."""
+    from importlib.metadata import entry_points
 
-    run_bench(json_out=as_json, include_engine=engine_trace)
+    for ep in entry_points(group="relayout.plan_references"):
+        try:
+            return ep.load(), ep.name
+        except (ImportError, AttributeError) as e:
+            err.print(f"[yellow]warning:[/yellow] plan reference {ep.name!r} not loaded: {e}")
+    return None, "reference"
 
 
 @app.command()
@@ -528,35 +472,31 @@ def controller(
     err.print(f"controller stopped; replica now at {ctl.replica_url}")
 
 
-@bench_app.command("soak")
-def bench_soak(
-    count: int = typer.Option(20, "--count", "-n", min=1, max=10000, help="migrations (back and forth)"),
-    layouts: str = typer.Option("attn_dp=1;attn_tp=2", "--layouts", help="the two layouts, separated by ';'"),
-    sessions: int = typer.Option(4, "--sessions", min=1, max=64, help="sessions running during each migration"),
-    max_tokens: int = typer.Option(48, "--max-tokens", min=8, max=4096),
-    model: str = typer.Option("builtin:tiny", "--model", "-m"),
-    as_json: bool = typer.Option(False, "--json", help="print one JSON object on the last line"),
-) -> None:
-    """Migrate running sessions back and forth between two layouts COUNT times; report whether RSS,
-    file descriptors, processes and KV blocks return to their baseline (exit 1 on a leak)."""
-    from relayout.migrate import soak
+# ---- plugin sub-commands -------------------------------------------------------------------------
+PLUGIN_GROUP = "relayout.commands"
 
-    lays = [x.strip() for x in layouts.split(";") if x.strip()]
-    if len(lays) != 2:
-        _fail("--layouts needs exactly two layouts, e.g. 'attn_dp=1;attn_tp=2'")
-    res = soak.run(count, (lays[0], lays[1]), sessions, max_tokens, model, log=err.print)
-    for k in ("a", "b"):
-        b, f = res["baseline"][k], res["final"][k]
-        err.print(f"replica {k} ({res['layouts'][0 if k == 'a' else 1]}): RSS {b['rss_mb']} -> {f['rss_mb']} MiB, "
-                  f"fds {b['fds']} -> {f['fds']}, processes {b['processes']} -> {f['processes']}, "
-                  f"KV blocks {b['kv_blocks_used']} -> {f['kv_blocks_used']}")
-    err.print(f"{res['migrations']} migrations ({res['failed']} failed), {res['sessions_moved']} sessions moved, "
-              f"{res['mismatches']} changed outputs, stall p50 {res['stall_ms_p50']} ms; "
-              + ("no leaks" if not res["leaks"] else "LEAKS: " + "; ".join(res["leaks"])))
-    if as_json:
-        print(json.dumps(res), flush=True)
-    if not res["ok"]:
-        raise typer.Exit(1)
+
+def add_plugin_commands(root: typer.Typer) -> list[str]:
+    """Add every typer app registered under the `relayout.commands` entry point group as a
+    sub-command named after its entry point; returns the names added. A plugin that fails to
+    import is reported on stderr and left out, so a broken plugin cannot break the product."""
+    from importlib.metadata import entry_points
+
+    added: list[str] = []
+    for ep in entry_points(group=PLUGIN_GROUP):
+        if ep.name in added:
+            continue  # the same distribution seen twice on sys.path (e.g. installed and editable)
+        try:
+            root.add_typer(ep.load(), name=ep.name)
+        except (ImportError, AttributeError) as e:
+            err.print(f"[yellow]warning:[/yellow] plugin command {ep.name!r} ({ep.value}) not loaded: {e}",
+                      soft_wrap=True)
+            continue
+        added.append(ep.name)
+    return added
+
+
+add_plugin_commands(app)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Drain (SPEC §4): move every session of every replica on this node to another node before
+"""Drain (docs/agent-api.md): move every session of every replica on this node to another node before
 maintenance; every session live when the drain began ends up named in its result."""
 
 from __future__ import annotations

@@ -23,6 +23,17 @@ from relayout.migrate.procs import stop_process
 LAUNCH_TIMEOUT = float(os.environ.get("RELAYOUT_LAUNCH_TIMEOUT", "180"))
 
 
+def check_dtypes(dtype: str | None, kv_dtype: str | None) -> None:
+    """A replica's dtype and KV dtype names, or HTTPError 400 naming the allowed values."""
+    from relayout.engine.config import check_dtype, parse_kv_dtype
+
+    try:
+        check_dtype(dtype)
+        parse_kv_dtype(kv_dtype)
+    except ValueError as e:
+        raise HTTPError(400, str(e)) from None
+
+
 def _pid_alive(pid: int | None) -> bool:
     if not pid:
         return False
@@ -111,17 +122,20 @@ class Agent:
         return self.refresh(rid)
 
     # ---- replicas ---------------------------------------------------------------------------
-    async def launch(self, model: str, layout: str | None, name: str | None = None) -> dict:
+    async def launch(self, model: str, layout: str | None, name: str | None = None, dtype: str | None = None,
+                     kv_dtype: str | None = None) -> dict:
+        check_dtypes(dtype, kv_dtype)  # before any process starts
         rid = name or f"r-{secrets.token_hex(4)}"
         if rid in self.reg.replicas:
             raise HTTPError(409, f"replica {rid!r} already exists")
         log = self.data_dir / "replicas" / f"{rid}.log"
         env = {"RELAYOUT_DATA_DIR": str(self.data_dir), "RELAYOUT_FILE_ROOTS": os.pathsep.join(self.file_roots()),
                "RELAYOUT_TOKEN": self.token}  # None: the replica runs without one, whatever this env says
+        args = [*(["--dtype", dtype] if dtype else []), *(["--kv-dtype", kv_dtype] if kv_dtype else [])]
         self.reg.replicas[rid] = {"id": rid, "model": model, "layout": layout, "status": "starting", "pid": None,
                                   "url": None, "created_at": time.time()}
         # its own session and a log file: the replica outlives an agent restart, which adopts it again
-        proc = procs.replica(layout, env, model, host=self.host, log=log, new_session=True, wait=False)
+        proc = procs.replica(layout, env, model, args, host=self.host, log=log, new_session=True, wait=False)
         p = proc.p
         self.procs[rid] = p
         self.reg.replicas[rid]["pid"] = p.pid

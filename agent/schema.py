@@ -21,6 +21,9 @@ class ReplicaBody(BaseModel):
     model: str = Field(..., min_length=1, max_length=1024)
     layout: str | dict[str, Any] | None = None
     name: str | None = Field(None, pattern=web.ID_PATTERN, max_length=128)
+    # checked by the agent (400 naming the allowed values), not here
+    dtype: str | None = Field(None, max_length=32)  # float32, bfloat16, float16 (default: by device)
+    kv_dtype: str | None = Field(None, max_length=32)  # auto, fp8_e4m3
 
 
 class CheckpointBody(BaseModel):
@@ -34,6 +37,8 @@ class NewReplica(BaseModel):
     model_config = _STRICT
     model: str = Field(..., min_length=1, max_length=1024)
     layout: str | dict[str, Any] | None = None
+    dtype: str | None = Field(None, max_length=32)
+    kv_dtype: str | None = Field(None, max_length=32)
 
 
 class RestoreBody(BaseModel):

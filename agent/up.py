@@ -26,7 +26,7 @@ def _stop_child(p: procs.Proc | None, timeout: float = 30.0) -> None:
 
 
 def run_up(host: str, port: int, agent_port: int, data_dir: Path, model: str = "builtin:tiny",
-           layout: str | None = None, log=print) -> int:
+           layout: str | None = None, log=print, dtype: str | None = None, kv_dtype: str | None = None) -> int:
     """`relayout up`: the node agent on `agent_port`, one replica launched through it, the gateway on `port`
     in front (`--agent`). Prints `relayout up ready: gateway URL, agent URL`; SIGTERM/SIGINT stop all three.
     Returns the exit code (0 on a signal, 1 when a part failed)."""
@@ -48,6 +48,7 @@ def run_up(host: str, port: int, agent_port: int, data_dir: Path, model: str = "
         body: dict[str, Any] = {"model": model}
         if layout:
             body["layout"] = layout
+        body.update({k: v for k, v in (("dtype", dtype), ("kv_dtype", kv_dtype)) if v})
         r = httpx.post(f"{agent_url}/v1/replicas", json=body, headers=hdr, timeout=LAUNCH_TIMEOUT + 30)
         if r.status_code != 201:
             raise RuntimeError(f"the agent could not launch the replica ({r.status_code}): {web.error_message(r)}")

@@ -39,6 +39,7 @@ class _Snap:
     token_ids: list[int] = field(default_factory=list)
     status: SessionStatus = SessionStatus.WAITING
     finish_reason: str | None = None
+    logprobs: list[list] = field(default_factory=list)  # per token, when the session asked for them
     waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = field(default_factory=list)
 
     @property
@@ -86,10 +87,20 @@ class AsyncEngine:
             self._thread.join(timeout)
 
     @property
+    def started(self) -> bool:
+        """Whether the loop thread was started (it shuts the engine down when it ends)."""
+        return self._thread is not None
+
+    @property
     def num_running(self) -> int:
         """Sessions not yet finished or migrated (waiting, running or paused)."""
         with self._lock:
             return sum(1 for sn in self._snaps.values() if not sn.done)
+
+    def note_migrated(self, session_ids: list[str], url: str) -> None:
+        """Remember where sessions went, so a client that asks here is sent on."""
+        for sid in session_ids:
+            self.migrated_to[sid] = url
 
     @property
     def healthy(self) -> bool:
@@ -97,14 +108,20 @@ class AsyncEngine:
 
     # ---- requests ----------------------------------------------------------------
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
-        """Run fn(engine) on the engine thread at a step boundary; its result or exception comes back."""
+        """Run fn(engine) on the engine thread at a step boundary; its result or exception comes
+        back. A rank that died under it has taken the replica down (as a failed step would):
+        the caller gets EngineDeadError, like every later caller."""
         fut: cf.Future = cf.Future()
         with self._lock:
             if self.error is not None or self._stopping or self._thread is None:
-                raise self._dead()
+                raise self.dead_error()
             self._calls.append((fn, fut))
             self._wake.notify()
-        return await asyncio.wrap_future(fut)
+        try:
+            return await asyncio.wrap_future(fut)
+        except RankFailure:
+            err = self.dead_error()
+            raise err from err.__cause__
 
     async def submit(self, prompt_ids: list[int], params: SamplingParams, session_id: str | None = None) -> SessionState:
         # add_session and the snapshot happen in one call, so stream()/get() see the session at once
@@ -128,6 +145,13 @@ class AsyncEngine:
                 "token_ids": list(s.token_ids),
                 "finish_reason": s.finish_reason,
             }
+
+    def logprobs(self, session_id: str, lo: int, hi: int) -> list[list]:
+        """Logprob records of generated tokens [lo, hi) (published with the ids: a batch from
+        `stream` has them); empty for a session that did not ask for logprobs."""
+        with self._lock:
+            s = self._snaps.get(session_id)
+            return list(s.logprobs[lo:hi]) if s is not None else []
 
     async def stream(self, session_id: str, from_token: int = 0) -> AsyncIterator[list[int]]:
         """Batches of generated token ids from index `from_token` on, until the session is
@@ -154,14 +178,15 @@ class AsyncEngine:
                 if done:
                     return
                 if dead:
-                    raise self._dead()
+                    raise self.dead_error()
                 await ev.wait()
         finally:
             with self._lock:
                 if (loop, ev) in snap.waiters:
                     snap.waiters.remove((loop, ev))
 
-    def _dead(self) -> EngineDeadError:
+    def dead_error(self) -> EngineDeadError:
+        """Why this engine serves no more (the error to raise or report once not `healthy`)."""
         if self.error is not None:
             err = EngineDeadError(f"engine failed: {type(self.error).__name__}: {self.error}")
             err.__cause__ = self.error
@@ -196,14 +221,14 @@ class AsyncEngine:
                         pass
                 if calls or aborts:
                     self._publish_all()  # a call may pause, finish, migrate, import or drop sessions
+                if rank_failure is not None:  # before the results: their callers find the replica down
+                    self._fail(rank_failure)
                 # results only after publishing: a caller sees the snapshots its call produced
                 for fut, res, exc in outcomes:
                     if exc is None:
                         fut.set_result(res)
                     else:
                         fut.set_exception(exc)
-                if rank_failure is not None:
-                    self._fail(rank_failure)
                 if stopping:
                     return
                 if self.error is not None or not eng.has_work():
@@ -228,7 +253,7 @@ class AsyncEngine:
             calls, self._calls = self._calls, []
         for _, fut in calls:
             if fut.set_running_or_notify_cancel():
-                fut.set_exception(self._dead())
+                fut.set_exception(self.dead_error())
         try:
             self.engine.shutdown()
         finally:
@@ -240,7 +265,7 @@ class AsyncEngine:
             calls, self._calls = self._calls, []
         for _, fut in calls:
             if fut.set_running_or_notify_cancel():
-                fut.set_exception(self._dead())
+                fut.set_exception(self.dead_error())
         self._notify_all()
 
     def _publish(self, sids: set[str]) -> None:
@@ -263,6 +288,9 @@ class AsyncEngine:
                     snap.token_ids.extend(s.output_token_ids[len(snap.token_ids):])
                 elif len(s.output_token_ids) < len(snap.token_ids):  # replaced by an import
                     snap.token_ids = list(s.output_token_ids)
+                    snap.logprobs = []
+                if len(s.logprobs) > len(snap.logprobs):
+                    snap.logprobs.extend(s.logprobs[len(snap.logprobs):])
                 snap.status, snap.finish_reason = s.status, s.finish_reason
                 wake += snap.waiters
             if len(self._snaps) > _MAX_DONE_SNAPSHOTS + 256:  # amortised: trim in batches

@@ -5,12 +5,50 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 SUPPORTED_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
 
 
 class ModelConfigError(ValueError):
     pass
+
+
+# weights and activations; the default is bfloat16 on CUDA, float32 on the CPU (names: torch's)
+DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+# KV cache: "auto" is the model dtype; fp8_e4m3 stores K and V as float8 with per-block-per-head scales
+KV_DTYPES: tuple[str, ...] = ("auto", "fp8_e4m3")
+
+
+def check_dtype(name: str | None) -> str | None:
+    """`name` checked against DTYPES (None stays None: the device's default). Torch-free, for
+    front ends that validate before anything loads."""
+    if name is not None and name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; allowed: {', '.join(DTYPES)}")
+    return name
+
+
+def parse_dtype(name: str | torch.dtype | None, device: torch.device | str | None = None) -> torch.dtype:
+    """The model dtype `name` names (None: bfloat16 on CUDA, float32 elsewhere); ValueError naming
+    the allowed values otherwise."""
+    import torch
+
+    if isinstance(name, torch.dtype):
+        name = str(name).removeprefix("torch.")
+    if name is None:
+        return torch.bfloat16 if torch.device(device or "cpu").type == "cuda" else torch.float32
+    return getattr(torch, check_dtype(name))  # type: ignore[arg-type]
+
+
+def parse_kv_dtype(name: str | None) -> str:
+    """`name` checked against KV_DTYPES (None: "auto")."""
+    name = name or "auto"
+    if name not in KV_DTYPES:
+        raise ValueError(f"unknown KV dtype {name!r}; allowed: {', '.join(KV_DTYPES)}")
+    return name
 
 
 @dataclass(frozen=True)

@@ -10,10 +10,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from relayout.engine.config import ModelConfig
+from relayout.engine.config import ModelConfig, parse_dtype, parse_kv_dtype
 from relayout.engine.executor import Executor, LocalExecutor
-from relayout.engine.kv_cache import BLOCK_SIZE, BlockAllocator, blocks_needed
+from relayout.engine.kv_cache import BLOCK_SIZE, BlockAllocator, blocks_needed, kv_storage_dtype
 from relayout.engine.layout import Layout
+from relayout.engine.logprobs import token_logprobs
 from relayout.engine.runner import StepBatch, kv_block_bytes
 from relayout.engine.sampling import new_rng_state, sample
 from relayout.engine.scheduler import Scheduler
@@ -45,22 +46,29 @@ def pick_device(name: str | None = None) -> torch.device:
 
 class LLMEngine:
     def __init__(self, model: str, layout: Layout | str | None = None, *, kv_cache_bytes: int | None = None,
-                 num_blocks: int | None = None, device: str | None = None, dtype: torch.dtype = torch.float32,
-                 max_num_seqs: int = 64, max_prefill_tokens: int = 512, max_finished: int = 4096,
-                 placement: RankPlacement | None = None):
+                 num_blocks: int | None = None, device: str | None = None, dtype: torch.dtype | str | None = None,
+                 kv_dtype: str | None = None, max_num_seqs: int = 64, max_prefill_tokens: int = 512,
+                 max_finished: int = 4096, placement: RankPlacement | None = None):
+        """`dtype`: weights and activations (float32, bfloat16, float16; None: bfloat16 on CUDA,
+        float32 on the CPU). `kv_dtype`: "auto" (the model dtype) or "fp8_e4m3"."""
         from relayout.engine.tokenizer import load_tokenizer
         from relayout.engine.weights import resolve_model
 
+        self.device = pick_device(device)
+        # names checked before anything loads: a bad one is the caller's mistake, said at once
+        self.dtype = dtype = parse_dtype(dtype, self.device)
+        self.kv_dtype_name = parse_kv_dtype(kv_dtype)
+        self.kv_dtype = kv_storage_dtype(self.kv_dtype_name, dtype)  # the KV pool's element type
+        if self.kv_dtype_name != "auto" and self.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"kv_dtype {self.kv_dtype_name} needs a CPU or CUDA device, not {self.device.type}")
         self.model_ref = model
         self.model_dir = resolve_model(model)
         self.cfg = ModelConfig.from_dir(self.model_dir)
         self.layout = (layout if isinstance(layout, Layout) else Layout.parse(layout)).validate(self.cfg)
-        self.dtype = dtype
-        self.device = pick_device(device)
         self.tokenizer = load_tokenizer(self.model_dir, self.cfg)
         lay = self.layout
         kv_heads = lay.kv_head_range(0, self.cfg.num_kv_heads)
-        per_block = kv_block_bytes(self.cfg, kv_heads[1] - kv_heads[0], dtype)
+        per_block = kv_block_bytes(self.cfg, kv_heads[1] - kv_heads[0], self.kv_dtype)
         self.num_blocks = num_blocks or max(4, (kv_cache_bytes or DEFAULT_KV_BYTES) // per_block)
         self.max_model_len = min(self.cfg.max_position_embeddings, self.num_blocks * BLOCK_SIZE - 1)
         self.allocators = [BlockAllocator(self.num_blocks) for _ in range(lay.attn_dp)]
@@ -69,12 +77,13 @@ class LLMEngine:
         self.max_finished = max_finished
         self.executor: Executor
         if lay.world_size == 1 and (placement is None or placement.local_ranks in (None, [0])):
-            self.executor = LocalExecutor(self.cfg, lay, self.model_dir, self.num_blocks, self.device, dtype)
+            self.executor = LocalExecutor(self.cfg, lay, self.model_dir, self.num_blocks, self.device, dtype,
+                                          self.kv_dtype)
         else:
             from relayout.engine.workers import RankExecutor
 
             self.executor = RankExecutor(self.cfg, lay, self.model_dir, self.num_blocks, self.device, dtype,
-                                         placement)
+                                         placement, kv_dtype=self.kv_dtype)
         self.num_steps = 0
         self.tokens_generated = 0
         self._fingerprint: str | None = None
@@ -135,23 +144,38 @@ class LLMEngine:
             if s is None or s.is_finished:
                 raise KeyError(f"session {sid} is not running on this replica")
         for sid in session_ids:
-            s = self.sessions[sid]
-            if s in self.scheduler.waiting:
-                self.scheduler.waiting.remove(s)
-                self.scheduler.paused_waiting.append(s)
-            s.status = SessionStatus.PAUSED
+            self.scheduler.pause(self.sessions[sid])
 
     def resume(self, session_ids: list[str]) -> None:
+        """Let paused sessions run again (unknown or not paused ones are skipped)."""
         for sid in session_ids:
             s = self.sessions.get(sid)
-            if s is None or s.status != SessionStatus.PAUSED:
-                continue
-            if s in self.scheduler.paused_waiting:
-                self.scheduler.paused_waiting.remove(s)
-                s.status = SessionStatus.WAITING
-                self.scheduler.waiting.appendleft(s)
-            else:
-                s.status = SessionStatus.RUNNING if s.num_computed else SessionStatus.WAITING
+            if s is not None:
+                self.scheduler.resume(s)
+
+    def release(self, session_ids: list[str], status: SessionStatus = SessionStatus.MIGRATED) -> None:
+        """The sessions live elsewhere now (a migration's commit, a checkpoint with stop): free them."""
+        for sid in session_ids:
+            s = self.sessions.get(sid)
+            if s is not None and not s.is_finished:
+                self._finish(s, s.finish_reason or "migrated", status)
+
+    def adopt(self, s: SessionState, group: int, blocks: list[int] | None) -> None:
+        """Take in a session that arrived from elsewhere (restore, live transfer). With `blocks`
+        (already holding its first `s.num_computed` tokens of KV) it is placed in that group's
+        running set in its current status; without, it queues to be prefilled from scratch."""
+        s.dp_group = group
+        self.sessions[s.session_id] = s
+        if blocks is None:
+            self.scheduler.add(s)
+        else:
+            self.scheduler.place(s, group, blocks)
+
+    def discard(self, session_id: str) -> None:
+        """Forget a session that never became this replica's (an uncommitted transfer), freeing its blocks."""
+        s = self.sessions.pop(session_id, None)
+        if s is not None:
+            self.scheduler.remove(s)
 
     def _finish(self, s: SessionState, reason: str, status: SessionStatus = SessionStatus.FINISHED) -> None:
         s.status = status
@@ -204,6 +228,8 @@ class LLMEngine:
                 if self.logits_hook is not None:
                     self.logits_hook(s.session_id, logits[g][row])
                 tok = sample(logits[g][row], s)
+                if s.sampling.logprobs is not None:  # only sessions that asked pay for it
+                    s.logprobs.append(token_logprobs(logits[g][row], tok, s.sampling.logprobs))
                 row += 1
                 events.append(self._append(s, tok))
         return events

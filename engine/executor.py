@@ -27,8 +27,8 @@ class Executor(Protocol):
 
 class LocalExecutor:
     def __init__(self, cfg: ModelConfig, layout: Layout, model_dir: Path, num_blocks: int, device: torch.device,
-                 dtype: torch.dtype):
-        self.runner = ModelRunner(cfg, ParallelState(layout), model_dir, num_blocks, device, dtype)
+                 dtype: torch.dtype, kv_dtype: torch.dtype | None = None):
+        self.runner = ModelRunner(cfg, ParallelState(layout), model_dir, num_blocks, device, dtype, kv_dtype)
 
     def execute(self, batches: list[StepBatch]) -> list[torch.Tensor]:
         return [self.runner.execute(batches[0])]

@@ -12,6 +12,8 @@ import numpy as np
 import torch
 
 BLOCK_SIZE = 16
+FP8_KV = torch.float8_e4m3fn  # the element type of an fp8_e4m3 KV pool
+FP8_MAX = float(torch.finfo(FP8_KV).max)  # 448
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -30,6 +32,22 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
         return
     np.copyto(d, s)  # bit copy: the same dtype on both sides
+
+
+def kv_storage_dtype(kv_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV pool's element type for a KV dtype name ("auto": the model's)."""
+    if kv_dtype == "auto":
+        return model_dtype
+    if kv_dtype == "fp8_e4m3":
+        return FP8_KV
+    raise ValueError(f"unknown KV dtype {kv_dtype!r}; allowed: auto, fp8_e4m3")
+
+
+def quantise_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [tokens, heads, d] -> (float8 values, float32 scale per token and head), x ~ values * scale."""
+    xf = x.float()
+    scale = xf.abs().amax(-1).clamp(min=1e-12) / FP8_MAX
+    return (xf / scale.unsqueeze(-1)).to(FP8_KV), scale
 
 
 class OutOfBlocks(RuntimeError):
@@ -97,11 +115,19 @@ class KVCache:
     """One rank's KV tensors: per layer [num_blocks, block_size, local_kv_heads, head_dim]."""
 
     def __init__(self, num_layers: int, num_blocks: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, block_size: int = BLOCK_SIZE):
+                 dtype: torch.dtype, device: torch.device, block_size: int = BLOCK_SIZE,
+                 compute_dtype: torch.dtype | None = None):
         self.block_size = block_size
+        self.compute_dtype = compute_dtype or dtype  # what attention reads
         shape = (num_blocks, block_size, kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # float8 pools: a float32 scale per token per KV head beside them (value = fp8 * scale). Per token
+        # rather than per block, so a block's earlier tokens never need requantising as it fills (bytes
+        # a pre-copy round already sent stay valid) and no later token is clipped to an earlier scale.
+        self.quantised = dtype == FP8_KV
+        self.k_scale = [torch.zeros(shape[:3], device=device) for _ in range(num_layers)] if self.quantised else []
+        self.v_scale = [torch.zeros(shape[:3], device=device) for _ in range(num_layers)] if self.quantised else []
         # reused gather buffers: allocating a fresh multi-MB tensor per layer per step costs
         # more (page faults) than the copy itself
         self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -111,6 +137,11 @@ class KVCache:
         (valid until the next call)."""
         n = flat_blocks.numel()
         k_pool, v_pool = self.k[layer], self.v[layer]
+        if self.quantised:  # dequantised into fresh tensors of the compute dtype
+            return tuple(  # type: ignore[return-value]
+                (torch.index_select(pool, 0, flat_blocks).float()
+                 * torch.index_select(scale, 0, flat_blocks).unsqueeze(-1)).to(self.compute_dtype)
+                for pool, scale in ((k_pool, self.k_scale[layer]), (v_pool, self.v_scale[layer])))
         if self._scratch is None or self._scratch[0].shape[0] < n:
             cap = max(n, 2 * (self._scratch[0].shape[0] if self._scratch else 0), 16)
             with torch.inference_mode(False):  # a normal tensor: usable by forward and by exports alike
@@ -124,8 +155,19 @@ class KVCache:
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         kf = self.k[layer].view(-1, *self.k[layer].shape[2:])
         vf = self.v[layer].view(-1, *self.v[layer].shape[2:])
+        if self.quantised:
+            for pool, scales, x in ((kf, self.k_scale[layer], k), (vf, self.v_scale[layer], v)):
+                q, scale = quantise_fp8(x)
+                pool.view(torch.uint8).index_copy_(0, slots, q.view(torch.uint8))  # no float8 kernel on CPU
+                scales.view(-1, scales.shape[2]).index_copy_(0, slots, scale)
+            return
         kf.index_copy_(0, slots, k)
         vf.index_copy_(0, slots, v)
+
+    def refuse_quantised(self) -> None:
+        if self.quantised:
+            raise ValueError("checkpoints and migrations of fp8_e4m3 KV are not supported yet: the format does "
+                             "not carry the KV scales (serve with kv_dtype auto to move sessions)")
 
     def gather(self, layer: int, blocks: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of one session: [num_tokens, kv_heads, head_dim]."""
@@ -138,6 +180,7 @@ class KVCache:
 
         One copy per layer and K/V into the result (a second, into a reused buffer, only when
         the blocks are not consecutive in the pool)."""
+        self.refuse_quantised()
         bs = self.block_size
         b0, b1 = tok_lo // bs, (tok_hi + bs - 1) // bs
         ids = blocks[b0:b1]
@@ -171,6 +214,7 @@ class KVCache:
     def export_into(self, blocks: list[int], layer: int, tok_lo: int, tok_hi: int, out: torch.Tensor) -> None:
         """K, V of one layer, tokens [tok_lo, tok_hi), into `out` ([2, kv_heads, tokens, head_dim], any
         device/dtype): straight from the pool, one copy_ per run of consecutive blocks, no staging."""
+        self.refuse_quantised()
         if tok_hi <= tok_lo:
             return
         k, v = self.k[layer], self.v[layer]
@@ -182,6 +226,7 @@ class KVCache:
     def import_from(self, blocks: list[int], layer: int, tok_lo: int, kv: torch.Tensor, head_lo: int = 0) -> None:
         """Inverse of export_into for local heads [head_lo, head_lo + kv.shape[1]): kv is
         [2, heads, tokens, head_dim] for tokens from tok_lo (any device/dtype; converted on copy)."""
+        self.refuse_quantised()
         n, h = kv.shape[2], kv.shape[1]
         if n == 0:
             return
@@ -197,6 +242,7 @@ class KVCache:
 
     def import_tokens(self, blocks: list[int], tok_lo: int, kv: torch.Tensor) -> None:
         """Inverse of export_tokens; kv: [layers, 2, kv_heads, tokens, head_dim]."""
+        self.refuse_quantised()
         bs = self.block_size
         n = kv.shape[3]
         pos = torch.arange(tok_lo, tok_lo + n)

@@ -1,4 +1,4 @@
-"""Layout: how a replica is split across its devices (SPEC §1).
+"""Layout: how a replica is split across its devices (docs/layouts.md).
 
 attn_dp × attn_tp = world_size = moe_ep × moe_tp. `placement[layer]` lists, for each
 physical expert slot, the logical expert it holds (EPLB's phy2log); slots are dealt to

@@ -17,6 +17,9 @@ from relayout.engine.config import ModelConfig
 from relayout.engine.parallel import ParallelState
 
 _GROUPED_MM = getattr(F, "grouped_mm", None)  # torch >= 2.10; a per-expert loop otherwise
+# the integer type of each activation width: a pair's local slot index travels beside its row as
+# that integer's bits (a bfloat16 value holds integers exactly only up to 256)
+_SLOT_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 class ExpertShard(torch.nn.Module):
@@ -82,12 +85,14 @@ class SparseMoE(torch.nn.Module):
         self.total_s = 0.0
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k experts of each token and their weights (float32): the router's matmul runs in the
+        model dtype, its softmax in float32, as transformers does."""
         logits = (x @ self.router.T).float()
         probs = torch.softmax(logits, dim=-1)
         w, e = torch.topk(probs, self.cfg.top_k, dim=-1)
         if self.cfg.norm_topk_prob:
             w = w / w.sum(dim=-1, keepdim=True)
-        return w.to(x.dtype), e
+        return w, e  # float32: each expert's output is weighted in float32, then rounded once
 
     def forward(self, x: torch.Tensor, token_offset: int = 0) -> torch.Tensor:
         """x: the tokens this rank dispatches, [n, hidden]. `token_offset` spreads replicas."""
@@ -101,7 +106,7 @@ class SparseMoE(torch.nn.Module):
         slot = self.rep_table[flat_e, tok % self.rep_count[flat_e]]
         xs = x.repeat_interleave(k, dim=0)
         y = self._exchange(xs, slot)
-        return (y.view(n, k, y.shape[-1]) * w.unsqueeze(-1)).sum(dim=1)
+        return (y.view(n, k, y.shape[-1]).float() * w.unsqueeze(-1)).to(x.dtype).sum(dim=1)
 
     def _exchange(self, xs: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
         lay = self.ps.layout
@@ -123,8 +128,8 @@ class SparseMoE(torch.nn.Module):
         for i in range(n_mb):
             d = dest[bounds[i] : bounds[i + 1]]
             order = torch.argsort(d, stable=True)
-            send = torch.cat([rows[bounds[i] : bounds[i + 1]][order],
-                              loc[bounds[i] : bounds[i + 1]][order].to(rows.dtype).unsqueeze(1)], dim=1)
+            slot_bits = loc[bounds[i] : bounds[i + 1]][order].to(_SLOT_INT[rows.element_size()]).view(rows.dtype)
+            send = torch.cat([rows[bounds[i] : bounds[i + 1]][order], slot_bits.unsqueeze(1)], dim=1)
             mbs.append((order, send, torch.bincount(d, minlength=world)))
         t0 = time.perf_counter()
         send_counts = torch.cat([m[2] for m in mbs])
@@ -150,7 +155,7 @@ class SparseMoE(torch.nn.Module):
             tr = time.perf_counter()
             exposed += tr - tw
             ops_time += tr - issued[i]
-            out = self.experts(recv[:, :-1].contiguous(), recv[:, -1].long())
+            out = self.experts(recv[:, :-1].contiguous(), recv[:, -1].view(_SLOT_INT[recv.element_size()]).long())
             back = out.new_empty((sum(sc), out.shape[1]))
             ti = time.perf_counter()
             bissued.append(ti)

@@ -37,14 +37,16 @@ STAGING_BYTES = int(os.environ.get("RELAYOUT_STAGING_BYTES", 2 << 30))  # pinned
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, ps: ParallelState, model_dir: Path, num_blocks: int,
-                 device: torch.device, dtype: torch.dtype = torch.float32):
+                 device: torch.device, dtype: torch.dtype = torch.float32, kv_dtype: torch.dtype | None = None):
         self.cfg, self.ps, self.device = cfg, ps, device
         self.model = MoEModel(cfg, ps, dtype).to(device)
         self.model.load(model_dir)
         self.model.eval()
         lo, hi = ps.layout.kv_head_range(ps.rank, cfg.num_kv_heads)
         self.kv_range = (lo, hi)
-        self.kv = KVCache(cfg.num_layers, num_blocks, hi - lo, cfg.head_dim, dtype, device)
+        # kv_dtype: the pool's element type (None: the model dtype; float8 keeps scales beside it)
+        self.kv = KVCache(cfg.num_layers, num_blocks, hi - lo, cfg.head_dim, kv_dtype or dtype, device,
+                          compute_dtype=dtype)
         # on CUDA, KV leaves and enters through pinned staging buffers on side streams
         # (engine/staging.py); on the CPU the plain host copies below are already the fastest path
         self.stager: KVStager | None = (KVStager(device, max_bytes=STAGING_BYTES) if device.type == "cuda"
@@ -75,12 +77,14 @@ class ModelRunner:
 
     # ---- session KV in and out ----------------------------------------
     def export_kv(self, blocks: list[int], tok_lo: int, tok_hi: int) -> torch.Tensor:
+        self.kv.refuse_quantised()  # before the staging path, which knows no scales
         if self.stager is not None and tok_hi > tok_lo:
             # a view of a pinned pool buffer: it goes back to the pool once the caller drops it
             return self.stager.export(self.kv, blocks, tok_lo, tok_hi).wait()
         return self.kv.export_tokens(blocks, tok_lo, tok_hi).cpu()
 
     def import_kv(self, blocks: list[int], tok_lo: int, kv_all_heads: torch.Tensor) -> None:
+        self.kv.refuse_quantised()
         lo, hi = self.kv_range
         if self.stager is not None:
             # returns at once: the compute stream waits for the copy before the next step
@@ -107,4 +111,6 @@ class ModelRunner:
 
 
 def kv_block_bytes(cfg: ModelConfig, kv_heads: int, dtype: torch.dtype = torch.float32) -> int:
-    return 2 * cfg.num_layers * BLOCK_SIZE * kv_heads * cfg.head_dim * torch.tensor([], dtype=dtype).element_size()
+    """Bytes one KV block takes across every layer (float8: with its float32 scale per token and head)."""
+    per_head = BLOCK_SIZE * (cfg.head_dim * dtype.itemsize + (4 if dtype.itemsize == 1 else 0))
+    return 2 * cfg.num_layers * kv_heads * per_head

@@ -60,6 +60,24 @@ class Scheduler:
                 if t is not None:
                     self.allocators[g].free(t.blocks)
 
+    def pause(self, s: SessionState) -> None:
+        """Hold a session at this step boundary: a waiting one leaves the admission queue."""
+        if s in self.waiting:
+            self.waiting.remove(s)
+            self.paused_waiting.append(s)
+        s.status = SessionStatus.PAUSED
+
+    def resume(self, s: SessionState) -> None:
+        """Undo `pause`: one paused before admission goes back to the front of the queue."""
+        if s.status != SessionStatus.PAUSED:
+            return
+        if s in self.paused_waiting:
+            self.paused_waiting.remove(s)
+            s.status = SessionStatus.WAITING
+            self.waiting.appendleft(s)
+        else:
+            s.status = SessionStatus.RUNNING if s.num_computed else SessionStatus.WAITING
+
     def has_work(self) -> bool:
         return bool(self.waiting) or any(
             s.status in (SessionStatus.RUNNING, SessionStatus.WAITING) for run in self.running for s in run

@@ -30,6 +30,8 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # None: no logprobs; k >= 0: the chosen token's logprob and the k most likely (engine/logprobs.py)
+    logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -51,6 +53,13 @@ class SessionState:
     num_computed: int = 0  # tokens whose K/V are in the cache
     dp_group: int = 0  # attention data-parallel group that holds its KV
     created_at: float = field(default_factory=time.time)
+    # per generated token when sampling.logprobs is set: [chosen logprob, top ids, top logprobs]
+    # (engine/logprobs.py); part of the state so the values survive a checkpoint or a move
+    logprobs: list[list] = field(default_factory=list)
+    # how the client asked ("completion" | "chat", usage chunk or not): a stream resumed after a
+    # move is shaped the same way (engine/streaming.py)
+    api: str = "completion"
+    include_usage: bool = False
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -72,7 +81,7 @@ class SessionState:
 
     @classmethod
     def from_dict(cls, d: dict) -> SessionState:
-        d = dict(d)
+        d = dict(d)  # fields missing from older checkpoints take their defaults
         d["sampling"] = SamplingParams(**d["sampling"])
         d["status"] = SessionStatus(d["status"])
         rs = d.get("rng_state")

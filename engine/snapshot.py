@@ -14,7 +14,6 @@ import copy
 import dataclasses
 import secrets
 import time
-from dataclasses import dataclass, field
 
 import torch
 from relayout.engine.engine import LLMEngine
@@ -85,7 +84,7 @@ def _chunk_ranges(lo: int, hi: int) -> list[tuple[int, int]]:
     return out
 
 
-def _host_pool(engine: LLMEngine) -> tuple[KVCache, tuple[int, int]] | None:
+def host_pool(engine: LLMEngine) -> tuple[KVCache, tuple[int, int]] | None:
     """The KV pool and its head range when this process holds all of it in host memory (one
     local rank, no staging): snapshots then copy straight between pool blocks and chunk buffers.
     Any other executor goes through export_kv/import_kv."""
@@ -163,7 +162,7 @@ def take_snapshot(engine: LLMEngine, session_ids: list[str] | None = None, tok_f
     pre-copy round holds the engine thread (and every other session's decoding) only for
     a bounded copy; later rounds send the rest."""
     snaps = []
-    host = _host_pool(engine)
+    host = host_pool(engine)
     live = _live(engine, session_ids)
     if host is not None:  # the next snapshot this size reuses these buffers' memory once they are freed
         k0 = host[0].k[0]
@@ -282,12 +281,10 @@ def restore(engine: LLMEngine, reader: CheckpointReader, session_ids: list[str] 
         reader.verify()  # every chunk hash, before anything is imported
     imported: list[str] = []
     for st, n_kv, g in plan:
-        st.dp_group = g
         if n_kv == 0:
             st.num_computed = 0
             st.status = SessionStatus.WAITING
-            engine.sessions[st.session_id] = st
-            engine.scheduler.add(st)
+            engine.adopt(st, g, None)
             imported.append(st.session_id)
             continue
         blocks = engine.allocators[g].allocate(blocks_needed(st.num_tokens + 1))
@@ -298,8 +295,7 @@ def restore(engine: LLMEngine, reader: CheckpointReader, session_ids: list[str] 
             raise
         st.num_computed = n_kv
         st.status = SessionStatus.RUNNING
-        engine.sessions[st.session_id] = st
-        engine.scheduler.place(st, g, blocks)
+        engine.adopt(st, g, blocks)
         imported.append(st.session_id)
     return imported
 
@@ -310,7 +306,7 @@ def _import_session(engine: LLMEngine, reader: CheckpointReader, sid: str, group
     Every chunk is verified as it is read; a host pool gets each chunk copied straight into its
     blocks, any other executor one assembled [layers, 2, heads, tokens, d] tensor."""
     c = engine.cfg
-    host = _host_pool(engine)
+    host = host_pool(engine)
     if host is not None:
         pool, (h_lo, h_hi) = host
 
@@ -330,125 +326,8 @@ def _import_session(engine: LLMEngine, reader: CheckpointReader, sid: str, group
 
 def release(engine: LLMEngine, session_ids: list[str], status: SessionStatus = SessionStatus.MIGRATED) -> None:
     """The source's side of a commit: the sessions now live elsewhere; free their blocks."""
-    for sid in session_ids:
-        s = engine.sessions.get(sid)
-        if s is not None and not s.is_finished:
-            engine._finish(s, s.finish_reason or "migrated", status)
+    engine.release(session_ids, status)
 
 
 def new_checkpoint_id() -> str:
     return f"ckpt-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(4)}"
-
-
-# ---- live transfer (pre-copy rounds, then a final round) ------------------------------------------
-@dataclass
-class OutgoingTransfer:
-    """Source side: what earlier rounds already sent."""
-
-    transfer_id: str
-    sent_upto: dict[str, int] = field(default_factory=dict)
-    entries: list = field(default_factory=list)  # KVEntry of every chunk sent so far
-    sent_hashes: set[str] = field(default_factory=set)
-    rounds: int = 0
-
-
-@dataclass
-class IncomingTransfer:
-    """Target side: blocks reserved for incoming sessions and how much KV is already in them."""
-
-    transfer_id: str
-    store: object  # storage.stores.MemoryStore staging chunks until imported
-    blocks: dict[str, tuple[int, list[int]]] = field(default_factory=dict)  # sid -> (group, blocks)
-    upto: dict[str, int] = field(default_factory=dict)
-    placed: list[str] = field(default_factory=list)  # sessions imported by the final round (held paused)
-
-
-def import_range(engine: LLMEngine, store, manifest: Manifest, sid: str, group: int, blocks: list[int],
-                 a: int, b: int) -> None:
-    """Import tokens [a, b) of one session from whichever chunks cover them."""
-    from relayout.storage.chunks import kv_view
-
-    if b <= a:
-        return
-    c = engine.cfg
-    entries = [e for e in manifest.kv_entries if e.session_id == sid and e.tok_hi > a and e.tok_lo < b]
-    covered = sum((min(b, e.tok_hi) - max(a, e.tok_lo)) * (e.head_hi - e.head_lo) for e in entries)
-    if covered != c.num_layers * c.num_kv_heads * (b - a):  # before anything is fetched or written
-        raise CorruptCheckpoint(f"session {sid}: chunks do not cover tokens [{a}, {b}) exactly once")
-    host = _host_pool(engine)
-    if host is not None and host[1] != (0, c.num_kv_heads):
-        host = None
-    kv = None
-    if host is None:
-        kv = torch.empty((c.num_layers, 2, c.num_kv_heads, b - a, c.head_dim), dtype=engine.dtype)
-    for e in entries:
-        t = kv_view(store.get_chunk(e.chunk.hash), e.chunk, e.shape(c.head_dim), engine.dtype)  # read-only
-        lo, hi = max(a, e.tok_lo), min(b, e.tok_hi)
-        part = t[:, :, lo - e.tok_lo : hi - e.tok_lo]
-        if kv is None:
-            host[0].import_from(blocks, e.layer, lo, part, e.head_lo)  # type: ignore[index]
-        else:
-            kv[e.layer, :, e.head_lo : e.head_hi, lo - a : hi - a] = part
-    if kv is not None:
-        engine.executor.import_kv(group, blocks, a, kv)
-
-
-def receive_round(engine: LLMEngine, t: IncomingTransfer, manifest: Manifest, final: bool) -> dict:
-    """Target, engine thread: reserve blocks for new sessions, import KV that arrived, and in the
-    final round place the sessions (paused until the source commits). Refusals free nothing
-    the replica had before."""
-    check_compatible(engine, manifest)
-    c = engine.cfg
-    states = {e.session_id: (SessionState.from_dict(e.state), e.num_kv_tokens) for e in manifest.sessions}
-    # 1. room first, for every session, before importing anything
-    for sid, (st, n_kv) in states.items():
-        if any(x >= c.vocab_size for x in st.all_token_ids):
-            raise CorruptCheckpoint(f"session {sid} holds token ids outside the vocabulary")
-        need = blocks_needed(max(n_kv, st.num_tokens) + 1)
-        if sid not in t.blocks:
-            old = engine.sessions.get(sid)
-            if old is not None and not old.is_finished:
-                raise RestoreError(f"session {sid} is already live on this replica")
-            # headroom for the tokens the source decodes while pre-copy goes on
-            want = need + 2
-            cands = sorted(range(len(engine.allocators)), key=lambda g: (engine.scheduler.group_load(g), g))
-            g = next((g for g in cands if engine.allocators[g].can_allocate(want)), None)
-            if g is None:
-                raise RestoreError(f"not enough free KV blocks for session {sid}: needs {want}, "
-                                   f"largest free pool has {max(a.num_free for a in engine.allocators)}")
-            t.blocks[sid] = (g, engine.allocators[g].allocate(want))
-            t.upto[sid] = 0
-        g, blocks = t.blocks[sid]
-        if need > len(blocks):
-            if not engine.allocators[g].can_allocate(need - len(blocks)):
-                raise RestoreError(f"not enough free KV blocks for session {sid} to grow to {need}")
-            blocks += engine.allocators[g].allocate(need - len(blocks))
-    # 2. import what arrived
-    imported = 0
-    for sid, (_st, n_kv) in states.items():
-        g, blocks = t.blocks[sid]
-        import_range(engine, t.store, manifest, sid, g, blocks, t.upto[sid], n_kv)
-        imported += n_kv - t.upto[sid]
-        t.upto[sid] = n_kv
-    # 3. final: the sessions exist here now, held until the source commits
-    if final:
-        for sid, (st, n_kv) in states.items():
-            g, blocks = t.blocks.pop(sid)
-            st.num_computed = n_kv
-            st.status = SessionStatus.PAUSED
-            engine.sessions[sid] = st
-            engine.scheduler.place(st, g, blocks)
-            t.placed.append(sid)
-    return {"sessions": sorted(states), "imported_tokens": imported}
-
-
-def abort_incoming(engine: LLMEngine, t: IncomingTransfer) -> None:
-    """Target, engine thread: release reservations and drop sessions not yet committed."""
-    for g, blocks in t.blocks.values():
-        engine.allocators[g].free(blocks)
-    t.blocks.clear()
-    for sid in t.placed:
-        s = engine.sessions.pop(sid, None)
-        if s is not None:
-            engine.scheduler.remove(s)
-    t.placed.clear()

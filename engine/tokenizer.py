@@ -17,7 +17,7 @@ class Tokenizer:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         raise NotImplementedError
 
     def decode(self, ids: Iterable[int]) -> str:
@@ -34,8 +34,8 @@ class ByteTokenizer(Tokenizer):
         self.eos_token_ids = tuple(eos_token_ids)
         self.bos_token_id = bos_token_id
 
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode("utf-8"))  # no specials are ever added
 
     def decode(self, ids: Iterable[int]) -> str:
         return bytes(i for i in ids if 0 <= i < BYTE_SPECIALS).decode("utf-8", errors="replace")
@@ -52,9 +52,10 @@ class HFTokenizer(Tokenizer):
         self.eos_token_ids = tuple(eos_token_ids)
         self.bos_token_id = bos_token_id
 
-    def encode(self, text: str) -> list[int]:
-        # add_special_tokens=True: the tokenizer's own post-processor decides (e.g. a BOS).
-        return self._tok.encode(text, add_special_tokens=True).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        # add_special_tokens=True: the tokenizer's own post-processor decides (e.g. a BOS); a
+        # rendered chat template places its own, so chat encodes without
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)

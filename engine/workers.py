@@ -31,7 +31,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from relayout.engine.config import ModelConfig
+from relayout.engine.config import ModelConfig, parse_dtype
+from relayout.engine.kv_cache import FP8_KV
 from relayout.engine.layout import Layout
 from relayout.engine.parallel import init_groups
 from relayout.engine.rank_channel import ChannelClosed, ChannelError, Encoded, Message, RankChannel, encode
@@ -144,7 +145,9 @@ def _start(rank: int, conf: dict, store_host: str, model_dir: Path, local_index:
     dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", store=store, rank=rank,
                             world_size=layout.world_size, timeout=timeout)
     ps = init_groups(layout, rank)
-    runner = ModelRunner(cfg, ps, model_dir, int(conf["num_blocks"]), dev, getattr(torch, conf["dtype"]))
+    dtype = parse_dtype(conf["dtype"])
+    kv_dtype = {str(t).removeprefix("torch."): t for t in (dtype, FP8_KV)}[conf.get("kv_dtype", conf["dtype"])]
+    runner = ModelRunner(cfg, ps, model_dir, int(conf["num_blocks"]), dev, dtype, kv_dtype)
     return runner, layout.attn_tp_rank(rank) == 0
 
 
@@ -181,7 +184,7 @@ def _spawned_rank(rank: int, driver: str, model_dir: str, token: str | None, thr
 # ---- the driver side -------------------------------------------------------------------------------
 class RankExecutor:
     def __init__(self, cfg: ModelConfig, layout: Layout, model_dir: Path, num_blocks: int, device: torch.device,
-                 dtype: torch.dtype, placement: RankPlacement | None = None):
+                 dtype: torch.dtype, placement: RankPlacement | None = None, kv_dtype: torch.dtype | None = None):
         pl = placement or RankPlacement()
         world = layout.world_size
         self.layout = layout
@@ -212,7 +215,8 @@ class RankExecutor:
                 self.procs[r] = p
             self._join(world, pl.join_timeout_s)
             conf = {"layout": layout.to_dict(), "num_blocks": num_blocks, "device": device.type,
-                    "dtype": str(dtype).removeprefix("torch."), "store_port": self._store.port}
+                    "dtype": str(dtype).removeprefix("torch."),
+                    "kv_dtype": str(kv_dtype or dtype).removeprefix("torch."), "store_port": self._store.port}
             for r in range(world):
                 self._send(r, "config", conf)
             self._gather(list(range(world)), timeout=pl.join_timeout_s)

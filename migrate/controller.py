@@ -1,4 +1,4 @@
-"""Re-layout controller (SPEC §6): poll a replica, feed the policy, act on its decisions.
+"""Re-layout controller (docs/layouts.md): poll a replica, feed the policy, act on its decisions.
 
 On "relayout": launch a replica with the new layout through `launcher(model, layout) -> url`,
 live-migrate every session onto it (`migrate_live`, swept again for sessions that arrived

@@ -1,4 +1,4 @@
-"""The clients' `/v1/completions` in front of replicas (SPEC §5).
+"""The clients' `/v1/completions` in front of replicas (docs/gateway.md).
 
 Every request is streamed from a replica with token ids; when the replica's stream ends
 because the session was migrated (no `[DONE]`), the gateway asks where it went and
@@ -122,6 +122,14 @@ def create_gateway_app(agents: list[str], replicas: list[str] | None = None, tok
             resp = await client.send(req, stream=True)
         yield {"error": {"message": f"session {sid} moved more than {MAX_HOPS} times", "type": "upstream_error"}}
 
+    from relayout.migrate.gateway_chat import (
+        install_chat_gateway_route,
+        join_completion_logprobs,
+        unwanted_usage,
+    )
+
+    install_chat_gateway_route(app, ups, client, follow)  # chat streams reattach the same way
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         try:
@@ -133,7 +141,7 @@ def create_gateway_app(agents: list[str], replicas: list[str] | None = None, tok
         want_stream = bool(body.get("stream"))
         want_ids = bool(body.get("return_token_ids"))
         up = {**body, "stream": True, "return_token_ids": True}
-        up.pop("stream_options", None)
+        up["stream_options"] = {"include_usage": True}  # passed on to the client only if it asked
         try:
             url = await ups.pick(client)
         except LookupError as e:
@@ -162,6 +170,8 @@ def create_gateway_app(agents: list[str], replicas: list[str] | None = None, tok
         if want_stream:
             async def sse() -> AsyncIterator[bytes]:
                 async for ev in events():
+                    if unwanted_usage(ev, body):
+                        continue
                     if not want_ids:
                         for c in ev.get("choices", []):
                             c.pop("token_ids", None)
@@ -170,20 +180,23 @@ def create_gateway_app(agents: list[str], replicas: list[str] | None = None, tok
 
             return StreamingResponse(sse(), media_type="text/event-stream")
         text, ids, finish, sid, created, model = [], [], None, None, int(time.time()), body.get("model")
+        logprobs, usage = None, {"completion_tokens": 0}
         async for ev in events():
             if "error" in ev:
                 return error_response(502, ev["error"].get("message", "upstream error"), "upstream_error")
             sid = ev.get("id", sid)
             model = ev.get("model", model)
+            usage = ev.get("usage") or usage
             for c in ev.get("choices", []):
                 text.append(c.get("text", ""))
                 ids += c.get("token_ids") or []
                 finish = c.get("finish_reason") or finish
-        choice = {"index": 0, "text": "".join(text), "logprobs": None, "finish_reason": finish}
+                logprobs = join_completion_logprobs(logprobs, c.get("logprobs"))
+        choice = {"index": 0, "text": "".join(text), "logprobs": logprobs, "finish_reason": finish}
         if want_ids:
             choice["token_ids"] = ids
         return {"id": sid, "object": "text_completion", "created": created, "model": model, "choices": [choice],
-                "usage": {"completion_tokens": len(ids)}}
+                "usage": usage}
 
     @app.on_event("shutdown")
     async def _close():

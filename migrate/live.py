@@ -7,7 +7,7 @@ and acknowledges (sessions held paused); then the source releases them (the comm
 the target resumes them. Before the commit the source owns the sessions: any failure
 aborts the target's reservations and resumes the sessions on the source.
 
-If the migrator itself dies, the replicas finish the transfer alone (engine.session_routes):
+If the migrator itself dies, the replicas finish the transfer alone (migrate.transfers):
 the source resumes sessions it paused once the transfer has been idle for
 RELAYOUT_TRANSFER_TTL_S, after which a late release is refused; the target frees
 reservations after that long, and a target holding placed sessions asks the source how the
@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
+from relayout.engine.web import bearer_headers, check_response
 
 
 class MigrationError(RuntimeError):
@@ -59,20 +60,6 @@ Progress = Callable[[str, int], None]  # (phase, bytes so far)
 OnPhase = Callable[[str], None]
 
 
-def _headers(token: str | None) -> dict[str, str]:
-    return {"Authorization": f"Bearer {token}"} if token else {}
-
-
-def _check(r: httpx.Response, what: str) -> dict:
-    if r.status_code >= 400:
-        try:
-            msg = r.json()["error"]["message"]
-        except Exception:  # noqa: BLE001 - any non-JSON error body
-            msg = r.text[:500]
-        raise RuntimeError(f"{what}: HTTP {r.status_code}: {msg}")
-    return r.json()
-
-
 def _round(client: httpx.Client, src: str, dst: str, transfer: str, sessions: list[str] | None, final: bool,
            codec: str, token: str | None, source_for_target: str | None = None,
            slice_tokens: int | None = None, have: list[str] | None = None) -> tuple[dict, int]:
@@ -84,10 +71,10 @@ def _round(client: httpx.Client, src: str, dst: str, transfer: str, sessions: li
         body["have"] = have  # a retried round: chunks the target already holds are not resent
     moved = 0
 
-    with client.stream("POST", f"{src}/v1/sessions/export", json=body, headers=_headers(token)) as resp:
+    with client.stream("POST", f"{src}/v1/sessions/export", json=body, headers=bearer_headers(token)) as resp:
         if resp.status_code >= 400:
             resp.read()
-            _check(resp, "source export")
+            check_response(resp, "source export")
 
         def pieces():
             nonlocal moved
@@ -98,8 +85,8 @@ def _round(client: httpx.Client, src: str, dst: str, transfer: str, sessions: li
         params = {"transfer": transfer, "final": final}
         if source_for_target:
             params["source"] = source_for_target  # whom the target asks if this migrator disappears
-        reply = client.post(f"{dst}/v1/sessions/import", params=params, content=pieces(), headers=_headers(token))
-    return _check(reply, "target import"), moved
+        reply = client.post(f"{dst}/v1/sessions/import", params=params, content=pieces(), headers=bearer_headers(token))
+    return check_response(reply, "target import"), moved
 
 
 def _precopy_round(client: httpx.Client, src: str, dst: str, t: str, ids: list[str], codec: str,
@@ -114,7 +101,7 @@ def _precopy_round(client: httpx.Client, src: str, dst: str, t: str, ids: list[s
                 raise
             time.sleep(0.2 * (attempt + 1))
             # what the target kept of the cut round (hash-verified chunks): resume after them
-            st = _check(client.get(f"{dst}/v1/sessions/transfers/{t}", headers=_headers(token)), "target state")
+            st = check_response(client.get(f"{dst}/v1/sessions/transfers/{t}", headers=bearer_headers(token)), "target state")
             if st.get("incoming") != "receiving":
                 raise
             have = list(st.get("chunks") or [])
@@ -126,7 +113,7 @@ def _commit_target(client: httpx.Client, dst: str, t: str, token: str | None, tr
     """Tell the target to resume; idempotent on its side, so a lost answer is simply asked again."""
     for attempt in range(tries):
         try:
-            _check(client.post(f"{dst}/v1/sessions/transfers/{t}/commit", headers=_headers(token)), "target commit")
+            check_response(client.post(f"{dst}/v1/sessions/transfers/{t}/commit", headers=bearer_headers(token)), "target commit")
             return
         except (httpx.TransportError, RuntimeError):
             if attempt == tries - 1:
@@ -163,7 +150,7 @@ def migrate_live(source_url: str, target_url: str, sessions: list[str] | None = 
         try:
             ids = sessions
             if ids is None:  # name them now, so an abort knows exactly what to resume
-                rep = _check(client.get(f"{src}/v1/replica", headers=_headers(token)), "source replica")
+                rep = check_response(client.get(f"{src}/v1/replica", headers=bearer_headers(token)), "source replica")
                 ids = [s["id"] for s in rep["sessions"]]
             if mode == "live":
                 for i in range(max_rounds):
@@ -189,19 +176,19 @@ def migrate_live(source_url: str, target_url: str, sessions: list[str] | None = 
             phase = "commit"
             # the target must still hold them right before the commit (narrows the window in which
             # a target that died after its acknowledgement would take the sessions with it)
-            st = _check(client.get(f"{dst}/v1/sessions/transfers/{t}", headers=_headers(token)), "target check")
+            st = check_response(client.get(f"{dst}/v1/sessions/transfers/{t}", headers=bearer_headers(token)), "target check")
             if st.get("incoming") != "placed" or sorted(st.get("placed", [])) != sorted(res.sessions):
                 raise RuntimeError(f"target no longer holds the transfer ({st.get('incoming')})")
             at("prepared")
-            _check(client.post(f"{src}/v1/sessions/release",
+            check_response(client.post(f"{src}/v1/sessions/release",
                                json={"sessions": res.sessions, "migrated_to": dst, "transfer": t},
-                               headers=_headers(token)), "source release")
+                               headers=bearer_headers(token)), "source release")
             committed = True
             at("committed")
             _commit_target(client, dst, t, token)
             res.stall_ms = (time.perf_counter() - t_hold) * 1000
             try:  # tidy-up only: the source already forgot the transfer when it released it
-                client.request("DELETE", f"{src}/v1/sessions/transfers/{t}", headers=_headers(token), timeout=5)
+                client.request("DELETE", f"{src}/v1/sessions/transfers/{t}", headers=bearer_headers(token), timeout=5)
             except httpx.HTTPError:
                 pass  # e.g. the source died right after the commit; the sessions run on the target
             if progress:
@@ -221,11 +208,11 @@ def migrate_live(source_url: str, target_url: str, sessions: list[str] | None = 
 def _abort(client: httpx.Client, src: str, dst: str, transfer: str, paused: list[str], token: str | None) -> None:
     for url in (f"{dst}/v1/sessions/transfers/{transfer}", f"{src}/v1/sessions/transfers/{transfer}"):
         try:
-            client.request("DELETE", url, headers=_headers(token), timeout=10)
+            client.request("DELETE", url, headers=bearer_headers(token), timeout=10)
         except httpx.HTTPError:
             pass  # a dead target's reservations die with it
     try:
         # resume everything we may have paused (a no-op for sessions that were never paused)
-        client.post(f"{src}/v1/sessions/resume", json={"sessions": paused}, headers=_headers(token), timeout=10)
+        client.post(f"{src}/v1/sessions/resume", json={"sessions": paused}, headers=bearer_headers(token), timeout=10)
     except httpx.HTTPError:
         pass

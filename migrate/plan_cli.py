@@ -1,17 +1,24 @@
-"""`relayout plan`: expert load + fleet topology -> layout, device set and the reason (SPEC §6).
+"""`relayout plan`: expert load + fleet topology -> layout, device set and the reason (docs/layouts.md).
 
-agent/cli.py wires the command; this module does the work and formats the answer.
+agent/cli.py wires the command; this module does the work and formats the answer. A reference
+placement to compare with (the CLI passes DeepSeek's EPLB from relayout.bench.eplb) comes in as a
+function, so this package never imports the benches.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from relayout.migrate.attention_split import choose_attention_split
 from relayout.migrate.placeable import NotPlaceable, ReplicaNeeds, find_placeable_sets
 from relayout.migrate.planner import (
+    DEFAULT_LOCALITY_WEIGHT,
+    Placement,
     PlanError,
     balance,
+    check_load,
     cross_node_bytes,
-    eplb_baseline,
+    cross_node_fraction,
     plan_placement,
     redundant_for,
     to_layout,
@@ -19,33 +26,42 @@ from relayout.migrate.planner import (
 from relayout.migrate.topology import Topology, TopologyError
 from rich.table import Table
 
+# (load, num_devices, node_of, num_slots, expert_groups or None) -> a placement to compare with
+Reference = Callable[[list[list[float]], int, list[int], int, int | None], Placement | None]
 
-def plan_main(input_json: dict) -> dict:
+
+def plan_main(input_json: dict, reference: Reference | None = None, reference_name: str = "reference") -> dict:
     """{topology, load, needs, concurrency?, latency_target_ms?, measurements?, redundant_slots?,
-    coact?, hidden_bytes?, model?} -> {placement, layout, devices, reason, ...} or {error}."""
+    coact?, hidden_bytes?, model?, locality_weight?, expert_groups?} -> {placement, layout, devices, reason, ...}
+    or {error}; `"invalid_input": true` marks input that breaks a rule (PlanError and the like),
+    as opposed to a fleet with no placeable device set."""
     try:
-        return _plan(input_json)
+        return _plan(input_json, reference, reference_name)
     except NotPlaceable as e:
         return {"error": e.reason}
     except (PlanError, TopologyError, ValueError, KeyError, TypeError) as e:
         msg = f"missing field {e}" if isinstance(e, KeyError) else str(e)
-        return {"error": msg}
+        return {"error": msg, "invalid_input": True}
 
 
-def _plan(inp: dict) -> dict:
+def _plan(inp: dict, reference: Reference | None, reference_name: str) -> dict:
     topo_in = inp["topology"]
     topo = Topology.load(topo_in) if isinstance(topo_in, str) else Topology.from_dict(topo_in)
-    load = [[float(x) for x in row] for row in inp["load"]]
+    load = check_load(inp.get("load"))
+    weight = inp.get("locality_weight", DEFAULT_LOCALITY_WEIGHT)
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0.0 <= weight <= 1.0:
+        raise PlanError(f"locality_weight: must be a number in [0, 1], got {weight!r}")
     nd = inp["needs"]
     needs = ReplicaNeeds(int(nd["devices"]), float(nd.get("memory_gb_per_device", 0)),
                          float(nd.get("min_exchange_gbps", 0)))
     best = find_placeable_sets(topo, needs)[0]
     world = needs.devices
     node_of = [i for i, n in enumerate(best.devices_per_node) for _ in range(n)]
-    E = len(load[0]) if load else 0
-    redundant = int(inp.get("redundant_slots", redundant_for(E, world)))
+    E = len(load[0])
+    redundant = inp.get("redundant_slots", redundant_for(E, world))
     coact = inp.get("coact")
-    placement = plan_placement(load, world, max(best.devices_per_node), redundant, coact, node_of=node_of)
+    placement = plan_placement(load, world, max(best.devices_per_node), redundant, coact, node_of=node_of,
+                               locality_weight=float(weight))
     if inp.get("measurements") and inp.get("concurrency"):
         ch = choose_attention_split(world, int(inp["concurrency"]), float(inp.get("latency_target_ms", 50.0)),
                                     inp["measurements"])
@@ -63,32 +79,35 @@ def _plan(inp: dict) -> dict:
     if cfg is not None:
         layout.validate(cfg)
     hb = int(inp.get("hidden_bytes", 1))
-    if len(set(best.devices_per_node)) == 1:
-        base = eplb_baseline(load, world, best.devices_per_node[0], redundant)
-    else:
-        base = eplb_baseline(load, world, world, redundant)
-    base.node_of = list(node_of)  # score the baseline on the real nodes
-    gained = sum(s == "planner" for s in placement.source)
-    reason = (f"devices: {best.reason}. attention: {attn_reason}. experts: {redundant} redundant slots; "
-              f"planner beats the EPLB-style baseline on {gained} of {len(load)} layers (kept the baseline elsewhere)")
-    return {
+    out = {
         "placement": placement.phy2log,
         "layout": layout.to_dict(),
         "layout_str": str(layout),
         "devices": best.devices,
         "nodes": best.nodes,
         "min_bandwidth_gbps": best.min_bandwidth_gbps,
+        "locality_weight": float(weight),
         "balance": round(balance(placement, load), 4),
-        "baseline_balance": round(balance(base, load), 4),
+        "cross_node_fraction": round(cross_node_fraction(placement, load, coact), 4),
         "cross_node_bytes": cross_node_bytes(placement, load, None, hb, coact),
-        "baseline_cross_node_bytes": cross_node_bytes(base, load, None, hb, coact),
-        "reason": reason,
     }
+    reason = (f"devices: {best.reason}. attention: {attn_reason}. experts: {redundant} redundant slots, "
+              f"locality weight {float(weight):g} (0 = balance first, 1 = fewest cross-node copies)")
+    groups = inp.get("expert_groups")
+    ref = reference(load, world, list(node_of), E + redundant, groups) if reference is not None else None
+    if ref is not None:
+        out.update(baseline=reference_name, baseline_balance=round(balance(ref, load), 4),
+                   baseline_cross_node_fraction=round(cross_node_fraction(ref, load, coact), 4),
+                   baseline_cross_node_bytes=cross_node_bytes(ref, load, None, hb, coact))
+        reason += (f"; {reference_name}: balance {out['baseline_balance']:.3f}, "
+                   f"cross-node {out['baseline_cross_node_fraction']:.3f}")
+    out["reason"] = reason
+    return out
 
 
 def format_plan_table(result: dict) -> Table:
     if "error" in result:
-        t = Table(title="relayout plan: not placeable")
+        t = Table(title="relayout plan: " + ("invalid input" if result.get("invalid_input") else "not placeable"))
         t.add_column("reason")
         t.add_row(result["error"])
         return t
@@ -99,9 +118,14 @@ def format_plan_table(result: dict) -> Table:
     t.add_row("devices", ", ".join(result["devices"]))
     t.add_row("nodes", ", ".join(result["nodes"]))
     t.add_row("slowest pair", f"{result['min_bandwidth_gbps']:g} GB/s")
-    t.add_row("balance (planner / baseline)", f"{result['balance']:.3f} / {result['baseline_balance']:.3f}")
-    t.add_row("cross-node bytes (planner / baseline)",
-              f"{result['cross_node_bytes']:.0f} / {result['baseline_cross_node_bytes']:.0f}")
+    if "baseline" in result:
+        t.add_row(f"balance (planner / {result['baseline']})",
+                  f"{result['balance']:.3f} / {result['baseline_balance']:.3f}")
+        t.add_row(f"cross-node fraction (planner / {result['baseline']})",
+                  f"{result['cross_node_fraction']:.3f} / {result['baseline_cross_node_fraction']:.3f}")
+    else:
+        t.add_row("balance", f"{result['balance']:.3f}")
+        t.add_row("cross-node fraction", f"{result['cross_node_fraction']:.3f}")
     for i, row in enumerate(result["placement"]):
         t.add_row(f"layer {i} phy2log", " ".join(map(str, row)))
     t.add_row("reason", result["reason"])

@@ -1,58 +1,53 @@
 """Expert placement planner: redundant experts, balanced devices, little cross-node traffic.
 
-A placement is, per layer, a phy2log row of E + redundant_slots logical expert ids dealt to
-`num_devices` equal groups in order (device d holds row[d*spd:(d+1)*spd]), the way
-engine.layout.Layout deals slots to expert-parallel ranks.
+Placements are scored with migrate.dispatch_model (locality-first dispatch: a token uses a copy on
+its own device, else on its own node, and crosses the network only when its node has none). Per
+layer the planner minimises
 
-Cost model (mirrors engine/moe.py):
-- an expert's tokens are spread round-robin over its replicas, so each replica carries
-  load/replicas; a device's load is the sum over its slots;
-- tokens are spread evenly over DP ranks, so a token's source node is uniform; its copy for
-  expert e goes to node n with probability f[e,n] = replicas of e on n / replicas of e.
-  Summed over sources, that alone makes cross-node bytes (1 - 1/N) * pairs, whatever the
-  placement. What placement can change is deduplication: a token whose top-k experts sit
-  on the same remote node need cross the network once (node-aware dispatch, as DeepEP does)
-  and is then forwarded over NVLink. With co-activation counts C[i,j] (tokens choosing both
-  i and j) the expected cross-node copies are (1 - 1/N) * (sum(load) - S) with
-  S = sum_{i<j} C[i,j] * sum_n f[i,n] f[j,n]; exact for top-2, second order beyond.
+    (1 - w) * (max device load / mean - 1)  +  w * cross-node copies / routed copies
+
+with w = `locality_weight`. Both terms come from the same dispatch rule. The trade-off is real
+only when spare slots are scarce: a spare slot either deepens a hot expert (its copies carry less
+each: balance) or gives a lighter expert a copy on another node (its tokens stop crossing:
+locality). w = 0 asks for the best balance (cross-node copies break ties); w = 1 for the fewest
+cross-node copies at any balance.
+
+Steps per layer: copies per expert by water-filling (each spare slot to the highest load per
+copy), copies spread over nodes in proportion to node size, LPT packing onto each node's devices
+(no device holds one expert twice), then a local search over slot swaps and copy reassignments,
+each candidate scored exactly by the dispatch model.
 """
 
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field
 
 import numpy as np
 from relayout.engine.config import ModelConfig
 from relayout.engine.layout import Layout
 from relayout.migrate.attention_split import AttentionChoice, choose_attention_split, measure_attention_splits
+from relayout.migrate.dispatch_model import (
+    Placement,
+    PlanError,
+    balance,
+    check_coact,
+    check_load,
+    check_slots,
+    cross_node_bytes,
+    cross_node_fraction,
+    layer_dispatch,
+    worst_layer_balance,
+)
 from relayout.migrate.placeable import Candidate, NotPlaceable, ReplicaNeeds, find_placeable_sets
 
 __all__ = [
-    "AttentionChoice", "Candidate", "ExpertLoad", "NotPlaceable", "Placement", "PlanError", "ReplicaNeeds",
-    "balance", "choose_attention_split", "cross_node_bytes", "eplb_baseline", "find_placeable_sets",
-    "measure_attention_splits", "plan_placement", "redundant_for", "to_layout",
+    "DEFAULT_LOCALITY_WEIGHT", "AttentionChoice", "Candidate", "ExpertLoad", "NotPlaceable", "Placement",
+    "PlanError", "ReplicaNeeds", "balance", "check_load", "choose_attention_split", "cross_node_bytes", "cross_node_fraction",
+    "find_placeable_sets", "measure_attention_splits", "plan_placement", "redundant_for", "to_layout",
+    "worst_layer_balance",
 ]
 
-
-class PlanError(ValueError):
-    pass
-
-
-@dataclass
-class Placement:
-    phy2log: list[list[int]]  # per layer, logical expert of each physical slot
-    num_devices: int
-    node_of: list[int]  # node index of each device
-    source: list[str] = field(default_factory=list)  # per layer: "planner" or "baseline"
-
-    @property
-    def slots_per_device(self) -> int:
-        return len(self.phy2log[0]) // self.num_devices if self.phy2log else 0
-
-    def device_experts(self, layer: int, device: int) -> list[int]:
-        s = self.slots_per_device
-        return self.phy2log[layer][device * s:(device + 1) * s]
+DEFAULT_LOCALITY_WEIGHT = 0.1
 
 
 class ExpertLoad:
@@ -90,69 +85,20 @@ class ExpertLoad:
         self.update(window, alpha)
 
 
-# ---------------------------------------------------------------------------------------------
-# metrics
-
-def _node_of(num_devices: int, devices_per_node: int) -> list[int]:
-    if devices_per_node < 1 or num_devices % devices_per_node:
-        raise PlanError(f"devices_per_node={devices_per_node} does not divide num_devices={num_devices}")
-    return [d // devices_per_node for d in range(num_devices)]
 
 
-def _device_loads(row: list[int], load: np.ndarray, num_devices: int) -> np.ndarray:
-    reps = np.bincount(row, minlength=len(load))
-    w = load[row] / reps[row]
-    return w.reshape(num_devices, -1).sum(axis=1)
-
-
-def _fracs(row: list[int], num_experts: int, num_devices: int, node_of: list[int]) -> np.ndarray:
-    spd = len(row) // num_devices
-    nodes = max(node_of) + 1
-    f = np.zeros((num_experts, nodes))
-    for s, e in enumerate(row):
-        f[e, node_of[s // spd]] += 1
-    return f / np.maximum(f.sum(axis=1, keepdims=True), 1)
-
-
-def _layer_cross(row: list[int], load: np.ndarray, coact: np.ndarray | None, num_devices: int,
-                 node_of: list[int]) -> float:
-    """Expected cross-node token copies of one layer (module docstring)."""
-    n = max(node_of) + 1
-    if n == 1:
-        return 0.0
-    s = 0.0
-    if coact is not None:
-        f = _fracs(row, len(load), num_devices, node_of)
-        s = float(np.sum(np.triu(coact, 1) * (f @ f.T)))
-    return (1 - 1 / n) * (float(load.sum()) - s)
-
-
-def balance(placement: Placement, load: list[list[float]]) -> float:
-    """Per layer mean/max device load, averaged over layers (1.0 = perfectly balanced)."""
-    vals = []
-    for row, lr in zip(placement.phy2log, load, strict=True):
-        dl = _device_loads(row, np.asarray(lr, dtype=float), placement.num_devices)
-        vals.append(float(dl.mean() / dl.max()) if dl.max() > 0 else 1.0)
-    return float(np.mean(vals)) if vals else 1.0
-
-
-def cross_node_bytes(placement: Placement, load: list[list[float]], devices_per_node: int | None = None,
-                     hidden_bytes: int = 1, coact: list | None = None) -> float:
-    """Bytes the dispatch sends between nodes (one token copy = hidden_bytes), summed over layers."""
-    node_of = placement.node_of if devices_per_node is None else _node_of(placement.num_devices, devices_per_node)
-    total = 0.0
-    for i, (row, lr) in enumerate(zip(placement.phy2log, load, strict=True)):
-        c = None if coact is None or coact[i] is None else np.asarray(coact[i], dtype=float)
-        total += _layer_cross(row, np.asarray(lr, dtype=float), c, placement.num_devices, node_of)
-    return total * hidden_bytes
+def redundant_for(experts: int, devices: int) -> int:
+    """Default spare slots: one more slot per device than an even split needs."""
+    spd = -(-experts // devices) + (1 if experts % devices == 0 else 0)
+    return spd * devices - experts
 
 
 # ---------------------------------------------------------------------------------------------
-# building blocks
+# construction
 
-def _replicas(load: np.ndarray, num_slots: int, cap: int) -> list[int]:
-    """Give each spare slot to the expert with the highest load per replica (at most `cap` each)."""
-    reps = [1] * len(load)
+def _copies(load: np.ndarray, num_slots: int, cap: int) -> np.ndarray:
+    """Copies per expert: each spare slot to the expert with the highest load per copy (<= cap each)."""
+    reps = np.ones(len(load), dtype=int)
     heap = [(-float(w), e) for e, w in enumerate(load)]
     heapq.heapify(heap)
     for _ in range(num_slots - len(load)):
@@ -165,9 +111,31 @@ def _replicas(load: np.ndarray, num_slots: int, cap: int) -> list[int]:
     return reps
 
 
+def _spread(load: np.ndarray, reps: np.ndarray, dpn: np.ndarray, spd: int) -> np.ndarray:
+    """Copies per (expert, node): heaviest expert first; its copies in proportion to node size,
+    the rest on the least loaded nodes with room. Returns c[e, n]."""
+    E, N = len(load), len(dpn)
+    frac = dpn / dpn.sum()
+    room = dpn * spd
+    nload = np.zeros(N)
+    c = np.zeros((E, N), dtype=int)
+    for e in np.argsort(-load, kind="stable"):
+        r = int(reps[e])
+        want = np.minimum(np.floor(r * frac).astype(int), np.minimum(dpn, room))
+        for _ in range(r - int(want.sum())):
+            ok = [n for n in range(N) if want[n] < min(dpn[n], room[n])]
+            # a node without a copy first (locality), then the least loaded per device
+            n = min(ok, key=lambda n: (want[n] > 0, (nload[n] + load[e] / r) / dpn[n], n))
+            want[n] += 1
+        c[e] = want
+        room -= want
+        nload += load[e] * want / r
+    return c
+
+
 def _pack(items: list[tuple[float, int]], num_devices: int, spd: int) -> list[list[int]]:
-    """LPT: heaviest physical expert first onto the least loaded device with a free slot that
-    does not hold that expert yet; a swap repairs the rare dead end at the tail."""
+    """LPT: heaviest copy first onto the least loaded device with a free slot that does not hold
+    that expert yet; a swap repairs the rare dead end at the tail."""
     devs: list[list[int]] = [[] for _ in range(num_devices)]
     dload = [0.0] * num_devices
     wt: dict[int, float] = {}
@@ -192,203 +160,185 @@ def _pack(items: list[tuple[float, int]], num_devices: int, spd: int) -> list[li
                 dload[d2] += w - wt[x]
                 dload[d] += wt[x]
                 break
-        else:  # pragma: no cover - impossible when replicas <= devices
+        else:  # pragma: no cover - impossible when copies per node <= devices per node
             raise PlanError("cannot place experts without putting one twice on a device")
     return devs
 
 
-# ---------------------------------------------------------------------------------------------
-# EPLB-style baseline
-
-def _eplb_layer(load: np.ndarray, num_devices: int, dpn: int, redundant: int) -> list[int]:
-    E = len(load)
-    nodes = num_devices // dpn
-    if E % nodes or (E + redundant) % nodes or (E // nodes) * dpn < (E + redundant) // nodes:
-        # groups do not split evenly over nodes, or a node cannot fill its slots without putting
-        # an expert twice on a device: global policy
-        nodes, dpn = 1, num_devices
-    per_group = E // nodes
-    groups = [list(range(g * per_group, (g + 1) * per_group)) for g in range(nodes)]
-    # 1. expert groups to nodes, heaviest group first onto the lightest node (one group each)
-    node_groups: list[list[int]] = [[] for _ in range(nodes)]
-    nload = [0.0] * nodes
-    for g in sorted(range(nodes), key=lambda g: -float(load[groups[g]].sum())):
-        n = min((n for n in range(nodes) if not node_groups[n]), key=lambda n: nload[n])
-        node_groups[n].append(g)
-        nload[n] += float(load[groups[g]].sum())
-    row: list[int] = []
-    slots_per_node = (E + redundant) // nodes
-    spd = slots_per_node // dpn
-    for n in range(nodes):
-        experts = [e for g in node_groups[n] for e in groups[g]]
-        # 2. replicate within the node by load per replica
-        reps = _replicas(load[experts], slots_per_node, dpn)
-        items = [(float(load[e]) / r, e) for e, r in zip(experts, reps, strict=True) for _ in range(r)]
-        # 3. physical experts onto the node's devices, equal slot counts
-        for dev in _pack(items, dpn, spd):
-            row.extend(dev)
+def _construct(load: np.ndarray, num_devices: int, node_of: np.ndarray, spd: int, cap: int) -> np.ndarray:
+    N = int(node_of.max()) + 1
+    dpn = np.bincount(node_of, minlength=N)
+    reps = _copies(load, spd * num_devices, cap)
+    c = _spread(load, reps, dpn, spd)
+    row = np.empty(spd * num_devices, dtype=int)
+    for n in range(N):
+        # copy weight under locality-first dispatch: own node's tokens over own copies, plus a
+        # share of the tokens of nodes without a copy
+        items = []
+        for e in np.nonzero(c[:, n])[0]:
+            lacking = float(dpn[c[e] == 0].sum())
+            w = load[e] * (dpn[n] / c[e, n] + lacking / reps[e]) / num_devices
+            items += [(float(w), int(e))] * int(c[e, n])
+        devices = np.nonzero(node_of == n)[0]
+        for d, held in zip(devices, _pack(items, len(devices), spd), strict=True):
+            row[d * spd:(d + 1) * spd] = held
     return row
 
 
-def eplb_baseline(load: list[list[float]], num_devices: int, devices_per_node: int,
-                  redundant_slots: int) -> Placement:
-    """DeepSeek EPLB-style hierarchical placement (written from its description)."""
-    node_of = _node_of(num_devices, devices_per_node)
-    _check(load, num_devices, redundant_slots)
-    rows = [_eplb_layer(np.asarray(lr, dtype=float), num_devices, devices_per_node, redundant_slots)
-            for lr in load]
-    return Placement(rows, num_devices, node_of, ["baseline"] * len(rows))
-
-
-def redundant_for(experts: int, devices: int) -> int:
-    """Default spare slots: one more slot per device than an even split needs."""
-    spd = -(-experts // devices) + (1 if experts % devices == 0 else 0)
-    return spd * devices - experts
-
-
-def _check(load: list[list[float]], num_devices: int, redundant: int) -> None:
-    if not load or not load[0]:
-        raise PlanError("load is empty: need per-layer per-expert counts")
-    E = len(load[0])
-    if any(len(r) != E for r in load):
-        raise PlanError("every layer's load must list the same number of experts")
-    if redundant < 0 or (E + redundant) % num_devices:
-        raise PlanError(f"{E} experts + {redundant} redundant slots do not split evenly over {num_devices} devices")
-    if (E + redundant) // num_devices > E:
-        raise PlanError(f"{(E + redundant) // num_devices} slots per device but only {E} experts: "
-                        "a device would hold one expert twice")
-
-
 # ---------------------------------------------------------------------------------------------
-# planner: greedy replication + LPT, then local search on (max device load, cross-node copies)
+# local search
 
 class _Search:
-    """Slot swaps between devices. Each accepted swap improves the objective, so it ends."""
+    """Slot swaps and copy reassignments, candidates pre-ranked by a cheap estimate and scored
+    exactly; each accepted move lowers the objective, so it ends."""
 
-    def __init__(self, row: list[int], load: np.ndarray, coact: np.ndarray | None, num_devices: int,
-                 node_of: list[int]):
-        self.ex = np.array(row)
-        self.load, self.D = load, num_devices
+    def __init__(self, row: np.ndarray, load: np.ndarray, coact: np.ndarray | None, num_devices: int,
+                 node_of: np.ndarray, weight: float):
+        self.load, self.C, self.D, self.node_of, self.w = load, coact, num_devices, node_of, weight
+        self.total = float(load.sum())
         self.spd = len(row) // num_devices
         self.dev = np.arange(len(row)) // self.spd
-        self.node = np.asarray(node_of)[self.dev]
-        self.reps = np.bincount(self.ex, minlength=len(load)).astype(float)
-        self.w = load[self.ex] / self.reps[self.ex]
-        self.C = coact
-        self.eps = 1e-9 * max(1.0, float(load.sum()))
-        self._refresh()
+        self.node = node_of[self.dev]
+        self.N = int(node_of.max()) + 1
+        self.frac = np.bincount(node_of, minlength=self.N) / num_devices
+        self._set(np.array(row))
 
-    def _refresh(self) -> None:
-        self.L = np.bincount(self.dev, weights=self.w, minlength=self.D)
-        pres = np.zeros((self.D, len(self.load)), dtype=bool)
-        pres[self.dev, self.ex] = True
-        # feasible[a, b]: swapping slots a and b keeps every device free of duplicates
-        self.feasible = ~pres[self.dev[None, :], self.ex[:, None]] & ~pres[self.dev[:, None], self.ex[None, :]]
-        self.feasible &= self.dev[:, None] != self.dev[None, :]
-        if self.C is not None and self.node.max() > 0:
-            nodes = int(self.node.max()) + 1
-            f = np.zeros((len(self.load), nodes))
-            np.add.at(f, (self.ex, self.node), 1.0)
-            f /= self.reps[:, None]
-            self.G = self.C @ f  # G[x, n]: co-activation mass of x's partners on node n
+    def score(self, row: np.ndarray) -> tuple[float, np.ndarray, float]:
+        dl, cross = layer_dispatch(row, self.load, self.D, self.node_of, self.C)
+        mean = self.total / self.D
+        if mean <= 0:
+            return 0.0, dl, cross
+        # the max sets the step time; the sum of squares breaks its plateaus
+        imbalance = dl.max() / mean - 1 + 1e-3 * float(((dl / mean - 1) ** 2).mean())
+        return (1 - self.w) * imbalance + self.w * cross / self.total, dl, cross
 
-    def _gain_s(self, rows: np.ndarray | None = None) -> np.ndarray:
-        """dS[a, b]: change of the shared-node term S when slots a (in `rows`) and b swap."""
-        rows = np.arange(len(self.ex)) if rows is None else rows
-        if self.C is None or self.node.max() == 0:
-            return np.zeros((len(rows), len(self.ex)))
-        x, n, r = self.ex, self.node, self.reps[self.ex]
-        xa, na, ra = x[rows], n[rows], r[rows]
-        ga = (self.G[xa[:, None], n[None, :]] - self.G[xa, na][:, None]) / ra[:, None]
-        gb = (self.G[x[None, :], na[:, None]] - self.G[x, n][None, :]) / r[None, :]
-        d = ga + gb - 2 * self.C[xa[:, None], x[None, :]] / (ra[:, None] * r[None, :])
-        d[na[:, None] == n[None, :]] = 0.0
-        return d
+    def _set(self, row: np.ndarray) -> None:
+        self.row = row
+        self.J, self.dl, self.cross = self.score(row)
+        E = len(self.load)
+        self.K = np.bincount(self.dev * E + row, minlength=self.D * E).reshape(self.D, E)
+        self.KN = np.zeros((self.N, E), dtype=int)
+        np.add.at(self.KN, self.node_of, self.K)
+        self.T = self.K.sum(axis=0)
 
-    def _swap(self, a: int, b: int) -> None:
-        self.ex[a], self.ex[b] = self.ex[b], self.ex[a]
-        self.w[a], self.w[b] = self.w[b], self.w[a]
-        self._refresh()
+    def _swaps(self, a_idx: np.ndarray) -> np.ndarray:
+        """Feasible swap partners: [len(a_idx), slots], different devices, no duplicate after."""
+        x, y = self.row[a_idx], self.row
+        da, db = self.dev[a_idx], self.dev
+        ok = (da[:, None] != db[None, :]) & (self.K[db[None, :], x[:, None]] == 0) & (self.K[da[:, None], y[None, :]] == 0)
+        return ok
 
-    def balance(self, pareto: bool, max_iter: int = 2000) -> None:
-        """Lower the busiest device's load (pareto: never at the cost of cross-node copies)."""
-        for _ in range(max_iter):
-            top = int(np.argmax(self.L))
-            a_idx = np.nonzero(self.dev == top)[0]
-            ds = self._gain_s(a_idx)
-            new_top = self.L[top] - self.w[a_idx][:, None] + self.w[None, :]
-            new_other = self.L[self.dev][None, :] - self.w[None, :] + self.w[a_idx][:, None]
-            worst = np.maximum(new_top, new_other)
-            ok = self.feasible[a_idx] & (worst < self.L[top] - self.eps)
-            if pareto:
-                ok &= ds >= -self.eps
-            if not ok.any():
+    def _candidates(self, k: int) -> list[tuple[str, int, int]]:
+        slot_w = self.load[self.row] / self.T[self.row]  # round-robin copy weight: a cheap estimate
+        top = int(np.argmax(self.dl))
+        others = np.sort(self.dl)[::-1]
+        rest = others[1] if len(others) > 1 else 0.0
+        a_idx = np.nonzero(self.dev == top)[0]
+        out: list[tuple[str, int, int]] = []
+        # balance: swap a slot of the busiest device with a lighter copy elsewhere
+        ok = self._swaps(a_idx)
+        new_top = self.dl[top] - slot_w[a_idx][:, None] + slot_w[None, :]
+        new_b = self.dl[self.dev][None, :] - slot_w[None, :] + slot_w[a_idx][:, None]
+        est = np.where(ok, np.maximum(np.maximum(new_top, new_b), rest), np.inf)
+        for f in np.argsort(est, axis=None)[:k]:
+            i, b = np.unravel_index(f, est.shape)
+            if np.isfinite(est[i, b]):
+                out.append(("swap", int(a_idx[i]), int(b)))
+        # balance: a copy of the busiest device becomes a copy of another expert
+        spare = self.T[self.row[a_idx]] > 1
+        new_w = self.load / (self.T + 1)
+        est2 = self.dl[top] - slot_w[a_idx][:, None] + new_w[None, :]
+        est2 = np.where(spare[:, None] & (self.K[top][None, :] == 0), est2, np.inf)
+        for f in np.argsort(est2, axis=None)[:k]:
+            i, y = np.unravel_index(f, est2.shape)
+            if np.isfinite(est2[i, y]):
+                out.append(("copy", int(a_idx[i]), int(y)))
+        if self.w > 0 and self.N > 1:
+            # locality: a copy that is not its expert's last on its node goes to an expert absent
+            # from that node (its tokens there stop crossing)
+            x = self.row
+            spare_slot = (self.KN[self.node, x] > 1) | (self.T[x] > 1)
+            gain = self.load[None, :] * (self.KN[self.node][:, :] == 0) * self.frac[self.node][:, None]
+            loss = (self.KN[self.node, x] == 1) * self.load[x] * self.frac[self.node]
+            est3 = np.where(spare_slot[:, None] & (self.K[self.dev] == 0), loss[:, None] - gain, np.inf)
+            for f in np.argsort(est3, axis=None)[:k]:
+                a, y = np.unravel_index(f, est3.shape)
+                if np.isfinite(est3[a, y]) and est3[a, y] < 0:
+                    out.append(("copy", int(a), int(y)))
+            if self.C is not None:
+                # co-activation: move a single-node expert next to its partners
+                part = self.C @ (self.KN > 0).T  # [E, N] partner mass per node
+                single = np.nonzero(self.T == 1)[0]
+                slot_of = np.zeros(len(self.load), dtype=int)
+                slot_of[self.row] = np.arange(len(self.row))  # for single-copy experts: their slot
+                if len(single):
+                    pull = part[single] - part[single, self.node[slot_of[single]]][:, None]
+                    for f in np.argsort(-pull, axis=None)[:k]:
+                        i, n = np.unravel_index(f, pull.shape)
+                        if pull[i, n] <= 0:
+                            break
+                        a = int(slot_of[single[i]])
+                        cand = np.nonzero((self.node == n) & self._swaps(np.array([a]))[0])[0]
+                        if len(cand):
+                            b = int(cand[np.argmin(part[self.row[cand], n] - part[self.row[cand], self.node[a]])])
+                            out.append(("swap", a, b))
+        return out
+
+    def run(self, max_moves: int = 400, k: int = 4) -> None:
+        for _ in range(max_moves):
+            best = None
+            for kind, a, b in self._candidates(k):
+                row = self.row.copy()
+                if kind == "swap":
+                    row[a], row[b] = row[b], row[a]
+                else:
+                    row[a] = b
+                J = self.score(row)[0]
+                if J < self.J - 1e-12 and (best is None or J < best[0]):
+                    best = (J, row)
+            if best is None:
                 return
-            score = np.where(ok, worst - 1e-6 * self.eps * ds, np.inf)
-            i, b = np.unravel_index(int(np.argmin(score)), score.shape)
-            self._swap(int(a_idx[i]), int(b))
-
-    def localise(self, max_iter: int = 2000) -> None:
-        """Raise S (fewer cross-node copies) with swaps that keep the max device load."""
-        if self.C is None or self.node.max() == 0:
-            return
-        for _ in range(max_iter):
-            ds = self._gain_s()
-            cap = self.L.max() + self.eps
-            la = self.L[self.dev][:, None] - self.w[:, None] + self.w[None, :]
-            lb = self.L[self.dev][None, :] - self.w[None, :] + self.w[:, None]
-            ok = self.feasible & (la <= cap) & (lb <= cap) & (ds > self.eps)
-            if not ok.any():
-                return
-            a, b = np.unravel_index(int(np.argmax(np.where(ok, ds, -np.inf))), ds.shape)
-            self._swap(int(a), int(b))
-
-    def row(self) -> list[int]:
-        return [int(e) for e in self.ex]
-
-
-def _score(row: list[int], load: np.ndarray, coact: np.ndarray | None, D: int, node_of: list[int]) -> tuple:
-    return float(_device_loads(row, load, D).max()), _layer_cross(row, load, coact, D, node_of)
+            self._set(best[1])
 
 
 def plan_placement(load: list[list[float]], num_devices: int, devices_per_node: int, redundant_slots: int,
-                   coact: list | None = None, *, node_of: list[int] | None = None) -> Placement:
-    """Per layer: minimise the max device load, then the cross-node copies; never worse than EPLB."""
-    node_of = node_of or _node_of(num_devices, devices_per_node)
-    _check(load, num_devices, redundant_slots)
-    counts = {node_of.count(n) for n in set(node_of)}
-    # EPLB's hierarchy needs equal nodes; otherwise it runs its global policy
-    base = eplb_baseline(load, num_devices, counts.pop() if len(counts) == 1 else num_devices, redundant_slots)
+                   coact: list | None = None, *, node_of: list[int] | None = None,
+                   locality_weight: float = DEFAULT_LOCALITY_WEIGHT) -> Placement:
+    """Per layer: the placement minimising the weighted imbalance + cross-node objective (module doc)."""
+    load = check_load(load)
+    if not 0.0 <= float(locality_weight) <= 1.0:
+        raise PlanError(f"locality_weight: must be in [0, 1], got {locality_weight}")
+    if node_of is None:
+        if devices_per_node < 1 or num_devices % devices_per_node:
+            raise PlanError(f"devices_per_node: {devices_per_node} must divide num_devices={num_devices}")
+        node_of = [d // devices_per_node for d in range(num_devices)]
+    elif len(node_of) != num_devices:
+        raise PlanError(f"node_of: lists {len(node_of)} devices, num_devices={num_devices}")
     E = len(load[0])
-    spd = (E + redundant_slots) // num_devices
-    rows, src = [], []
+    if isinstance(redundant_slots, bool) or not isinstance(redundant_slots, int):
+        raise PlanError(f"redundant_slots: must be an integer, got {redundant_slots!r}")
+    spd = check_slots(E, E + redundant_slots, num_devices)
+    if coact is not None and len(coact) != len(load):
+        raise PlanError(f"coact: has {len(coact)} layers, load has {len(load)}")
+    nodes = np.asarray(node_of)
+    rows = []
     for i, lr in enumerate(load):
         lv = np.asarray(lr, dtype=float)
-        c = None if coact is None or coact[i] is None else np.asarray(coact[i], dtype=float)
-        reps = _replicas(lv, E + redundant_slots, num_devices)
-        items = [(float(lv[e]) / r, e) for e, r in enumerate(reps) for _ in range(r)]
-        start = [e for dev in _pack(items, num_devices, spd) for e in dev]
-        a = _Search(start, lv, c, num_devices, node_of)
-        a.balance(pareto=False)
-        a.localise()
-        a.balance(pareto=True)
-        # also polish the baseline without ever trading away either objective
-        b = _Search(base.phy2log[i], lv, c, num_devices, node_of)
-        b.balance(pareto=True)
-        b.localise()
-        bs = _score(base.phy2log[i], lv, c, num_devices, node_of)
-        eps = 1e-9 * max(1.0, float(lv.sum()))
-        # keep the best candidate that is no worse than the baseline on both objectives, so the
-        # planner can never lose to EPLB (the polished baseline always qualifies)
-        cands = [(s, r, n) for r, n in ((a.row(), "planner"), (b.row(), "planner"), (base.phy2log[i], "baseline"))
-                 for s in [_score(r, lv, c, num_devices, node_of)]
-                 if s[0] <= bs[0] + eps and s[1] <= bs[1] + eps]
-        s, r, n = min(cands, key=lambda t: t[0])
-        if n == "planner" and s[0] >= bs[0] - eps and s[1] >= bs[1] - eps:
-            n = "baseline"  # no gain: say so
-        rows.append(r)
-        src.append(n)
-    return Placement(rows, num_devices, list(node_of), src)
+        c = check_coact(coact, i, E)
+        # several starts: copies capped at one per device, one node's worth (which keeps a hot
+        # expert's copies even across equal nodes) or half that (fewer, heavier copies leave room
+        # to pack the rest); the local search ends in different optima
+        dpn = int(np.bincount(nodes).max())
+        caps = sorted({c for c in (num_devices, dpn, max(1, dpn // 2)) if c * E >= spd * num_devices}, reverse=True)
+        best = None
+        for cap in caps:
+            s = _Search(_construct(lv, num_devices, nodes, spd, cap), lv, c, num_devices, nodes,
+                        float(locality_weight))
+            s.run()
+            if best is None or s.J < best.J - 1e-12:
+                best = s
+        rows.append([int(e) for e in best.row])
+    return Placement(rows, num_devices, list(node_of), ["planner"] * len(rows))
 
 
 def to_layout(placement: Placement, attn_dp: int, attn_tp: int, moe_ep: int, moe_tp: int = 1,

@@ -1,4 +1,4 @@
-"""Re-layout policy (SPEC §6): watch a replica's traffic; relayout when it pays for the move.
+"""Re-layout policy (docs/layouts.md): watch a replica's traffic; relayout when it pays for the move.
 
 Input: successive observations of one replica (`GET /v1/replica`): cumulative per-layer
 per-expert routed-token counts (folded into an EMA of per-interval deltas by

@@ -180,15 +180,6 @@ class Proc:
 
 
 # ---- starting ----------------------------------------------------------------------------------
-def replica_entry() -> list[str]:
-    """`python -m` arguments that start a replica server."""
-    # TODO(lead): drop the fallback once relayout.migrate.serve is on every branch. A sibling file, not
-    # importlib's find_spec: in a checkout shadowing an editable install, find_spec finds the other tree's.
-    if not Path(__file__).with_name("serve.py").exists():
-        return [CLI_MODULE, "serve"]
-    return [REPLICA_MODULE]
-
-
 def spawn(module: str, *args: str, env: Mapping[str, str | None] | None = None, ready: re.Pattern[str] = READY_RE,
           log: str | Path | None = None, new_session: bool = False, die_with_parent: bool = False,
           echo: Callable[[str], None] | None = None, cwd: str | None = None, capture: bool = True,
@@ -233,11 +224,10 @@ def start(module: str, *args: str, timeout: float = 180.0, wait: bool = True, **
 def replica(layout: str | None = None, env: Mapping[str, str | None] | None = None, model: str = "builtin:tiny",
             args: Sequence[str] = (), *, host: str | None = None, port: int = 0, **kw) -> Proc:
     """A replica server (`--model`, `--port`, optional `--host`/`--layout`, then `args`); see `start`."""
-    entry = replica_entry()
     flags = ["--model", model, "--port", str(port), *(["--host", host] if host else []),
              *(["--layout", layout] if layout else []), *args]
     kw.setdefault("what", "replica")
-    return start(entry[0], *entry[1:], *flags, env=env, **kw)
+    return start(REPLICA_MODULE, *flags, env=env, **kw)
 
 
 def agent(*args: str, env: Mapping[str, str | None] | None = None, **kw) -> Proc:
@@ -266,8 +256,7 @@ def launch(*args: str, env: Mapping[str, str | None] | None = None, timeout: flo
     cmd, rest = (args[0], args[1:]) if args else ("", ())
     kw.setdefault("cwd", ROOT)
     if cmd == "serve":
-        entry = replica_entry()
-        return start(entry[0], *entry[1:], *rest, env=env, timeout=timeout, what="replica", **kw)
+        return start(REPLICA_MODULE, *rest, env=env, timeout=timeout, what="replica", **kw)
     if cmd == "gateway":
         return start(GATEWAY_MODULE, *rest, env=env, timeout=timeout, what="gateway", **kw)
     return start(CLI_MODULE, *args, env=env, timeout=timeout, what=cmd or "relayout", **kw)

@@ -83,7 +83,10 @@ def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
     return found
 
 
-_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64"}
+# safetensors' dtype codes: chunks of these dtypes take the one-copy paths below (others go through
+# safetensors.torch.save/load); fp8 KV is stored as its raw bytes, exactly
+_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+              torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
 
 try:  # a bytearray of n bytes WITHOUT zero-filling them first (every byte is written right after)
     _new_bytearray = ctypes.pythonapi.PyByteArray_FromStringAndSize

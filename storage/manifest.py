@@ -1,4 +1,4 @@
-"""Checkpoint manifest: the versioned JSON index of a checkpoint (SPEC §7).
+"""Checkpoint manifest: the versioned JSON index of a checkpoint (docs/format.md).
 
 The manifest names the model, the source layout (informational only), the KV geometry,
 every session's opaque state and every KV chunk. Chunks are stored per session, per

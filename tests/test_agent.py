@@ -1,4 +1,4 @@
-"""Node agent (SPEC §4): real agent processes over loopback HTTP, a replica moved between two
+"""Node agent (docs/agent-api.md): real agent processes over loopback HTTP, a replica moved between two
 agents through S3 (moto) with a layout change, security checks, restart, and a schema fuzz."""
 
 from __future__ import annotations
@@ -44,12 +44,12 @@ def _req(prompt: str) -> dict:
 
 
 def test_agent_checkpoint_restore_across_agents(tmp_path, s3_env):
-    procs = []
+    children = []
     try:
         pa, a = _start_agent(tmp_path / "a", tmp_path / "a.log")
-        procs.append(pa)
+        children.append(pa)
         pb, b = _start_agent(tmp_path / "b", tmp_path / "b.log")
-        procs.append(pb)
+        children.append(pb)
 
         # --- security and errors ------------------------------------------------------------
         assert httpx.get(f"{a}/healthz").status_code == 200
@@ -137,7 +137,7 @@ def test_agent_checkpoint_restore_across_agents(tmp_path, s3_env):
         pa.kill()
         pa.wait()
         pa2, a2 = _start_agent(tmp_path / "a", tmp_path / "a2.log")
-        procs.append(pa2)
+        children.append(pa2)
         listed = httpx.get(f"{a2}/v1/replicas", headers=H).json()["replicas"]
         assert [(x["id"], x["status"]) for x in listed] == [(src["id"], "running")]
         info = httpx.get(f"{a2}/v1/replicas/{src['id']}", headers=H).json()
@@ -148,7 +148,7 @@ def test_agent_checkpoint_restore_across_agents(tmp_path, s3_env):
         assert r.status_code == 200
         assert httpx.get(f"{a2}/v1/replicas/{src['id']}", headers=H).status_code == 404
     finally:
-        for p in procs:
+        for p in children:
             _stop(p)
 
 

@@ -1,4 +1,4 @@
-"""`relayout bench migration --quick --json`: runs end to end and reports the documented keys (SPEC §9).
+"""`relayout bench migration --quick --json`: runs end to end and reports the documented keys (docs/benchmarks.md).
 
 No wall-clock thresholds: only that the figures exist and are sane."""
 

@@ -2,7 +2,8 @@
 
 import json
 
-from relayout.engine import bench_overlap, bench_snapshot
+from relayout.bench import overlap as bench_overlap
+from relayout.bench import snapshot as bench_snapshot
 
 
 def test_bench_snapshot_quick():

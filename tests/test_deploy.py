@@ -1,12 +1,11 @@
 """deploy/: Kubernetes manifests (kustomize base + cpu overlay), systemd units, Dockerfiles.
 
 Everything is checked offline and without a cluster, a Docker engine or kubectl:
-- the kustomizations are rendered here (resources, namespace, images, JSON 6902 patches) and every
-  object is validated against the Kubernetes JSON schemas shipped by `kubernetes-validate`, in strict
-  mode (unknown fields fail); when `kubectl` is on PATH the render is also compared with
-  `kubectl kustomize`;
-- systemd units are parsed (and run through `systemd-analyze verify` where it exists);
-- Dockerfiles get a structural check.
+- the kustomizations are rendered here (resources, namespace, images, JSON 6902 patches) and every object
+  is validated against the Kubernetes JSON schemas shipped by `kubernetes-validate`, in strict mode
+  (unknown fields fail); when `kubectl` is on PATH the render is also compared with `kubectl kustomize`;
+- systemd units are parsed (and run through `systemd-analyze verify` where it exists); Dockerfiles get a
+  structural check.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Drain (SPEC §4): 8 live openai streams through the gateway on 2 replicas of agent A; `POST /v1/drain`
+"""Drain (docs/agent-api.md): 8 live openai streams through the gateway on 2 replicas of agent A; `POST /v1/drain`
 moves them all to B; every stream ends with exactly the tokens of an undisturbed run; A refuses new
 replicas and the gateway stops routing to it until undrain. Plus the agent's migrate route, end to end."""
 

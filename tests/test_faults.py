@@ -13,7 +13,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -21,9 +23,25 @@ import httpx
 import pytest
 from relayout.migrate.live import MigrationError, migrate_live
 from relayout.migrate.procs import alive, children_of, launch, rank_processes, replica
-from relayout.migrate.soak import Stream, port_of, reference, replica_state, wait_for
 
 from tests.conftest import _free_port
+from tests.migration_helpers import (
+    Moved,
+    Stream,
+    finish,
+    finish_moved,
+    idle,
+    migrate_with_streams,
+    no_transfers,
+    port_of,
+    record_transfer_ids,
+    reference,
+    replica_state,
+    streams_on,
+    transfers_on,
+    unchanged,
+    wait_for,
+)
 from tests.proxy import Proxy
 
 TTL = 2.0  # RELAYOUT_TRANSFER_TTL_S of every replica here: how long a transfer may sit idle
@@ -91,78 +109,58 @@ def refs(kit):
 
 
 def start_streams(src: str, follow: list[str], n: int = 3) -> list[Stream]:
-    ss = [Stream(src, BODIES[i], follow) for i in range(n)]
-    for s in ss:
-        assert s.started.wait(60)
-    return ss
+    return streams_on(src, BODIES[:n], follow)
 
 
-def finish(ss: list[Stream], refs: list[list[int]], where: str) -> None:
-    """Every stream ended with the undisturbed tokens, last served by `where`."""
-    for i, s in enumerate(ss):
-        s.join(120)
-        assert s.error is None, s.error
-        assert s.tokens == refs[i], f"session {i} changed ({len(s.tokens)} tokens)"
-        assert s.owners[-1] == where, (i, s.owners)
+def migrate_streams(src: str, target: str, follow: list[str], **kw) -> Moved:
+    return migrate_with_streams(src, target, follow, BODIES, **kw)
 
 
-def idle(url: str, timeout: float = 10) -> None:
-    """No sessions and no KV blocks left on the replica (reservations included)."""
-    st = wait_for(lambda: (lambda r: r if not r["sessions"] and r["kv_blocks_used"] == 0 else None)(replica_state(url)),
-                  timeout)
-    assert st, replica_state(url)
+@pytest.fixture()
+def ab(kit) -> tuple[str, str]:
+    return kit["procs"]["a"].url, kit["procs"]["b"].url
 
 
-def no_transfers(url: str, tid: str) -> dict:
-    return httpx.get(f"{url}/v1/sessions/transfers/{tid}", timeout=5).json()
+@pytest.fixture()
+def px(kit) -> Iterator[Proxy]:
+    """A fault-injecting link to replica b."""
+    p = Proxy(port_of(kit["procs"]["b"].url))
+    try:
+        yield p
+    finally:
+        p.close()
 
 
 # ---- network faults ------------------------------------------------------------------------------
-def test_network_cut_mid_round_resumes_from_acknowledged_chunks(kit, refs):
+def test_network_cut_mid_round_resumes_from_acknowledged_chunks(ab, px, refs):
     """The connection to the target is cut inside the first pre-copy round, once: the round is
     retried, sending only the chunks the target does not acknowledge holding, and the
     migration completes with every output unchanged."""
-    a, b = kit["procs"]["a"].url, kit["procs"]["b"].url
-    px = Proxy(port_of(b))
-    try:
-        ss = start_streams(a, [b])
-        px.arm("cut", after=30_000)  # inside the first pre-copy round's frames
-        res = migrate_live(a, px.url, small_bytes=0, max_rounds=2, timeout_s=30, source_for_target=a)
-        assert px.fired.is_set() and res.retries >= 1 and res.sessions
-        for i, s in enumerate(ss):
-            s.join(120)
-            assert s.error is None and s.tokens == refs[i]
-            assert (s.owners[-1] == px.url) == (s.sid in res.sessions)
-        idle(a)
-        idle(b)
-    finally:
-        px.close()
+    a, b = ab
+    m = migrate_streams(a, px.url, [b], arm=lambda: px.arm("cut", after=30_000),  # inside round 0's frames
+                        max_rounds=2, timeout_s=30, source_for_target=a)
+    assert px.fired.is_set() and m.result.retries >= 1
+    finish_moved(m, refs, px.url, a)
+    idle(a)
+    idle(b)
 
 
-def test_network_cut_that_persists_sessions_stay_on_source(kit, refs):
+def test_network_cut_that_persists_sessions_stay_on_source(ab, px, refs):
     """Every retry is cut too: the migration fails in pre-copy and the sessions stay home."""
-    a, b = kit["procs"]["a"].url, kit["procs"]["b"].url
-    px = Proxy(port_of(b))
-    try:
-        ss = start_streams(a, [b])
-        px.arm("partition", after=30_000)
-        t0 = time.time()
-        with pytest.raises(MigrationError, match="pre-copy") as ei:
-            migrate_live(a, px.url, small_bytes=0, timeout_s=10)
-        assert px.fired.is_set() and time.time() - t0 < 30
-        assert "the sessions continue on the source" in str(ei.value)
-        finish(ss, refs, a)
-        idle(b, timeout=4 * TTL + 5)  # the migrator's abort cannot reach it: its lease frees it
-        idle(a)
-    finally:
-        px.close()
+    a, b = ab
+    m = migrate_streams(a, px.url, [b], arm=lambda: px.arm("partition", after=30_000), raises=MigrationError,
+                        match="pre-copy", timeout_s=10)
+    assert px.fired.is_set() and m.seconds < 30
+    assert "the sessions continue on the source" in str(m.error)
+    finish(m.streams, refs, a)
+    idle(b, timeout=4 * TTL + 5)  # the migrator's abort cannot reach it: its lease frees it
+    idle(a)
 
 
-def test_partition_between_rounds_target_frees_reservations_alone(kit, refs):
+def test_partition_between_rounds_target_frees_reservations_alone(ab, px, refs):
     """The link goes down for good after round 0: the migrator's abort never reaches the target,
     which frees the reservations itself once the transfer has been idle for the TTL."""
-    a, b = kit["procs"]["a"].url, kit["procs"]["b"].url
-    px = Proxy(port_of(b))
+    a, b = ab
     seen = {}
 
     def on_phase(p):
@@ -170,136 +168,89 @@ def test_partition_between_rounds_target_frees_reservations_alone(kit, refs):
             seen["blocks"] = replica_state(b)["kv_blocks_used"]
             px.arm("partition", after=0)
 
-    try:
-        ss = start_streams(a, [b])
-        with pytest.raises(MigrationError, match="pre-copy"):
-            migrate_live(a, px.url, small_bytes=0, max_rounds=3, timeout_s=5, on_phase=on_phase)
-        assert seen["blocks"] > 0  # round 0 reserved blocks on the target
-        finish(ss, refs, a)
-        idle(b, timeout=4 * TTL + 5)
-    finally:
-        px.close()
+    m = migrate_streams(a, px.url, [b], raises=MigrationError, match="pre-copy", max_rounds=3, timeout_s=5,
+                        on_phase=on_phase)
+    assert seen["blocks"] > 0  # round 0 reserved blocks on the target
+    finish(m.streams, refs, a)
+    idle(b, timeout=4 * TTL + 5)
 
 
-def test_slow_peer_migration_completes_on_target(kit, refs):
-    a, b = kit["procs"]["a"].url, kit["procs"]["b"].url
-    px = Proxy(port_of(b))
-    try:
-        ss = start_streams(a, [b])
-        px.arm("slow", after=0, delay=0.005)  # 5 ms per 16 KiB piece
-        res = migrate_live(a, px.url, small_bytes=0, max_rounds=2, timeout_s=30, source_for_target=a)
-        assert res.sessions
-        for i, s in enumerate(ss):
-            s.join(120)
-            assert s.error is None and s.tokens == refs[i]
-            assert s.owners[-1] in (px.url, a) and (s.owners[-1] == px.url) == (s.sid in res.sessions)
-        idle(a)
-        idle(b)
-    finally:
-        px.close()
+def test_slow_peer_migration_completes_on_target(ab, px, refs):
+    a, b = ab
+    m = migrate_streams(a, px.url, [b], arm=lambda: px.arm("slow", after=0, delay=0.005),  # 5 ms per 16 KiB
+                        max_rounds=2, timeout_s=30, source_for_target=a)
+    finish_moved(m, refs, px.url, a)
+    idle(a)
+    idle(b)
 
 
-def test_stalled_peer_times_out_sessions_stay_on_source(kit, refs):
-    a, b = kit["procs"]["a"].url, kit["procs"]["b"].url
-    px = Proxy(port_of(b))
-    try:
-        ss = start_streams(a, [b])
-        px.arm("stall", after=20_000)
-        t0 = time.time()
-        with pytest.raises(MigrationError, match="pre-copy"):  # retries=0: one timeout, not a retry loop
-            migrate_live(a, px.url, small_bytes=0, timeout_s=2, retries=0)
-        assert time.time() - t0 < 20
-        px.heal()
-        finish(ss, refs, a)
-        idle(b, timeout=4 * TTL + 5)
-    finally:
-        px.close()
+def test_stalled_peer_times_out_sessions_stay_on_source(ab, px, refs):
+    a, b = ab
+    # retries=0: one timeout, not a retry loop
+    m = migrate_streams(a, px.url, [b], arm=lambda: px.arm("stall", after=20_000), raises=MigrationError,
+                        match="pre-copy", timeout_s=2, retries=0)
+    assert m.seconds < 20
+    px.heal()
+    finish(m.streams, refs, a)
+    idle(b, timeout=4 * TTL + 5)
 
 
-def test_garbled_frames_refused_by_target(kit, refs):
-    a, b = kit["procs"]["a"].url, kit["procs"]["b"].url
-    px = Proxy(port_of(b))
-    try:
-        ss = start_streams(a, [b])
-        px.arm("garble", after=40_000)
-        # retries=0: when the garbling breaks the HTTP framing (a transport error) the round would
-        # otherwise be resumed like a cut one, and succeed
-        with pytest.raises(MigrationError, match="pre-copy") as ei:
-            migrate_live(a, px.url, small_bytes=0, timeout_s=10, retries=0)
-        # refused as corrupt frames (400), or as a broken HTTP body when the garbling hit its framing (the
-        # target's HTTP server then drops the connection: closed, or reset while the body was still coming)
-        assert "continue on the source" in str(ei.value)
-        assert any(w in str(ei.value) for w in ("HTTP 400", "peer closed", "Server disconnected", "protocol",
-                                                 "Connection reset")), ei.value
-        finish(ss, refs, a)
-        idle(b)
-    finally:
-        px.close()
+def test_garbled_frames_refused_by_target(ab, px, refs):
+    a, b = ab
+    # retries=0: when the garbling breaks the HTTP framing (a transport error) the round would
+    # otherwise be resumed like a cut one, and succeed
+    m = migrate_streams(a, px.url, [b], arm=lambda: px.arm("garble", after=40_000), raises=MigrationError,
+                        match="pre-copy", timeout_s=10, retries=0)
+    # refused as corrupt frames (400), or as a broken HTTP body when the garbling hit its framing (the
+    # target's HTTP server then drops the connection: closed, or reset while the body was still coming)
+    assert "continue on the source" in str(m.error)
+    assert any(w in str(m.error) for w in ("HTTP 400", "peer closed", "Server disconnected", "protocol",
+                                           "Connection reset")), m.error
+    finish(m.streams, refs, a)
+    idle(b)
 
 
-def test_target_answers_garbage(kit, refs):
-    a, b = kit["procs"]["a"].url, kit["procs"]["b"].url
-    px = Proxy(port_of(b))
-    try:
-        ss = start_streams(a, [b])
-        px.arm("garbage", after=10_000)
-        # retries=0: a round whose answer is garbage is otherwise retried like a cut (see above)
-        with pytest.raises(MigrationError) as ei:
-            migrate_live(a, px.url, small_bytes=0, timeout_s=10, retries=0)
-        assert "continue on the source" in str(ei.value)
-        finish(ss, refs, a)
-        idle(b)
-    finally:
-        px.close()
+def test_target_answers_garbage(ab, px, refs):
+    a, b = ab
+    # retries=0: a round whose answer is garbage is otherwise retried like a cut (see above)
+    m = migrate_streams(a, px.url, [b], arm=lambda: px.arm("garbage", after=10_000), raises=MigrationError,
+                        timeout_s=10, retries=0)
+    assert "continue on the source" in str(m.error)
+    finish(m.streams, refs, a)
+    idle(b)
 
 
 # ---- processes killed ----------------------------------------------------------------------------
+def kill_at(phase: str, kill: Callable[[], object]) -> Callable[[str], None]:
+    """An on_phase hook that runs `kill` when the migration reaches `phase`."""
+    return lambda p: kill() if p == phase else None
+
+
 def test_kill9_target_during_precopy(kit, refs):
     a, t = kit["procs"]["a"].url, kit["procs"]["t_pre"]
     ranks = t.children()
     assert len(ranks) >= 2  # its two rank processes
-
-    def on_phase(p):
-        if p == "pre-copy:1":
-            t.kill9()
-
-    ss = start_streams(a, [])
-    with pytest.raises(MigrationError, match="pre-copy"):
-        migrate_live(a, t.url, small_bytes=0, max_rounds=3, timeout_s=10, on_phase=on_phase)
-    finish(ss, refs, a)
+    m = migrate_streams(a, t.url, [], raises=MigrationError, match="pre-copy", max_rounds=3, timeout_s=10,
+                        on_phase=kill_at("pre-copy:1", t.kill9))
+    finish(m.streams, refs, a)
     assert wait_for(lambda: not any(alive(r) for r in ranks), 20), "rank processes outlived their replica"
     idle(a)
 
 
 def test_kill9_target_during_stop_and_copy(kit, refs):
     a, t = kit["procs"]["a"].url, kit["procs"]["t_stop"]
-
-    def on_phase(p):
-        if p == "stop-and-copy":
-            t.kill9()
-
-    ss = start_streams(a, [])
-    with pytest.raises(MigrationError, match="stop-and-copy") as ei:
-        migrate_live(a, t.url, small_bytes=0, max_rounds=2, timeout_s=10, on_phase=on_phase)
-    assert "continue on the source" in str(ei.value)
-    finish(ss, refs, a)  # they were paused by the final round and resumed by the abort
+    m = migrate_streams(a, t.url, [], raises=MigrationError, match="stop-and-copy", max_rounds=2, timeout_s=10,
+                        on_phase=kill_at("stop-and-copy", t.kill9))
+    assert "continue on the source" in str(m.error)
+    finish(m.streams, refs, a)  # they were paused by the final round and resumed by the abort
     idle(a)
 
 
 def test_kill9_source_after_commit_sessions_finish_on_target(kit, refs):
     s, b = kit["procs"]["s_commit"], kit["procs"]["b"].url
-
-    def on_phase(p):
-        if p == "committed":
-            s.kill9()
-
-    ss = start_streams(s.url, [b])
-    res = migrate_live(s.url, b, small_bytes=0, max_rounds=2, timeout_s=10, on_phase=on_phase)
-    assert s.p.poll() is not None and res.sessions
-    for i, st in enumerate(ss):
-        st.join(120)
-        assert st.error is None and st.tokens == refs[i]
-        assert st.owners[-1] == (b if st.sid in res.sessions else s.url)
+    m = migrate_streams(s.url, b, [b], max_rounds=2, timeout_s=10, on_phase=kill_at("committed", s.kill9))
+    assert s.p.poll() is not None
+    finish_moved(m, refs, b, s.url)
     idle(b)
 
 
@@ -307,16 +258,10 @@ def test_rank_killed_on_target_mid_transfer(kit, refs):
     a, t = kit["procs"]["a"].url, kit["procs"]["t_rank"]
     ranks = rank_processes(t.pid)
     assert len(ranks) >= 2
-
-    def on_phase(p):
-        if p == "pre-copy:1":
-            os.kill(ranks[-1], signal.SIGKILL)
-
-    ss = start_streams(a, [])
-    with pytest.raises(MigrationError, match="pre-copy") as ei:
-        migrate_live(a, t.url, small_bytes=0, max_rounds=3, timeout_s=10, on_phase=on_phase)
-    assert "HTTP 503" in str(ei.value) and "rank" in str(ei.value), ei.value
-    finish(ss, refs, a)
+    m = migrate_streams(a, t.url, [], raises=MigrationError, match="pre-copy", max_rounds=3, timeout_s=10,
+                        on_phase=kill_at("pre-copy:1", lambda: os.kill(ranks[-1], signal.SIGKILL)))
+    assert "HTTP 503" in str(m.error) and "rank" in str(m.error), m.error
+    finish(m.streams, refs, a)
     # the target reports itself down, and its other rank went with it
     assert httpx.get(f"{t.url}/health", timeout=5).status_code == 503
     assert wait_for(lambda: not any(alive(r) for r in ranks), 20)
@@ -324,80 +269,51 @@ def test_rank_killed_on_target_mid_transfer(kit, refs):
 
 
 # ---- the migrator itself dies (agent restarted mid-operation) -------------------------------------
-def test_migrator_dies_before_commit_source_resumes_after_lease(kit, refs):
-    a, b = kit["procs"]["a"].url, kit["procs"]["b"].url
+def die() -> None:
+    raise _Die
 
-    def on_phase(p):
-        if p == "prepared":  # source paused them, target holds them placed: then nobody decides
-            raise _Die
 
-    ss = start_streams(a, [b])
-    with pytest.raises(_Die):
-        migrate_live(a, b, small_bytes=0, max_rounds=1, timeout_s=10, on_phase=on_phase)
+def test_migrator_dies_before_commit_source_resumes_after_lease(ab, refs):
+    a, b = ab
+    # at "prepared" the source paused them and the target holds them placed: then nobody decides
+    m = migrate_streams(a, b, [b], raises=_Die, max_rounds=1, timeout_s=10, on_phase=kill_at("prepared", die))
     t = _transfers_on(b)[0]
     assert no_transfers(b, t)["incoming"] == "placed"
-    finish(ss, refs, a)  # resumed on the source once its lease expired
+    finish(m.streams, refs, a)  # resumed on the source once its lease expired
     assert no_transfers(a, t)["outgoing"] == "expired"
     # a late commit is refused: the sessions stay where they are
-    r = httpx.post(f"{a}/v1/sessions/release", json={"sessions": [ss[0].sid], "transfer": t})
+    r = httpx.post(f"{a}/v1/sessions/release", json={"sessions": [m.streams[0].sid], "transfer": t})
     assert r.status_code == 409 and "expired" in r.json()["error"]["message"]
     # the target asked the source, learnt the transfer expired, and dropped its copy
     idle(b, timeout=4 * TTL + 5)
     assert no_transfers(b, t)["incoming"] == "expired"
 
 
-def test_migrator_dies_after_commit_target_resumes_alone(kit, refs):
-    a, b = kit["procs"]["a"].url, kit["procs"]["b"].url
-
-    def on_phase(p):
-        if p == "committed":
-            raise _Die
-
-    ss = start_streams(a, [b])
-    with pytest.raises(_Die):
-        migrate_live(a, b, small_bytes=0, max_rounds=1, timeout_s=10, on_phase=on_phase)
-    finish(ss, refs, b)  # the target asked the source ("released") and resumed them
+def test_migrator_dies_after_commit_target_resumes_alone(ab, refs):
+    a, b = ab
+    m = migrate_streams(a, b, [b], raises=_Die, max_rounds=1, timeout_s=10, on_phase=kill_at("committed", die))
+    finish(m.streams, refs, b)  # the target asked the source ("released") and resumed them
     idle(a)
     idle(b)
 
 
-def _transfers_on(url: str) -> list[str]:
-    # the transfer id is not returned when the migrator dies; find it from the target's log of ids
-    out = []
-    for tid in _seen_ids:
-        st = no_transfers(url, tid)
-        if st["incoming"] or st["outgoing"]:
-            out.append(tid)
-    return out
-
-
-_seen_ids: list[str] = []
+_seen_ids: list[str] = []  # transfer ids migrate_live made in this test (it returns none when it dies)
 
 
 @pytest.fixture(autouse=True)
 def _record_transfer_ids(monkeypatch):
-    import uuid
-
-    import relayout.migrate.live as live
-
-    real = uuid.uuid4
-    _seen_ids.clear()
-
-    def rec():
-        u = real()
-        _seen_ids.append(f"mig-{u.hex[:16]}")
-        return u
-
-    monkeypatch.setattr(live.uuid, "uuid4", rec)
-    yield
+    record_transfer_ids(monkeypatch, _seen_ids)
 
 
-def test_agent_killed_mid_operation_and_restarted(kit, refs, tmp_path):
+def _transfers_on(url: str) -> list[str]:
+    return transfers_on(url, _seen_ids)
+
+
+def test_agent_killed_mid_operation_and_restarted(kit, px, refs, tmp_path):
     """kill -9 the node agent while its migration is in pre-copy (over a slow link); after the
     restart the operation reads failed ("agent restarted"), the sessions finish on the source,
     the target frees its reservations, and the next migration is not blocked."""
     a, b = kit["procs"]["a"], kit["procs"]["b"]
-    px = Proxy(port_of(b.url))
     data = tmp_path / "agent"
     data.mkdir()
     reg = {"replicas": {
@@ -430,40 +346,29 @@ def test_agent_killed_mid_operation_and_restarted(kit, refs, tmp_path):
         op = wait_for(lambda: (lambda o: o if o["state"] in ("succeeded", "failed") else None)(
             httpx.get(f"{ag.url}/v1/operations/{r.json()['operation_id']}").json()), 60)
         assert op["state"] == "succeeded", op
-        for i, s in enumerate(ss):
-            s.join(120)
-            assert s.error is None and s.tokens == refs[i]
+        unchanged(ss, refs)
         idle(b.url)
     finally:
         ag.kill9()  # SIGKILL: a graceful agent stop would also stop the replicas in its registry
-        px.close()
 
 
 # ---- concurrency and room -------------------------------------------------------------------------
-def test_second_migration_of_same_replica_refused(kit, refs):
-    a, b = kit["procs"]["a"].url, kit["procs"]["b"].url
-    px = Proxy(port_of(b))
+def test_second_migration_of_same_replica_refused(ab, px, refs):
+    a, b = ab
     first: dict = {}
-    try:
-        ss = start_streams(a, [b])
-        px.arm("slow", after=0, delay=0.01)
-        import threading
-
-        t = threading.Thread(target=lambda: first.update(res=migrate_live(a, px.url, small_bytes=0, max_rounds=1,
-                                                                          timeout_s=30, source_for_target=a)))
-        t.start()
-        assert wait_for(lambda: _transfers_on(a), 10)
-        with pytest.raises(MigrationError, match="409.*one outgoing migration at a time"):
-            migrate_live(a, b, timeout_s=10)
-        t.join(60)
-        assert first["res"].phase == "done"  # the first one was not disturbed
-        for i, s in enumerate(ss):
-            s.join(120)
-            assert s.error is None and s.tokens == refs[i]
-        idle(a)
-        idle(b)
-    finally:
-        px.close()
+    ss = start_streams(a, [b])
+    px.arm("slow", after=0, delay=0.01)
+    t = threading.Thread(target=lambda: first.update(res=migrate_live(a, px.url, small_bytes=0, max_rounds=1,
+                                                                      timeout_s=30, source_for_target=a)))
+    t.start()
+    assert wait_for(lambda: _transfers_on(a), 10)
+    with pytest.raises(MigrationError, match="409.*one outgoing migration at a time"):
+        migrate_live(a, b, timeout_s=10)
+    t.join(60)
+    assert first["res"].phase == "done"  # the first one was not disturbed
+    unchanged(ss, refs)
+    idle(a)
+    idle(b)
 
 
 def test_checkpoint_with_stop_refused_during_migration(kit):

@@ -1,7 +1,7 @@
 """Hostile input to the replica's session routes and to the chunk decoder: garbage frames,
 lying sizes, checkpoints crafted to exhaust memory, oversized and malformed requests,
 traversal in ids and URIs. Every refusal is a 4xx with a JSON error, never a 500, and leaves
-no KV blocks reserved. (Manifest and frame parsers are fuzzed in test_storage_format.py.)"""
+no KV blocks reserved. (Manifest and frame parsers are fuzzed in test_storage_format_hostile.py.)"""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ IMPORT_LIMIT = 2 << 20
 def app_client(tmp_path_factory):
     from relayout.engine.async_engine import AsyncEngine
     from relayout.engine.engine import LLMEngine
-    from relayout.engine.server import create_app
+    from relayout.migrate.serve import create_replica_app
     from starlette.testclient import TestClient
 
     root = tmp_path_factory.mktemp("hostile")
@@ -36,7 +36,7 @@ def app_client(tmp_path_factory):
     mp.delenv("RELAYOUT_TOKEN", raising=False)
     mp.setenv("RELAYOUT_MAX_IMPORT_BYTES", str(IMPORT_LIMIT))
     eng = LLMEngine("builtin:tiny", None, kv_cache_bytes=4 << 20)
-    app = create_app(AsyncEngine(eng), "builtin:tiny")
+    app = create_replica_app(AsyncEngine(eng), "builtin:tiny")
     with TestClient(app, raise_server_exceptions=False) as c:
         c.root = root  # type: ignore[attr-defined]
         c.engine = eng  # type: ignore[attr-defined]

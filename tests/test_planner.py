@@ -1,4 +1,4 @@
-"""Layout planner: placement vs EPLB baseline, placeable sets, attention split, plan CLI."""
+"""Layout planner: placement vs DeepSeek EPLB, bad input, placeable sets, attention split, plan CLI."""
 
 from __future__ import annotations
 
@@ -7,14 +7,18 @@ import json
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from relayout.bench.eplb import eplb_reference, rebalance
+from relayout.bench.placement import TOPOLOGIES, default_traces, evaluate
 from relayout.engine.config import ModelConfig
-from relayout.migrate.bench_placement import TOPOLOGIES, default_traces, evaluate
 from relayout.migrate.placeable import NotPlaceable, ReplicaNeeds, find_placeable_sets
 from relayout.migrate.plan_cli import format_plan_table, plan_main
 from relayout.migrate.planner import (
     ExpertLoad,
+    Placement,
     PlanError,
+    balance,
     choose_attention_split,
+    cross_node_fraction,
     plan_placement,
     redundant_for,
     to_layout,
@@ -30,31 +34,90 @@ def _cfg(experts: int, layers: int, dense: tuple[int, ...] = ()) -> ModelConfig:
                        dense_layers=dense)
 
 
+BENCH_TOPOLOGIES = ("2x8", "1x8")  # the issue's 2 nodes x 8 GPUs, and one node (no network)
+
+
 @pytest.fixture(scope="module")
 def bench_results():
-    return [(tr, topo, evaluate(tr, topo)) for tr in default_traces(include_engine=True) for topo in TOPOLOGIES]
+    return [(tr, topo, evaluate(tr, topo)) for tr in default_traces(include_engine=True) for topo in BENCH_TOPOLOGIES]
 
 
-def test_planner_never_worse_than_eplb_on_bench_traces(bench_results):
+# ---- DeepSeek's EPLB, the yardstick -----------------------------------------------------------
+
+EPLB_README_WEIGHT = [[90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],
+                      [20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27]]
+
+
+def test_eplb_reproduces_the_published_example():
+    # github.com/deepseek-ai/EPLB README: 16 slots, 4 groups, 2 nodes, 8 GPUs (hierarchical policy)
+    assert rebalance(EPLB_README_WEIGHT, 16, 4, 2, 8) == [
+        [5, 6, 5, 7, 8, 4, 3, 4, 10, 9, 10, 2, 0, 1, 11, 1],
+        [7, 10, 6, 8, 6, 11, 8, 9, 2, 4, 5, 1, 5, 0, 3, 1]]
+    # 3 groups over 2 nodes: the entry point falls back to the global policy
+    assert rebalance(EPLB_README_WEIGHT, 16, 3, 2, 8) == rebalance(EPLB_README_WEIGHT, 16, 1, 1, 8, policy="global")
+    # the hierarchical policy keeps every expert group on one node
+    for row in rebalance(EPLB_README_WEIGHT, 16, 4, 2, 8):
+        assert {e // 3 for e in row[:8]}.isdisjoint({e // 3 for e in row[8:]})
+
+
+def test_planner_meets_the_goal_against_eplb_on_bench_traces(bench_results):
+    """Balance >= EPLB-global's and cross-node copies <= 0.8 x EPLB-hierarchical's, both scored by
+    the same locality-first dispatch model; never worse than EPLB-hierarchical on either."""
     names = {tr.name for tr, _, _ in bench_results}
-    assert "engine-tiny" in names and len(names) >= 4
+    assert {"zipf0.6", "zipf1.1", "zipf1.6", "bursty", "engine-tiny"} <= names
     for tr, topo, r in bench_results:
-        p, b = r["planner"], r["baseline"]
-        assert p["balance"] >= b["balance"] - 1e-9, (tr.name, topo)
-        if TOPOLOGIES[topo][0] > 1:
-            assert p["cross_node_bytes"] <= b["cross_node_bytes"], (tr.name, topo)
-            if tr.name.startswith(("zipf", "drift")):  # skewed, co-activated traces: strictly less
-                assert p["cross_node_bytes"] < b["cross_node_bytes"], (tr.name, topo)
-        else:
-            assert p["cross_node_bytes"] == b["cross_node_bytes"] == 0
+        p, h, g = r["planner"], r["eplb_hierarchical"], r["eplb_global"]
+        assert r["baseline"] is h  # the old key, kept for compatibility
+        assert p["balance"] >= h["balance"] - 1e-9 and p["balance"] >= g["balance"] - 1e-9, (tr.name, topo)
+        assert p["worst_layer_balance"] >= g["worst_layer_balance"] - 1e-9, (tr.name, topo)
+        if TOPOLOGIES[topo][0] == 1:
+            assert p["cross_node_bytes"] == h["cross_node_bytes"] == g["cross_node_bytes"] == 0
+            continue
+        assert p["cross_node_fraction"] <= h["cross_node_fraction"], (tr.name, topo)
+        if tr.name != "engine-tiny":  # the four 64-expert traces: the issue's goal, as a ratio
+            assert p["cross_node_fraction"] <= 0.8 * h["cross_node_fraction"], (tr.name, topo)
+            assert p["cross_node_bytes"] < h["cross_node_bytes"] and p["plan_ms"] > 0
 
 
 def test_bench_placements_are_valid_layouts(bench_results):
     for tr, topo, r in bench_results:
         nodes, dpn = TOPOLOGIES[topo]
         cfg = _cfg(len(tr.load[0]), len(tr.load))
-        for key in ("planner", "baseline"):
-            to_layout(r[key]["placement"], nodes * dpn, 1, nodes * dpn, 1).validate(cfg)
+        to_layout(r["planner"]["placement"], nodes * dpn, 1, nodes * dpn, 1).validate(cfg)
+        # EPLB's packing may put two copies of one expert on a GPU (the engine refuses that), but
+        # every expert has a slot
+        for key in ("eplb_hierarchical", "eplb_global"):
+            assert all(set(row) == set(range(cfg.num_experts)) for row in r[key]["placement"].phy2log)
+
+
+def test_cross_node_traffic_depends_on_placement():
+    """Same load, same copy counts, one GPU per node: an expert copied onto both nodes stops crossing."""
+    load = [[8.0, 4.0, 2.0, 2.0]]
+    both = Placement([[0, 1, 2, 0, 3, 1]], 2, [0, 1])  # 0 and 1 on both nodes: half of 2's and 3's cross
+    assert cross_node_fraction(both, load) == pytest.approx((2.0 + 2.0) * 0.5 / 16)
+    assert balance(both, load) == pytest.approx(1.0)
+    alone = Placement([[0, 1, 2, 3, 1, 2]], 2, [0, 1])  # 0 only on node 0: half its tokens cross
+    assert cross_node_fraction(alone, load) == pytest.approx((8.0 + 2.0) * 0.5 / 16)
+    assert balance(alone, load) < 0.8  # node 0 serves all of expert 0
+    assert balance(alone, load, "spread") == pytest.approx(8 / 11)
+    # co-activation: two tokens picked both 2 and 3; on one remote node they cross once, not twice
+    coact = [[[0.0] * 4, [0.0] * 4, [0.0, 0.0, 0.0, 2.0], [0.0, 0.0, 2.0, 0.0]]]
+    together = Placement([[0, 1, 2, 3]], 2, [0, 1])
+    apart = Placement([[0, 2, 1, 3]], 2, [0, 1])
+    assert cross_node_fraction(together, load) == cross_node_fraction(apart, load) == pytest.approx(0.5)
+    assert cross_node_fraction(together, load, coact) == pytest.approx(7 / 16)  # the node-0 token saves one
+    assert cross_node_fraction(apart, load, coact) == pytest.approx(0.5)
+
+
+def test_locality_weight_trades_balance_for_cross_node_traffic():
+    # 2 nodes x 2 GPUs, 4 spare slots: the hot expert wants a copy on every GPU for balance; the
+    # four warm ones want a copy on the other node for locality. Spare slots cannot buy both.
+    load = [[100.0, 10.0, 10.0, 10.0, 10.0, 2.0, 2.0, 2.0, 2.0, 1.0, 1.0, 1.0]]
+    lo = plan_placement(load, 4, 2, 4, locality_weight=0.0)
+    hi = plan_placement(load, 4, 2, 4, locality_weight=1.0)
+    assert lo.phy2log[0].count(0) == 4 and balance(lo, load) > 0.9
+    assert cross_node_fraction(hi, load) < 0.6 * cross_node_fraction(lo, load)
+    assert balance(hi, load) < 0.8 * balance(lo, load)
 
 
 def test_to_layout_fills_dense_layers_with_identity_rows():
@@ -85,6 +148,25 @@ def test_random_loads_give_valid_placements(data):
 def test_plan_refuses_impossible_slot_counts():
     with pytest.raises(PlanError, match="split evenly"):
         plan_placement([[1.0] * 8], 3, 1, 0)
+
+
+@pytest.mark.parametrize("load, devices, redundant, match", [
+    ([[1.0, float("nan"), 2.0, 3.0]], 2, 0, r"load\[0\]\[1\]: must be finite, got nan"),
+    ([[1.0, 2.0, float("inf"), 3.0]], 2, 0, r"load\[0\]\[2\]: must be finite, got inf"),
+    ([[1.0, 2.0, 3.0, -1.0]], 2, 0, r"load\[0\]\[3\]: must be >= 0, got -1"),
+    ([[1.0, 2.0, 3.0, 4.0], [1.0, 2.0]], 2, 0, r"load\[1\]: has 2 experts, load\[0\] has 4; every layer"),
+    ([], 2, 0, r"load: must list at least one layer"),
+    ([[1.0] * 4, []], 2, 0, r"load\[1\]: must list at least one expert"),
+    ([[1.0, "x", 2.0, 3.0]], 2, 0, r"load\[0\]\[1\]: must be a number"),
+    ([[1.0] * 64], 16, -16, r"redundant_slots: 48 slots for 64 experts; slots must be >= experts"),
+    ([[1.0] * 8], 4, 2, r"redundant_slots: 10 slots do not split evenly over 4 devices; slots must be a multiple"),
+    ([[1.0] * 4], 2, 6, r"redundant_slots: 5 slots per device but only 4 experts"),
+])
+def test_bad_input_is_a_plan_error_naming_field_and_rule(load, devices, redundant, match):
+    with pytest.raises(PlanError, match=match):
+        plan_placement(load, devices, devices, redundant)
+    with pytest.raises(PlanError, match="locality_weight: must be in"):
+        plan_placement([[1.0] * 4], 2, 2, 0, locality_weight=1.5)
 
 
 # ---- placeable sets ---------------------------------------------------------------------------
@@ -171,7 +253,8 @@ def test_plan_main_and_table():
     topo = _fleet([2, 4]).model_dump()
     res = plan_main({"topology": topo, "load": [[9, 1, 1, 1, 1, 1, 1, 5]] * 2,
                      "needs": {"devices": 4, "memory_gb_per_device": 40, "min_exchange_gbps": 100},
-                     "concurrency": 64, "latency_target_ms": 30, "measurements": MEAS})
+                     "concurrency": 64, "latency_target_ms": 30, "measurements": MEAS},
+                    reference=eplb_reference, reference_name="DeepSeek EPLB")
     assert "error" not in res, res
     assert res["devices"] == [f"n2/gpu{j}" for j in range(4)] and res["layout"]["attn_dp"] == 4
     assert res["balance"] >= res["baseline_balance"] and "EPLB" in res["reason"]
@@ -181,3 +264,26 @@ def test_plan_main_and_table():
     assert "no set of 4" in bad["error"] and "25 GB/s" in bad["error"]
     assert format_plan_table(bad).row_count == 1
     assert redundant_for(8, 4) == 4
+
+
+def test_plan_cli_exits_2_naming_the_bad_field(tmp_path):
+    from relayout.agent.cli import app
+    from typer.testing import CliRunner
+
+    topo = _fleet([4]).model_dump()
+    for load, match in (([[1.0, -2.0, 1.0, 1.0]], "load[0][1]: must be >= 0"),
+                        ([[1.0, 2.0], [1.0]], "load[1]: has 1 experts"),
+                        ([[1.0] * 8], "redundant_slots: 6 slots for 8 experts")):
+        inp = {"topology": topo, "load": load, "needs": {"devices": 2}}
+        if len(load[0]) == 8:
+            inp["redundant_slots"] = -2
+        r = CliRunner().invoke(app, ["plan", "-"], input=json.dumps(inp))
+        assert r.exit_code == 2 and match in " ".join(r.output.split()), r.output
+    r = CliRunner().invoke(app, ["plan", "-", "--locality-weight", "2"], input="{}")
+    assert r.exit_code == 2
+    inp = {"topology": topo, "load": [[9, 1, 1, 1, 1, 1, 1, 5]], "needs": {"devices": 4}}
+    r = CliRunner().invoke(app, ["plan", "-", "--json", "--locality-weight", "0.7"], input=json.dumps(inp))
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.output.strip().splitlines()[-1])
+    assert res["locality_weight"] == 0.7 and res["baseline"] == "DeepSeek EPLB"
+    assert "--locality-weight" in CliRunner().invoke(app, ["plan", "--help"]).output

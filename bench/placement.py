@@ -1,30 +1,41 @@
-"""`relayout bench placement`: planner vs EPLB-style baseline on the same load traces (SPEC §9).
+"""`relayout bench placement`: the planner against DeepSeek's EPLB on the same load traces (docs/benchmarks.md).
 
-Traces: synthetic skewed routing (Zipf popularity at a few exponents, experts that fire together
-in clusters not aligned with expert ids, a drifting hot set folded in by ExpertLoad's moving
-average) and a trace recorded from our own engine running builtin:tiny. Each trace is planned
-on three topologies; `cross_node_bytes` uses the node-deduplicated dispatch model of
-migrate.planner with one token copy = `hidden_bytes`.
+Traces: synthetic skewed top-2 routing over 64 experts (Zipf popularity at three exponents over a
+random expert order per layer, experts that fire together in clusters not aligned with expert
+ids, and a bursty trace whose hot experts change from window to window, folded in by
+ExpertLoad's moving average) and a trace recorded from our own engine running builtin:tiny.
+Each trace is planned on three topologies with 80 slots (or the default spare slots when the
+experts are few). Every placement is scored by the same locality-first dispatch model
+(migrate.dispatch_model): per-GPU load gives `balance` (mean/max, averaged over layers) and
+`worst_layer_balance`; cross-node token copies give `cross_node_fraction` and, times the hidden
+state's bytes, `cross_node_bytes`. EPLB (bench/eplb.py) runs both policies with 8 expert groups.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 
 import numpy as np
+from relayout.bench.eplb import eplb_placement
 from relayout.migrate.planner import (
+    DEFAULT_LOCALITY_WEIGHT,
     ExpertLoad,
+    Placement,
     balance,
     cross_node_bytes,
-    eplb_baseline,
+    cross_node_fraction,
     plan_placement,
     redundant_for,
+    worst_layer_balance,
 )
 from rich.console import Console
 from rich.table import Table
 
-TOPOLOGIES = {"1x8": (1, 8), "2x4": (2, 4), "4x4": (4, 4)}
+TOPOLOGIES = {"2x8": (2, 8), "4x4": (4, 4), "1x8": (1, 8)}  # nodes x GPUs per node
+SLOTS = 80  # physical expert slots per layer for the 64-expert traces
+GROUPS = 8  # EPLB expert groups (contiguous id ranges)
 
 
 @dataclass
@@ -65,20 +76,22 @@ def _route(rng: np.random.Generator, pop: np.ndarray, clusters: list[np.ndarray]
 
 
 def synthetic(name: str, s: float, *, experts: int = 64, layers: int = 8, tokens: int = 4000, k: int = 2,
-              clusters: int = 8, p_in: float = 0.7, drift: int = 0, seed: int = 0) -> Trace:
-    """Zipf(s) popularity over a random expert order per layer; `drift` > 0 moves the hot set
-    over that many windows, folded in by ExpertLoad's moving average."""
+              clusters: int = 8, p_in: float = 0.7, bursts: int = 0, seed: int = 0) -> Trace:
+    """Zipf(s) popularity over a random expert order per layer; `bursts` > 0 splits the tokens
+    into that many windows, each with a few random experts 8x hotter than usual, folded in by
+    ExpertLoad's moving average."""
     rng = np.random.default_rng(seed)
     el = ExpertLoad()
-    windows = max(1, drift)
+    windows = max(1, bursts)
     perms = [rng.permutation(experts) for _ in range(layers)]
     groups = [np.array_split(rng.permutation(experts), clusters) for _ in range(layers)]
-    for w in range(windows):
+    for _ in range(windows):
         counts, coacts = [], []
         for layer in range(layers):
-            rank = np.roll(perms[layer], w * experts // (2 * windows))  # hot set shifts each window
             pop = np.empty(experts)
-            pop[rank] = 1.0 / np.arange(1, experts + 1) ** s
+            pop[perms[layer]] = 1.0 / np.arange(1, experts + 1) ** s
+            if bursts:
+                pop[rng.choice(experts, size=4, replace=False)] *= 8.0  # this window's burst
             c, co = _route(rng, pop, groups[layer], tokens // windows, k, p_in)
             counts.append(c.tolist())
             coacts.append(co)
@@ -123,44 +136,67 @@ def engine_trace(prompts: int = 6, max_tokens: int = 8) -> Trace:
 
 
 def default_traces(include_engine: bool = True) -> list[Trace]:
-    tr = [synthetic("zipf0.6", 0.6, seed=1), synthetic("zipf1.0", 1.0, seed=2), synthetic("zipf1.4", 1.4, seed=3),
-          synthetic("drift1.0", 1.0, drift=4, seed=4)]
+    tr = [synthetic("zipf0.6", 0.6, seed=1), synthetic("zipf1.1", 1.1, seed=2), synthetic("zipf1.6", 1.6, seed=3),
+          synthetic("bursty", 0.8, bursts=6, seed=4)]
     if include_engine:
         tr.append(engine_trace())
     return tr
 
 
-def evaluate(trace: Trace, topo: str) -> dict:
+def _metrics(trace: Trace, p: Placement, plan_ms: float) -> dict:
+    return {"balance": round(balance(p, trace.load), 4),
+            "worst_layer_balance": round(worst_layer_balance(p, trace.load), 4),
+            "balance_spread": round(balance(p, trace.load, "spread"), 4),
+            "cross_node_fraction": round(cross_node_fraction(p, trace.load, trace.coact), 4),
+            "cross_node_bytes": round(cross_node_bytes(p, trace.load, None, trace.hidden_bytes, trace.coact)),
+            "plan_ms": round(plan_ms, 1), "placement": p}
+
+
+def _timed(fn, *args, **kw) -> tuple[Placement, float]:
+    t0 = time.perf_counter()
+    p = fn(*args, **kw)
+    return p, (time.perf_counter() - t0) * 1e3
+
+
+def evaluate(trace: Trace, topo: str, locality_weight: float = DEFAULT_LOCALITY_WEIGHT) -> dict:
+    """{planner, eplb_hierarchical, eplb_global, baseline (= eplb_hierarchical, the old key)}."""
     nodes, dpn = TOPOLOGIES[topo]
     D = nodes * dpn
-    R = redundant_for(len(trace.load[0]), D)
-    out = {}
-    for name, p in (("planner", plan_placement(trace.load, D, dpn, R, trace.coact)),
-                    ("baseline", eplb_baseline(trace.load, D, dpn, R))):
-        out[name] = {"balance": round(balance(p, trace.load), 4),
-                     "cross_node_bytes": round(cross_node_bytes(p, trace.load, dpn, trace.hidden_bytes, trace.coact)),
-                     "placement": p}
+    E = len(trace.load[0])
+    slots = SLOTS if SLOTS >= E and SLOTS % D == 0 and SLOTS // D <= E else E + redundant_for(E, D)
+    node_of = [d // dpn for d in range(D)]
+    groups = GROUPS if E % GROUPS == 0 and GROUPS % nodes == 0 else nodes
+    out = {"planner": _metrics(trace, *_timed(plan_placement, trace.load, D, dpn, slots - E, trace.coact,
+                                              locality_weight=locality_weight))}
+    for policy in ("hierarchical", "global"):
+        out[f"eplb_{policy}"] = _metrics(trace, *_timed(eplb_placement, trace.load, D, node_of, slots, groups, policy))
+    out["baseline"] = out["eplb_hierarchical"]
     return out
 
 
 def run_bench(json_out: bool = False, include_engine: bool = True) -> dict:
     results: dict[str, dict] = {}
-    table = Table(title="placement: planner vs EPLB-style baseline")
-    for col in ("trace", "topo", "bal plan", "bal base", "xnode MB plan", "xnode MB base", "saved"):
+    table = Table(title="placement: planner vs DeepSeek EPLB (locality-first dispatch model)")
+    for col in ("trace", "topo", "bal plan", "bal hier", "bal glob", "worst plan", "worst glob",
+                "xnode plan", "xnode hier", "xnode glob", "plan ms"):
         table.add_column(col, justify="left" if col in ("trace", "topo") else "right")
     for tr in default_traces(include_engine):
         for topo in TOPOLOGIES:
             r = evaluate(tr, topo)
-            for v in r.values():
-                v.pop("placement")
+            r = {k: {m: x for m, x in v.items() if m != "placement"} for k, v in r.items()}
             results[f"{tr.name}@{topo}"] = r
-            pb, bb = r["planner"]["cross_node_bytes"], r["baseline"]["cross_node_bytes"]
-            table.add_row(tr.name, topo, f"{r['planner']['balance']:.3f}", f"{r['baseline']['balance']:.3f}",
-                          f"{pb / 1e6:.2f}", f"{bb / 1e6:.2f}", f"{(1 - pb / bb) * 100:.1f}%" if bb else "-")
-    out = {"bench": "placement", "traces": results,
-           "model": "balance = mean/max device load per layer, averaged; cross_node_bytes = node-deduplicated "
-                    "dispatch copies x hidden bytes"}
-    Console(stderr=json_out).print(table)
+            p, h, g = r["planner"], r["eplb_hierarchical"], r["eplb_global"]
+            table.add_row(tr.name, topo, f"{p['balance']:.3f}", f"{h['balance']:.3f}", f"{g['balance']:.3f}",
+                          f"{p['worst_layer_balance']:.3f}", f"{g['worst_layer_balance']:.3f}",
+                          f"{p['cross_node_fraction']:.3f}", f"{h['cross_node_fraction']:.3f}",
+                          f"{g['cross_node_fraction']:.3f}", f"{p['plan_ms']:.0f}")
+    out = {"bench": "placement", "traces": results, "locality_weight": DEFAULT_LOCALITY_WEIGHT,
+           "model": "locality-first dispatch: a token uses a copy of its expert on its own GPU, else on its own "
+                    "node, else crosses the network; balance = mean/max GPU load per layer, averaged; "
+                    "cross_node_fraction = cross-node token copies / routed copies (co-activated copies bound "
+                    "for one node cross once); cross_node_bytes = those copies x hidden bytes; "
+                    "baseline = eplb_hierarchical"}
+    Console(stderr=json_out, width=160).print(table)
     if json_out:
         print(json.dumps(out))
     return out

@@ -1,0 +1,147 @@
+"""`relayout bench ...`: the benchmarks and the soak test as a typer app (docs/benchmarks.md).
+
+The product does not import this module: `relayout.agent.cli` adds `bench_app` as the `bench`
+sub-command because pyproject.toml registers it under the `relayout.commands` entry point group.
+Each command imports its bench lazily, so `relayout --help` stays fast."""
+
+from __future__ import annotations
+
+import json
+
+import typer
+from rich.console import Console
+
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks, measured side by side in one run.")
+
+err = Console(stderr=True)
+
+
+def _fail(msg: str, code: int = 2) -> None:
+    err.print(f"[red]error:[/red] {msg}")
+    raise typer.Exit(code)
+
+
+@bench_app.command("engine")
+def bench_engine(
+    model: str = typer.Option("builtin:bench", "--model", "-m"),
+    new_tokens: int = typer.Option(32, "--new-tokens", help="tokens generated per sequence"),
+    prompt_len: str = typer.Option("32,512", "--prompt-len", help="prompt lengths to measure, comma-separated"),
+    threads: int = typer.Option(None, "--threads", help="torch CPU threads for both sides (default: torch's)"),
+    reps: int = typer.Option(2, "--reps", help="best of this many runs per figure"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object on the last line"),
+) -> None:
+    """Decode tokens/s of this engine vs Hugging Face transformers generate (batch 1 and 16)."""
+    from relayout.bench import engine as be
+
+    try:
+        lens = [int(x) for x in prompt_len.split(",") if x.strip()]
+        res = be.run(model, new_tokens=new_tokens, prompt_len=lens, threads=threads, reps=max(1, reps),
+                     log=err.print)
+    except be.MissingDependency as e:
+        _fail(str(e))
+    be.print_table(res, Console())
+    if as_json:
+        print(json.dumps(res), flush=True)
+
+
+@bench_app.command("migration")
+def bench_migration(
+    model: str = typer.Option(None, "--model", "-m", help="default builtin:bench (builtin:tiny with --quick)"),
+    contexts: str = typer.Option(None, "--contexts", help="context lengths in tokens, e.g. 1024,4096,16384"),
+    quick: bool = typer.Option(False, "--quick", help="short contexts (256,1024) on builtin:tiny"),
+    device: str = typer.Option(None, "--device", help="the replicas' device (default: cuda when present)"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object on the last line"),
+) -> None:
+    """Stall per session for live, cold and recompute moves between two layouts, at several context lengths."""
+    from relayout.bench import migration as bm
+
+    try:
+        ctx = [int(x) for x in contexts.split(",") if x.strip()] if contexts else None
+    except ValueError:
+        _fail(f"--contexts must be comma-separated integers, got {contexts!r}")
+    if ctx is not None and (not ctx or min(ctx) < 16):
+        _fail("--contexts needs at least one length of 16 tokens or more")
+    try:
+        res = bm.run(model, ctx, quick=quick, device=device, log=err.print)
+    except bm.BenchError as e:
+        _fail(str(e), 1)
+    bm.print_table(res, Console(stderr=as_json))
+    if as_json:
+        print(json.dumps(res), flush=True)
+
+
+@bench_app.command("overlap")
+def bench_overlap(
+    model: str = typer.Option("builtin:bench", "--model", "-m"),
+    new_tokens: int = typer.Option(16, "--new-tokens", help="decode steps per run"),
+    quick: bool = typer.Option(False, "--quick", help="one layout, one batch, a few steps (smoke test)"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object on the last line"),
+) -> None:
+    """Share of the experts' all-to-all hidden by two-micro-batch overlap (off vs on, same decode)."""
+    from relayout.bench import overlap as bo
+
+    res = bo.run(model, new_tokens=new_tokens, quick=quick, log=err.print)
+    bo.print_table(res, Console())
+    if as_json:
+        print(json.dumps(res), flush=True)
+
+
+@bench_app.command("snapshot")
+def bench_snapshot(
+    model: str = typer.Option("builtin:bench", "--model", "-m"),
+    sessions: int = typer.Option(4, "--sessions"),
+    tokens: int = typer.Option(2048, "--tokens", help="KV tokens per session"),
+    reps: int = typer.Option(3, "--reps", help="best of this many tries per figure"),
+    quick: bool = typer.Option(False, "--quick", help="tiny sizes (smoke test)"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object on the last line"),
+) -> None:
+    """GB/s to snapshot and restore session KV next to a plain memory copy; codec ratios."""
+    from relayout.bench import snapshot as bs
+
+    res = bs.run(model, sessions=sessions, tokens=tokens, reps=max(1, reps), quick=quick, log=err.print)
+    bs.print_table(res, Console())
+    if as_json:
+        print(json.dumps(res), flush=True)
+
+
+@bench_app.command("placement")
+def bench_placement(
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object on the last line"),
+    engine_trace: bool = typer.Option(True, "--engine-trace/--no-engine-trace",
+                                      help="also plan a trace recorded from builtin:tiny"),
+) -> None:
+    """Balance and cross-node traffic of the planner's placement vs DeepSeek's EPLB (both policies)."""
+    from relayout.bench.placement import run_bench
+
+    run_bench(json_out=as_json, include_engine=engine_trace)
+
+
+@bench_app.command("soak")
+def bench_soak(
+    count: int = typer.Option(20, "--count", "-n", min=1, max=10000, help="migrations (back and forth)"),
+    layouts: str = typer.Option("attn_dp=1;attn_tp=2", "--layouts", help="the two layouts, separated by ';'"),
+    sessions: int = typer.Option(4, "--sessions", min=1, max=64, help="sessions running during each migration"),
+    max_tokens: int = typer.Option(48, "--max-tokens", min=8, max=4096),
+    model: str = typer.Option("builtin:tiny", "--model", "-m"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object on the last line"),
+) -> None:
+    """Migrate running sessions back and forth between two layouts COUNT times; report whether RSS,
+    file descriptors, processes and KV blocks return to their baseline (exit 1 on a leak)."""
+    from relayout.bench import soak
+
+    lays = [x.strip() for x in layouts.split(";") if x.strip()]
+    if len(lays) != 2:
+        _fail("--layouts needs exactly two layouts, e.g. 'attn_dp=1;attn_tp=2'")
+    res = soak.run(count, (lays[0], lays[1]), sessions, max_tokens, model, log=err.print)
+    for k in ("a", "b"):
+        b, f = res["baseline"][k], res["final"][k]
+        err.print(f"replica {k} ({res['layouts'][0 if k == 'a' else 1]}): RSS {b['rss_mb']} -> {f['rss_mb']} MiB, "
+                  f"fds {b['fds']} -> {f['fds']}, processes {b['processes']} -> {f['processes']}, "
+                  f"KV blocks {b['kv_blocks_used']} -> {f['kv_blocks_used']}")
+    err.print(f"{res['migrations']} migrations ({res['failed']} failed), {res['sessions_moved']} sessions moved, "
+              f"{res['mismatches']} changed outputs, stall p50 {res['stall_ms_p50']} ms; "
+              + ("no leaks" if not res["leaks"] else "LEAKS: " + "; ".join(res["leaks"])))
+    if as_json:
+        print(json.dumps(res), flush=True)
+    if not res["ok"]:
+        raise typer.Exit(1)

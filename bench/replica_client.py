@@ -1,0 +1,168 @@
+"""What the migration bench sees as a client: replica processes it launches (keeping the tail of
+their output for error messages) and token streams timestamped on arrival.
+
+Split from `relayout.bench.migration`, which measures with them."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+import httpx
+from relayout.migrate.procs import URL_RE
+
+
+class BenchError(RuntimeError):
+    pass
+
+
+# ---- replicas --------------------------------------------------------------------------------------
+class Replica:
+    def __init__(self, model: str, layout: str, kv_cache_mb: int, device: str | None = None):
+        args = [sys.executable, "-m", "relayout.agent.cli", "serve", "--model", model, "--layout", layout, "--port", "0",
+                "--kv-cache-mb", str(kv_cache_mb)]
+        if device:
+            args += ["--device", device]
+        self.layout = layout
+        self.tail: list[str] = []
+        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.url = ""
+
+    def wait_ready(self, timeout: float = 300.0) -> str:
+        t0 = time.time()
+        assert self.proc.stdout is not None
+        while time.time() - t0 < timeout:
+            line = self.proc.stdout.readline()
+            if not line and self.proc.poll() is not None:
+                raise BenchError(f"replica {self.layout} exited with {self.proc.returncode}: {''.join(self.tail[-20:])}")
+            self.tail = (self.tail + [line])[-50:]
+            m = URL_RE.search(line)
+            if m and "serving" in line:
+                self.url = m.group(1)
+                threading.Thread(target=self._drain, daemon=True).start()
+                return self.url
+        raise BenchError(f"replica {self.layout} did not start within {timeout:.0f}s")
+
+    def _drain(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.tail = (self.tail + [line])[-50:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+# ---- one session's token stream, timestamped on arrival ---------------------------------------------------
+class TokenStream(threading.Thread):
+    """Consumes one SSE stream (POST /v1/completions or GET /v1/sessions/{id}/stream) in a thread,
+    recording every token id with its arrival time. It disconnects by itself after `stop_after`
+    tokens (the replica then aborts the session), or after `stop()` at the next token."""
+
+    def __init__(self, method: str, url: str, body: dict | None = None, stop_after: int | None = None,
+                 retry_404_s: float = 0.0, then: Callable[[TokenStream], None] | None = None):
+        super().__init__(daemon=True)
+        self.method, self.url, self.body = method, url, body
+        self.stop_after, self.retry_404_s, self.then = stop_after, retry_404_s, then
+        self.follower: TokenStream | None = None  # what `then` started, if anything
+        self.tokens: list[int] = []
+        self.times: list[float] = []
+        self.sid: str | None = None
+        self.done = False  # [DONE] seen: finished here (not migrated)
+        self.error: BaseException | None = None
+        self.started_at = time.perf_counter()
+        self.opened_at: float | None = None  # response headers in
+        self.closed_at: float | None = None
+        self._stopping = False
+        self._cond = threading.Condition()
+        self.start()
+
+    def run(self) -> None:
+        try:
+            with httpx.Client(timeout=httpx.Timeout(None, connect=30.0)) as client:
+                deadline = time.perf_counter() + self.retry_404_s
+                while True:
+                    with client.stream(self.method, self.url, json=self.body) as r:
+                        if r.status_code == 404 and time.perf_counter() < deadline:
+                            r.read()
+                            time.sleep(0.005)
+                            continue
+                        if r.status_code >= 400:
+                            r.read()
+                            raise BenchError(f"{self.method} {self.url}: HTTP {r.status_code}: {r.text[:300]}")
+                        self.opened_at = time.perf_counter()
+                        self._consume(r)
+                        self.closed_at = time.perf_counter()
+                    break
+            if self.then is not None and not self.done:
+                self.then(self)  # at once, on this thread: e.g. reattach to the session on the target
+        except BaseException as e:  # noqa: BLE001 - reported to the waiting side
+            self.error = e
+        finally:
+            with self._cond:
+                if self.closed_at is None:
+                    self.closed_at = time.perf_counter()
+                self._cond.notify_all()
+
+    def _consume(self, r: httpx.Response) -> None:
+        for line in r.iter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                self.done = True
+                return
+            now = time.perf_counter()
+            obj = json.loads(data)
+            if "error" in obj:
+                raise BenchError(f"stream error: {obj['error']}")
+            ids = (obj.get("choices") or [{}])[0].get("token_ids") or []
+            with self._cond:
+                self.sid = self.sid or obj.get("id")
+                self.tokens += ids
+                self.times += [now] * len(ids)
+                self._cond.notify_all()
+            if self._stopping or (self.stop_after is not None and len(self.tokens) >= self.stop_after):
+                return  # leaving the `with` closes the connection: the replica aborts the session
+
+    def wait_tokens(self, n: int, timeout: float) -> None:
+        with self._cond:
+            ok = self._cond.wait_for(lambda: len(self.tokens) >= n or not self.is_alive() or self.error is not None,
+                                     timeout)
+        if self.error is not None:
+            raise BenchError(f"stream {self.url}: {self.error}") from self.error
+        if not ok or len(self.tokens) < n:
+            raise BenchError(f"stream {self.url}: {len(self.tokens)} tokens, wanted {n} (timeout {timeout:.0f}s)")
+
+    def finish(self, timeout: float) -> None:
+        self.join(timeout)
+        if self.is_alive():
+            raise BenchError(f"stream {self.url} did not end within {timeout:.0f}s")
+        if self.error is not None:
+            raise BenchError(f"stream {self.url}: {self.error}") from self.error
+
+    def stop(self) -> None:
+        self._stopping = True
+
+
+def gaps(times: list[float]) -> list[tuple[float, float]]:
+    """(start, end) of each inter-token gap (tokens that arrived in one batch share a time)."""
+    ts = sorted(set(times))
+    return list(zip(ts, ts[1:], strict=False))
+
+
+def median_gap_ms(times: list[float]) -> float | None:
+    g = [b - a for a, b in gaps(times)]
+    return round(statistics.median(g) * 1000, 2) if g else None

@@ -1,0 +1,129 @@
+"""The target's engine-thread half of a live transfer: reserve KV blocks for incoming sessions,
+import the KV each round brought, place the sessions (held paused) in the final round, and
+either commit them (they run here) or drop them (nothing stays reserved).
+
+The transfer's record belongs to the protocol (migrate.transfers); these functions read and
+update only its KV bookkeeping, described by `IncomingKV`."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from relayout.engine.engine import LLMEngine
+from relayout.engine.kv_cache import blocks_needed
+from relayout.engine.session import SessionState, SessionStatus
+from relayout.engine.snapshot import RestoreError, check_compatible, host_pool
+from relayout.storage.errors import CorruptCheckpoint
+from relayout.storage.manifest import Manifest
+from relayout.storage.store_base import Store
+
+
+class IncomingKV(Protocol):
+    """What the target's engine keeps per incoming transfer."""
+
+    store: Store  # the chunks received so far (verified), staged until imported
+    blocks: dict[str, tuple[int, list[int]]]  # session id -> (attention-DP group, reserved blocks)
+    upto: dict[str, int]  # session id -> KV tokens already imported into those blocks
+    placed: list[str]  # sessions the final round placed here (held paused until the commit)
+
+
+def import_range(engine: LLMEngine, store: Store, manifest: Manifest, sid: str, group: int, blocks: list[int],
+                 a: int, b: int) -> None:
+    """Import tokens [a, b) of one session from whichever chunks cover them."""
+    from relayout.storage.chunks import kv_view
+
+    if b <= a:
+        return
+    c = engine.cfg
+    entries = [e for e in manifest.kv_entries if e.session_id == sid and e.tok_hi > a and e.tok_lo < b]
+    covered = sum((min(b, e.tok_hi) - max(a, e.tok_lo)) * (e.head_hi - e.head_lo) for e in entries)
+    if covered != c.num_layers * c.num_kv_heads * (b - a):  # before anything is fetched or written
+        raise CorruptCheckpoint(f"session {sid}: chunks do not cover tokens [{a}, {b}) exactly once")
+    host = host_pool(engine)
+    if host is not None and host[1] != (0, c.num_kv_heads):
+        host = None
+    kv = None
+    if host is None:
+        kv = torch.empty((c.num_layers, 2, c.num_kv_heads, b - a, c.head_dim), dtype=engine.dtype)
+    for e in entries:
+        t = kv_view(store.get_chunk(e.chunk.hash), e.chunk, e.shape(c.head_dim), engine.dtype)  # read-only
+        lo, hi = max(a, e.tok_lo), min(b, e.tok_hi)
+        part = t[:, :, lo - e.tok_lo : hi - e.tok_lo]
+        if kv is None:
+            host[0].import_from(blocks, e.layer, lo, part, e.head_lo)  # type: ignore[index]
+        else:
+            kv[e.layer, :, e.head_lo : e.head_hi, lo - a : hi - a] = part
+    if kv is not None:
+        engine.executor.import_kv(group, blocks, a, kv)
+
+
+def receive_round(engine: LLMEngine, t: IncomingKV, manifest: Manifest, final: bool) -> dict:
+    """Target, engine thread: reserve blocks for new sessions, import KV that arrived, and in the
+    final round place the sessions (paused until the source commits). Refusals free nothing
+    the replica had before."""
+    check_compatible(engine, manifest)
+    c = engine.cfg
+    states = {e.session_id: (SessionState.from_dict(e.state), e.num_kv_tokens) for e in manifest.sessions}
+    # 1. room first, for every session, before importing anything
+    for sid, (st, n_kv) in states.items():
+        if any(x >= c.vocab_size for x in st.all_token_ids):
+            raise CorruptCheckpoint(f"session {sid} holds token ids outside the vocabulary")
+        need = blocks_needed(max(n_kv, st.num_tokens) + 1)
+        if sid not in t.blocks:
+            old = engine.sessions.get(sid)
+            if old is not None and not old.is_finished:
+                raise RestoreError(f"session {sid} is already live on this replica")
+            # headroom for the tokens the source decodes while pre-copy goes on
+            want = need + 2
+            cands = sorted(range(len(engine.allocators)), key=lambda g: (engine.scheduler.group_load(g), g))
+            g = next((g for g in cands if engine.allocators[g].can_allocate(want)), None)
+            if g is None:
+                raise RestoreError(f"not enough free KV blocks for session {sid}: needs {want}, "
+                                   f"largest free pool has {max(a.num_free for a in engine.allocators)}")
+            t.blocks[sid] = (g, engine.allocators[g].allocate(want))
+            t.upto[sid] = 0
+        g, blocks = t.blocks[sid]
+        if need > len(blocks):
+            if not engine.allocators[g].can_allocate(need - len(blocks)):
+                raise RestoreError(f"not enough free KV blocks for session {sid} to grow to {need}")
+            blocks += engine.allocators[g].allocate(need - len(blocks))
+    # 2. import what arrived
+    imported = 0
+    for sid, (_st, n_kv) in states.items():
+        g, blocks = t.blocks[sid]
+        import_range(engine, t.store, manifest, sid, g, blocks, t.upto[sid], n_kv)
+        imported += n_kv - t.upto[sid]
+        t.upto[sid] = n_kv
+    # 3. final: the sessions exist here now, held until the source commits
+    if final:
+        for sid, (st, n_kv) in states.items():
+            g, blocks = t.blocks.pop(sid)
+            st.num_computed = n_kv
+            st.status = SessionStatus.PAUSED
+            engine.adopt(st, g, blocks)
+            t.placed.append(sid)
+    return {"sessions": sorted(states), "imported_tokens": imported}
+
+
+def free_reservations(engine: LLMEngine, t: IncomingKV) -> None:
+    """Give back blocks reserved for sessions the final round did not place."""
+    for g, blocks in t.blocks.values():
+        engine.allocators[g].free(blocks)
+    t.blocks.clear()
+
+
+def abort_incoming(engine: LLMEngine, t: IncomingKV) -> None:
+    """Target, engine thread: release reservations and drop sessions not yet committed."""
+    free_reservations(engine, t)
+    for sid in t.placed:
+        engine.discard(sid)
+    t.placed.clear()
+
+
+def commit_incoming(engine: LLMEngine, t: IncomingKV) -> list[str]:
+    """Target, engine thread: the source released the sessions; the placed ones run here from
+    now on (spare reservations, e.g. of sessions that finished on the source meanwhile, are freed)."""
+    free_reservations(engine, t)
+    engine.resume(t.placed)
+    return list(t.placed)

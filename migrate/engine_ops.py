@@ -1,0 +1,84 @@
+"""The protocol's engine operations (migrate.transfers.EngineOps, the real one): each runs as
+one function on the engine's thread, at a step boundary. `call` hands that function over:
+AsyncEngine.call on a serving replica; a direct call where the caller owns the engine (tests)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from relayout.engine.async_engine import AsyncEngine
+from relayout.engine.engine import LLMEngine
+from relayout.engine.receive import abort_incoming, commit_incoming, receive_round
+from relayout.engine.snapshot import CHUNK_TOKENS, geometry, model_ref, take_snapshot
+from relayout.migrate.transfers import Cut, Incoming
+from relayout.storage.manifest import Manifest
+
+EngineCall = Callable[[Callable[[LLMEngine], Any]], Awaitable[Any]]
+
+
+class EngineThreadOps:
+    def __init__(self, call: EngineCall, note_migrated: Callable[[list[str], str], None] | None = None):
+        self.call, self.note_migrated = call, note_migrated
+
+    @classmethod
+    def of(cls, aengine: AsyncEngine) -> EngineThreadOps:
+        return cls(aengine.call, aengine.note_migrated)
+
+    async def cut(self, sessions: list[str] | None, pause: bool, sent: dict[str, int],
+                  max_tokens: int | None) -> Cut:
+        def cut(e: LLMEngine) -> Cut:
+            paused: list[str] = []
+            if pause:
+                if sessions is None:
+                    paused = [s.session_id for s in e.sessions.values() if not s.is_finished]
+                else:
+                    for sid in sessions:
+                        if sid not in e.sessions:
+                            raise KeyError(f"session {sid} is not on this replica")
+                    # one that finished since the last round has nothing left to move
+                    paused = [sid for sid in sessions if not e.sessions[sid].is_finished]
+                e.pause(paused)
+            snaps = take_snapshot(e, paused if pause else sessions, sent, max_tokens)
+            return Cut(paused, snaps, model_ref(e), e.layout.to_dict(), geometry(e))
+
+        return await self.call(cut)
+
+    async def resume(self, session_ids: list[str]) -> None:
+        await self.call(lambda e: e.resume(session_ids))
+
+    async def release(self, session_ids: list[str], migrated_to: str | None) -> None:
+        if migrated_to and self.note_migrated is not None:
+            self.note_migrated(session_ids, migrated_to)
+        await self.call(lambda e: e.release(session_ids))
+
+    async def receive(self, t: Incoming, manifest: Manifest, final: bool) -> dict:
+        return await self.call(lambda e: receive_round(e, t, manifest, final))
+
+    async def commit(self, t: Incoming) -> list[str]:
+        return await self.call(lambda e: commit_incoming(e, t))
+
+    async def abort(self, t: Incoming) -> None:
+        await self.call(lambda e: abort_incoming(e, t))
+
+
+def import_limits(engine: LLMEngine) -> tuple[int, int]:
+    """(bytes one incoming transfer may stage, all rounds together; largest frame). A transfer
+    can never need more than the KV this replica could hold, so a stream that declares or
+    sends more is refused before it is buffered. Reads only the engine's fixed facts."""
+    import torch
+    from relayout.engine.kv_cache import BLOCK_SIZE
+    from relayout.storage.manifest import MAX_MANIFEST_BYTES
+
+    c = engine.cfg
+    item = torch.empty((), dtype=engine.dtype).element_size()
+    tokens = engine.num_blocks * BLOCK_SIZE * engine.layout.attn_dp
+    kv_bytes = tokens * c.num_layers * 2 * c.num_kv_heads * c.head_dim * item
+    chunk = 2 * c.num_kv_heads * CHUNK_TOKENS * c.head_dim * item + (64 << 10)
+    frame = max(MAX_MANIFEST_BYTES, 2 * chunk) + (1 << 20)
+    limit = 2 * kv_bytes + MAX_MANIFEST_BYTES
+    env = os.environ.get("RELAYOUT_MAX_IMPORT_BYTES")
+    if env and env.isdigit():
+        limit = int(env)
+    return limit, min(frame, limit)

@@ -1,0 +1,116 @@
+"""The gateway's `/v1/chat/completions` (and the completions route's usage and logprobs helpers): streamed from a replica like completions, and kept
+alive across migrations by the same reattach logic (the gateway's `follow`).
+
+A chat session remembers that it is one (engine/streaming.py), so the replica's
+`/v1/sessions/{id}/stream` resumes it as chat chunks, with logprobs if they were asked for and
+the usage chunk (always asked for upstream: the gateway needs it for a non-streamed answer).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from relayout.engine.web import error_response
+
+Follow = Callable[[str, httpx.Response], AsyncIterator[dict]]
+
+
+def install_chat_gateway_route(app: FastAPI, ups: Any, client: httpx.AsyncClient, follow: Follow) -> None:
+    """`ups` is the gateway's Upstreams (pick, active, headers)."""
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        try:
+            body = await request.json()
+        except ValueError:
+            return error_response(400, "request body is not valid JSON")
+        if not isinstance(body, dict):
+            return error_response(400, "request body must be a JSON object")
+        want_stream = bool(body.get("stream"))
+        want_ids = bool(body.get("return_token_ids"))
+        up = {**body, "stream": True, "return_token_ids": True, "stream_options": {"include_usage": True}}
+        try:
+            url = await ups.pick(client)
+        except LookupError as e:
+            return error_response(503, str(e), "unavailable")
+        ups.active[url] = ups.active.get(url, 0) + 1  # from the pick on, as for completions
+        req = client.build_request("POST", f"{url}/v1/chat/completions", json=up)
+        try:
+            first = await client.send(req, stream=True)
+        except BaseException:
+            ups.active[url] -= 1
+            raise
+        if first.status_code >= 400:
+            ups.active[url] -= 1
+            await first.aread()
+            await first.aclose()
+            return JSONResponse(first.json(), status_code=first.status_code)
+
+        async def events() -> AsyncIterator[dict]:
+            try:
+                async for ev in follow(url, first):
+                    yield ev
+            finally:
+                ups.active[url] -= 1
+
+        if want_stream:
+            async def sse() -> AsyncIterator[bytes]:
+                async for ev in events():
+                    if unwanted_usage(ev, body):
+                        continue
+                    if not want_ids:
+                        for c in ev.get("choices", []):
+                            c.pop("token_ids", None)
+                    yield f"data: {json.dumps(ev)}\n\n".encode()
+                yield b"data: [DONE]\n\n"
+
+            return StreamingResponse(sse(), media_type="text/event-stream")
+        return await _collect(events(), body, want_ids)
+
+
+async def _collect(events: AsyncIterator[dict], body: dict, want_ids: bool) -> Any:
+    """One non-streamed chat completion from the upstream chunks."""
+    text: list[str] = []
+    ids: list[int] = []
+    content_lp: list[dict] | None = None
+    finish, sid, model, usage = None, None, body.get("model"), None
+    created = int(time.time())
+    async for ev in events:
+        if "error" in ev:
+            return error_response(502, ev["error"].get("message", "upstream error"), "upstream_error")
+        sid = ev.get("id", sid)
+        model = ev.get("model", model)
+        usage = ev.get("usage") or usage
+        for c in ev.get("choices", []):
+            text.append((c.get("delta") or {}).get("content") or "")
+            ids += c.get("token_ids") or []
+            finish = c.get("finish_reason") or finish
+            if c.get("logprobs") is not None:
+                content_lp = (content_lp or []) + (c["logprobs"].get("content") or [])
+    if body.get("logprobs") and content_lp is None:
+        content_lp = []
+    choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": "".join(text)},
+                              "logprobs": {"content": content_lp} if content_lp is not None else None,
+                              "finish_reason": finish}
+    if want_ids:
+        choice["token_ids"] = ids
+    return {"id": sid, "object": "chat.completion", "created": created, "model": model, "choices": [choice],
+            "usage": usage or {"completion_tokens": len(ids)}}
+
+
+def unwanted_usage(ev: dict, body: dict) -> bool:
+    """The usage chunk (always asked for upstream) of a stream whose client did not ask for it."""
+    return "usage" in ev and not ev.get("choices") and not (body.get("stream_options") or {}).get("include_usage")
+
+
+def join_completion_logprobs(acc: dict | None, lp: dict | None) -> dict | None:
+    """The legacy completions logprobs of one more chunk appended ({tokens, token_logprobs, ...} lists)."""
+    if not lp:
+        return acc
+    return {k: (acc or {}).get(k, []) + v for k, v in lp.items()}

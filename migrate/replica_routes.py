@@ -1,0 +1,290 @@
+"""The replica routes that move sessions (docs/replica-api.md): checkpoint to a store, restore
+from one, and the live-transfer protocol's routes — a thin HTTP face over
+migrate.transfers.TransferTable.
+
+A live transfer is the same manifest + chunks as a checkpoint, framed (storage.stream): each
+round streams only chunks the target lacks plus a cumulative manifest. These routes need the
+replica's bearer token when it has one (RELAYOUT_TOKEN)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from relayout.engine.async_engine import AsyncEngine
+from relayout.engine.engine import LLMEngine
+from relayout.engine.session import SessionState
+from relayout.engine.snapshot import (
+    RestoreError,
+    check_compatible,
+    geometry,
+    model_ref,
+    new_checkpoint_id,
+    plan_restore,
+    restore,
+    take_snapshot,
+    write_snapshot,
+)
+from relayout.engine.web import (
+    ID_RE,
+    MAX_JSON_BODY,
+    URL_RE,
+    BodyLimit,
+    HTTPError,
+    bearer_auth,
+    bearer_headers,
+    check_id,
+    check_ids,
+    env_token,
+    error_response,
+)
+from relayout.migrate.engine_ops import EngineThreadOps, import_limits
+from relayout.migrate.transfers import (
+    ImportTooLarge,
+    RoundCut,
+    TooManyTransfers,
+    TransferConflict,
+    TransferError,
+    TransferTable,
+    UnknownSession,
+    UnknownTransfer,
+)
+from relayout.storage.checkpoint import CheckpointReader, CheckpointWriter
+from relayout.storage.errors import CorruptCheckpoint, StorageError
+from relayout.storage.stores import open_store
+from starlette.requests import ClientDisconnect
+
+IMPORT_PATH = "/v1/sessions/import"  # streams its body: bounded by the transfer's import limit instead
+STATUS = {TransferConflict: 409, UnknownTransfer: 404, UnknownSession: 404, TooManyTransfers: 429, ImportTooLarge: 413}
+
+
+def split_checkpoint_uri(uri: str) -> tuple[str, str]:
+    """`<store uri>/<checkpoint id>` → (store uri, id)."""
+    base, _, cid = uri.rstrip("/").rpartition("/")
+    if not cid or not ID_RE.fullmatch(cid) or not base:
+        raise HTTPError(400, f"checkpoint URI must be <store URI>/<checkpoint id>, got {uri!r}")
+    return base, cid
+
+
+def allowed_roots() -> list[Path]:
+    roots = os.environ.get("RELAYOUT_FILE_ROOTS")
+    if roots:
+        return [Path(r).resolve() for r in roots.split(os.pathsep) if r]
+    return [Path(os.environ.get("RELAYOUT_DATA_DIR", Path.home() / ".relayout")).resolve()]
+
+
+def _open_store(uri: str):
+    try:
+        return open_store(uri, allowed_roots())
+    except ValueError as e:
+        raise HTTPError(400, str(e)) from None
+
+
+class CheckpointBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    destination: str | None = Field(None, max_length=4096)
+    checkpoint_id: str | None = Field(None, max_length=128)
+    sessions: list[str] | None = Field(None, max_length=4096)
+    stop: bool = False
+    codec: str = Field("none", pattern="^(none|zstd|zstd-planes)$")
+
+
+class RestoreBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    checkpoint: str = Field(..., max_length=4096)
+    sessions: list[str] | None = Field(None, max_length=4096)
+
+
+class ExportBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    transfer: str = Field(..., max_length=128)
+    sessions: list[str] | None = Field(None, max_length=4096)
+    pause: bool = False  # final round: hold the sessions at this step boundary first
+    codec: str = Field("none", pattern="^(none|zstd|zstd-planes)$")
+    # pre-copy rounds: at most this many tokens per session (bounds the engine thread's copy)
+    max_tokens: int | None = Field(None, ge=16, le=1 << 24)
+    # retry of an interrupted round: chunks the target acknowledged (holds); only the rest are sent
+    have: list[str] | None = Field(None, max_length=1 << 20)
+
+
+class SessionsBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    sessions: list[str] = Field(..., max_length=4096)
+    migrated_to: str | None = Field(None, max_length=2048)
+    transfer: str | None = Field(None, max_length=128)  # release: the commit of this transfer (refused if expired)
+
+
+def _precheck_restore(engine: LLMEngine, manifest, sessions: list[str] | None) -> None:
+    """Refusals that need no chunk: model, geometry, ids, room, and KV no longer than the
+    session's tokens (so no declared size can make verify() decode more than the replica holds)."""
+    check_compatible(engine, manifest)
+    plan_restore(engine, manifest, sessions)
+    for e in manifest.sessions:
+        if sessions is None or e.session_id in sessions:
+            n = SessionState.from_dict(e.state).num_tokens
+            if e.num_kv_tokens > n:
+                raise CorruptCheckpoint(f"session {e.session_id} declares {e.num_kv_tokens} KV tokens but holds "
+                                        f"only {n} tokens")
+
+
+def source_asker(token: str | None):
+    """How a target in doubt asks its source replica for the transfer's outgoing state."""
+
+    async def ask(source: str, tid: str) -> str | None:
+        async with httpx.AsyncClient(timeout=5.0) as c:
+            resp = await c.get(f"{source.rstrip('/')}/v1/sessions/transfers/{tid}", headers=bearer_headers(token))
+        if resp.status_code != 200:
+            raise RuntimeError(f"source answered HTTP {resp.status_code}")
+        return resp.json().get("outgoing")
+
+    return ask
+
+
+async def _cut_pieces(request: Request) -> AsyncIterator[bytes]:
+    """The request body; a sender that goes away mid-round is a RoundCut to the protocol."""
+    try:
+        async for piece in request.stream():
+            yield piece
+    except ClientDisconnect:
+        raise RoundCut() from None
+
+
+def install_replica_routes(app: FastAPI, aengine: AsyncEngine, token: str | None = None) -> TransferTable:
+    """Mount the session-moving routes on a replica's app; returns the replica's TransferTable."""
+    token = token if token is not None else env_token()
+    import_limit, frame_limit = import_limits(aengine.engine)
+    table = TransferTable(EngineThreadOps.of(aengine), source_asker(token), import_limit=import_limit,
+                          frame_limit=frame_limit)
+    r = APIRouter(dependencies=[Depends(bearer_auth(token))])
+
+    @r.post("/v1/sessions/checkpoint")
+    async def checkpoint_route(body: CheckpointBody):
+        check_ids(body.sessions)
+        cid = check_id(body.checkpoint_id or new_checkpoint_id(), "checkpoint id")
+        busy = table.migrating_out()
+        if body.stop and busy:
+            raise HTTPError(409, f"a migration (transfer {busy}) is in flight on this replica")
+        dest = body.destination or allowed_roots()[0].joinpath("checkpoints").as_uri()
+        store = _open_store(dest)
+
+        def cut(e: LLMEngine):
+            snaps = take_snapshot(e, body.sessions)
+            if body.stop:
+                e.pause([s.state.session_id for s in snaps])
+            return snaps, model_ref(e), e.layout.to_dict(), geometry(e)
+
+        try:
+            snaps, mref, lay, geo = await aengine.call(cut)
+        except KeyError as e:
+            raise HTTPError(404, str(e.args[0])) from None
+        ids = [s.state.session_id for s in snaps]
+
+        def write():
+            with CheckpointWriter(store, cid, codec=body.codec) as w:
+                write_snapshot(snaps, w)
+                w.commit(mref, lay, geo, {"stop": body.stop})
+                return w.bytes_written
+
+        try:
+            nbytes = await asyncio.to_thread(write)
+        except BaseException as e:
+            if body.stop:
+                try:  # nothing committed: the source keeps serving
+                    await aengine.call(lambda e: e.resume(ids))
+                except Exception:  # noqa: BLE001 - a dead engine has nothing left to resume
+                    pass
+            if isinstance(e, (StorageError, HTTPError)) or not isinstance(e, Exception):
+                raise
+            # the store failed (disk full, S3 gone): a clear error, never a stack trace
+            raise HTTPError(502, f"checkpoint {cid} was not written to {dest}: {type(e).__name__}: {e}; "
+                                 f"nothing was committed" + ("; the sessions continue here" if body.stop else "")
+                            ) from None
+        if body.stop:
+            await aengine.call(lambda e: e.release(ids))
+        return {"checkpoint": f"{dest.rstrip('/')}/{cid}", "checkpoint_id": cid, "sessions": ids, "bytes": nbytes}
+
+    @r.post("/v1/sessions/restore")
+    async def restore_route(body: RestoreBody):
+        check_ids(body.sessions)
+        base, cid = split_checkpoint_uri(body.checkpoint)
+        store = _open_store(base)
+        reader = await asyncio.to_thread(CheckpointReader, store, cid)
+        # cheap refusals first (model, geometry, ids, room): the sizes a manifest declares are
+        # bounded by what this replica can hold before any chunk is fetched or decoded
+        await aengine.call(lambda e: _precheck_restore(e, reader.manifest, body.sessions))
+        await asyncio.to_thread(reader.verify)  # hashes checked before the engine is touched
+        ids = await aengine.call(lambda e: restore(e, reader, body.sessions, verify=False))
+        return {"sessions": ids}
+
+    @r.post("/v1/sessions/export")
+    async def export_route(body: ExportBody):
+        check_id(body.transfer, "transfer id")
+        check_ids(body.sessions)
+        frames = await table.export(body.transfer, body.sessions, body.pause, body.codec, body.max_tokens, body.have)
+        return StreamingResponse(frames, media_type="application/x-relayout-frames")
+
+    @r.post(IMPORT_PATH)
+    async def import_route(request: Request, transfer: str, final: bool = False, source: str | None = None):
+        check_id(transfer, "transfer id")
+        if source is not None and (len(source) > 2048 or not URL_RE.fullmatch(source)):
+            raise HTTPError(400, "source must be the source replica's http(s) URL")
+        cl = request.headers.get("content-length")
+        declared = int(cl) if cl is not None and cl.isdigit() else None
+        try:
+            return await table.import_round(transfer, _cut_pieces(request), final, source, declared)
+        except RoundCut:
+            raise ClientDisconnect() from None
+
+    @r.post("/v1/sessions/transfers/{transfer}/commit")
+    async def commit_incoming(transfer: str):
+        """Target: the source has released the sessions; they run here from now on."""
+        return await table.commit(check_id(transfer, "transfer id"))
+
+    @r.get("/v1/sessions/transfers/{transfer}")
+    async def transfer_state(transfer: str):
+        return table.state(check_id(transfer, "transfer id"))
+
+    @r.delete("/v1/sessions/transfers/{transfer}")
+    async def abort_transfer(transfer: str):
+        await table.abort(check_id(transfer, "transfer id"))
+        return {"aborted": transfer}
+
+    @r.post("/v1/sessions/release")
+    async def release_route(body: SessionsBody):
+        """Source, two-phase commit: the target holds the sessions now; free them here. With
+        `transfer`, refused (409) unless that transfer is still live here (not expired)."""
+        check_ids(body.sessions)
+        if body.transfer is not None:
+            check_id(body.transfer, "transfer id")
+        await table.release(body.sessions, body.transfer, body.migrated_to)
+        return {"sessions": body.sessions}
+
+    @r.post("/v1/sessions/resume")
+    async def resume_route(body: SessionsBody):
+        check_ids(body.sessions)
+        await aengine.call(lambda e: e.resume(body.sessions))
+        return {"sessions": body.sessions}
+
+    app.include_router(r)
+    app.add_middleware(BodyLimit, limit=lambda path: MAX_JSON_BODY if (
+        path.startswith("/v1/sessions/") and path != IMPORT_PATH) else None)
+
+    @app.exception_handler(TransferError)
+    async def _transfer_error(_: Request, e: TransferError):
+        return error_response(STATUS.get(type(e), 409), str(e))
+
+    @app.exception_handler(RestoreError)
+    async def _restore_error(_: Request, e: RestoreError):
+        return error_response(409, str(e), "conflict")
+
+    @app.exception_handler(StorageError)
+    async def _storage_error(_: Request, e: StorageError):
+        return error_response(400, f"{type(e).__name__}: {e}", "checkpoint_error")
+
+    return table

@@ -1,0 +1,109 @@
+"""A whole replica: engine.server's OpenAI API plus the routes that move sessions
+(migrate.replica_routes), served until SIGTERM/SIGINT. `relayout serve` runs this; so does
+
+    python -m relayout.migrate.serve --model M --layout L --host H --port P [--kv-cache-mb N]
+        [--device D] [--local-ranks 0,1] [--rank-endpoint HOST:PORT]
+
+Once listening it prints `relayout serving MODEL on http://HOST:PORT`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+
+from fastapi import FastAPI
+from relayout.engine.async_engine import AsyncEngine
+from relayout.engine.server import create_app
+from relayout.engine.workers import RankPlacement
+from relayout.migrate.replica_routes import install_replica_routes
+
+
+def create_replica_app(aengine: AsyncEngine, model_name: str) -> FastAPI:
+    """The replica's app: serving, checkpoint/restore and live transfers."""
+    app = create_app(aengine, model_name)
+    install_replica_routes(app, aengine)
+    return app
+
+
+def rank_placement(local_ranks: list[int] | None, rank_endpoint: str | None) -> RankPlacement | None:
+    """Where the ranks run when some join from other hosts (None: all here). ValueError for a bad endpoint."""
+    from relayout.engine.workers import split_hostport
+
+    if local_ranks is None and rank_endpoint is None:
+        return None
+    split_hostport(rank_endpoint or "127.0.0.1:0")
+    return RankPlacement(local_ranks=local_ranks, endpoint=rank_endpoint or "127.0.0.1:0",
+                         token=os.environ.get("RELAYOUT_TOKEN"))
+
+
+def serve(model: str = "builtin:tiny", layout: str | None = None, host: str = "127.0.0.1", port: int = 8000,
+          kv_cache_mb: int | None = None, device: str | None = None, placement: RankPlacement | None = None,
+          dtype: str | None = None, kv_dtype: str | None = None) -> None:
+    """Load the model, serve it until SIGTERM/SIGINT, then shut the engine (and its ranks) down."""
+    import uvicorn
+    from relayout.engine.engine import LLMEngine
+
+    # uvicorn re-raises the signal it caught once it has shut down; make that a clean exit 0
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    engine = LLMEngine(model, layout, kv_cache_bytes=kv_cache_mb * 2**20 if kv_cache_mb else None, device=device,
+                       placement=placement, dtype=dtype, kv_dtype=kv_dtype)
+    aengine = AsyncEngine(engine)
+    try:
+        app = create_replica_app(aengine, model)
+
+        class _Server(uvicorn.Server):
+            async def startup(self, sockets=None):
+                await super().startup(sockets)
+                if self.started:
+                    bound = self.servers[0].sockets[0].getsockname()[1] if self.servers else port
+                    print(f"relayout serving {model} on http://{host}:{bound}", flush=True)
+
+            async def shutdown(self, sockets=None):
+                await aengine.stop()  # end open streams first, so their connections can close
+                await super().shutdown(sockets)
+
+        _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)).run()
+    finally:
+        aengine.stop_sync(timeout=10)
+        if not aengine.started:  # never started: the loop thread did not shut the engine down
+            engine.shutdown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    from relayout.engine.config import ModelConfigError
+    from relayout.engine.layout import LayoutError
+    from relayout.engine.weights import ModelNotFoundError
+    from relayout.engine.workers import RankFailure
+
+    ap = argparse.ArgumentParser(prog="python -m relayout.migrate.serve", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", "-m", default="builtin:tiny")
+    ap.add_argument("--layout", "-l", default=None)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--kv-cache-mb", type=int, default=None)
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--dtype", default=None, help="weights and activations: float32, bfloat16, float16 "
+                    "(default bfloat16 on CUDA, float32 on the CPU)")
+    ap.add_argument("--kv-dtype", default="auto", help="KV cache: auto (the model dtype) or fp8_e4m3")
+    ap.add_argument("--local-ranks", default=None, help="ranks to run on this host, e.g. 0,1 (default: all)")
+    ap.add_argument("--rank-endpoint", default=None, help="HOST:PORT where ranks join this driver")
+    a = ap.parse_args(argv)
+    if a.kv_cache_mb is not None and a.kv_cache_mb < 1:
+        ap.error("--kv-cache-mb must be at least 1")
+    try:
+        ranks = None if a.local_ranks is None else [int(x) for x in a.local_ranks.split(",") if x.strip()]
+        placement = rank_placement(ranks, a.rank_endpoint)
+    except ValueError as e:
+        ap.error(f"--local-ranks/--rank-endpoint: {e}")
+    try:
+        serve(a.model, a.layout, a.host, a.port, kv_cache_mb=a.kv_cache_mb, device=a.device, placement=placement,
+              dtype=a.dtype, kv_dtype=a.kv_dtype)
+    except (LayoutError, ModelNotFoundError, ModelConfigError, RankFailure, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,405 @@
+"""The replica's half of the live-migration protocol (docs/protocol.md): every transfer this
+replica takes part in, as source (outgoing) or target (incoming), its lease, the two-phase
+commit and the sweeper that decides alone once the migrator is gone.
+
+No HTTP here: `TransferTable` is driven by migrate.replica_routes (or by a test) and reaches
+the engine through `EngineOps` and the source replica through an `AskSource` callable, so
+every transition can run in one process with a fake clock.
+
+Leases: a transfer idle for `ttl` seconds is ended by the sweeper. The source resumes what it
+paused (a late release is refused from then on); the target frees reservations of a transfer
+still receiving, and for one whose final round placed sessions (in doubt) waits one more ttl
+(by then the source has released or resumed them), then asks the source how it ended:
+released (or unknown: the source restarted) -> commit, aborted/expired -> drop; no answer
+for 10 ttl -> drop."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from relayout.engine.snapshot import SessionSnapshot, write_snapshot
+from relayout.migrate.frame_sink import FrameSink
+from relayout.storage.checkpoint import CheckpointWriter
+from relayout.storage.manifest import KVEntry, KVGeometry, Manifest, ModelRef
+from relayout.storage.store_base import Store
+from relayout.storage.stores import MemoryStore
+from relayout.storage.stream import StreamReceiver, encode_abort_frame
+
+MAX_TRANSFERS = 64  # incoming transfers in flight at once
+DONE_KEEP = 1024  # finished transfers remembered (for a target that asks how one ended)
+DOUBT_GIVE_UP = 10  # ttls a target in doubt keeps asking a silent source before it drops its copy
+
+Clock = Callable[[], float]
+# (source replica URL, transfer id) -> the source's "outgoing" state of that transfer (None: it
+# does not know it); raises when the source cannot be asked
+AskSource = Callable[[str, str], Awaitable[str | None]]
+
+
+def transfer_ttl() -> float:
+    """Seconds a live transfer may sit idle before the replica decides it alone (its migrator is gone)."""
+    try:
+        return max(0.5, float(os.environ.get("RELAYOUT_TRANSFER_TTL_S", "60")))
+    except ValueError:
+        return 60.0
+
+
+# ---- refusals (the routes map each to its HTTP status) ---------------------------------------------
+class TransferError(Exception):
+    """A request the protocol refuses; nothing changed."""
+
+
+class TransferConflict(TransferError):
+    """The transfer is in the wrong state for this (ended, final round already run, busy)."""
+
+
+class UnknownTransfer(TransferError):
+    """No such transfer here, now or in the recent past."""
+
+
+class UnknownSession(TransferError):
+    """A session named in the request is not on this replica."""
+
+
+class TooManyTransfers(TransferError):
+    """MAX_TRANSFERS incoming transfers are already in flight."""
+
+
+class ImportTooLarge(TransferError):
+    """A round declares or sends more than this replica could ever hold."""
+
+
+class RoundCut(Exception):
+    """The sender of an import round went away mid-stream (raised by the round's byte source)."""
+
+
+# ---- the records --------------------------------------------------------------------------------
+@dataclass
+class Cut:
+    """A round cut on the source's engine thread: sessions it paused (final round) and their snapshots."""
+
+    paused: list[str]
+    snaps: list[SessionSnapshot]
+    model: ModelRef
+    layout: dict
+    geometry: KVGeometry
+
+
+@dataclass
+class Outgoing:
+    """Source: one outgoing transfer — what earlier rounds sent, and its lease."""
+
+    transfer_id: str
+    last: float  # clock time of the last sign of life (a round started or produced bytes)
+    sent_upto: dict[str, int] = field(default_factory=dict)  # session -> KV tokens sent
+    entries: list[KVEntry] = field(default_factory=list)  # every chunk sent by completed rounds
+    sent_hashes: set[str] = field(default_factory=set)
+    rounds: int = 0
+    paused: list[str] = field(default_factory=list)  # held by the final round, until release or resume
+
+
+@dataclass
+class Incoming:
+    """Target: one incoming transfer — staged chunks, reserved blocks, placed sessions, its lease
+    (the KV part is engine.receive.IncomingKV)."""
+
+    transfer_id: str
+    last: float
+    source: str | None = None  # whom to ask how the transfer ended, if its migrator disappears
+    store: Store = field(default_factory=MemoryStore)
+    blocks: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
+    upto: dict[str, int] = field(default_factory=dict)
+    placed: list[str] = field(default_factory=list)
+    staged: int = 0  # bytes received, all rounds together
+    final: bool = False  # the final round placed the sessions: held until commit
+    first_doubt: float | None = None
+
+
+class EngineOps(Protocol):
+    """What the protocol does on the replica's engine thread (migrate.engine_ops: the real one)."""
+
+    async def cut(self, sessions: list[str] | None, pause: bool, sent: dict[str, int],
+                  max_tokens: int | None) -> Cut:
+        """Snapshot the sessions (all live ones: None) from `sent` on; with `pause`, hold them first.
+        KeyError for a session that is not here."""
+
+    async def resume(self, session_ids: list[str]) -> None: ...
+
+    async def release(self, session_ids: list[str], migrated_to: str | None) -> None: ...
+
+    async def receive(self, t: Incoming, manifest: Manifest, final: bool) -> dict: ...
+
+    async def commit(self, t: Incoming) -> list[str]: ...
+
+    async def abort(self, t: Incoming) -> None: ...
+
+
+# ---- the table ----------------------------------------------------------------------------------
+class TransferTable:
+    """Every transfer of one replica, both directions. Methods run on one asyncio loop."""
+
+    def __init__(self, ops: EngineOps, ask_source: AskSource | None = None, *, clock: Clock = time.monotonic,
+                 ttl: Callable[[], float] = transfer_ttl, import_limit: int = 1 << 62,
+                 frame_limit: int | None = None, max_transfers: int = MAX_TRANSFERS, autosweep: bool = True):
+        self.ops, self.ask_source, self.clock, self.ttl = ops, ask_source, clock, ttl
+        self.import_limit, self.frame_limit = import_limit, frame_limit or import_limit
+        self.max_transfers, self.autosweep = max_transfers, autosweep
+        self.outgoing: dict[str, Outgoing] = {}
+        self.incoming: dict[str, Incoming] = {}
+        self.out_done: OrderedDict[str, str] = OrderedDict()  # transfer -> released | aborted | expired
+        self.in_done: OrderedDict[str, str] = OrderedDict()  # transfer -> committed | aborted | expired
+        self._sweeper: asyncio.Task | None = None
+
+    # ---- what the replica reports -------------------------------------------------------------------
+    def migrating_out(self) -> str | None:
+        """The outgoing transfer in flight, if any (at most one)."""
+        return next(iter(self.outgoing), None)
+
+    def state(self, tid: str) -> dict:
+        """How this replica sees a transfer: outgoing active|paused|released|aborted|expired,
+        incoming receiving|placed|committed|aborted|expired (None: unknown here)."""
+        o, i = self.outgoing.get(tid), self.incoming.get(tid)
+        return {"transfer": tid,
+                "outgoing": ("paused" if o.paused else "active") if o else self.out_done.get(tid),
+                "incoming": ("placed" if i.final else "receiving") if i else self.in_done.get(tid),
+                "placed": list(i.placed) if i else [],
+                # chunks held (verified), so an interrupted round resumes after them
+                "chunks": sorted(i.store.chunk_hashes()) if i else []}  # type: ignore[attr-defined]
+
+    # ---- source ---------------------------------------------------------------------------------------
+    async def export(self, tid: str, sessions: list[str] | None, pause: bool = False, codec: str = "none",
+                     max_tokens: int | None = None, have: list[str] | None = None) -> Iterator[bytes]:
+        """Cut one round (the final one with `pause`) and return its frames, to be streamed to the
+        target. `have`: a retry of a cut round — the chunks the target acknowledges holding."""
+        o = self.outgoing.get(tid)
+        if o is None:
+            if tid in self.out_done:
+                raise TransferConflict(f"transfer {tid} already ended ({self.out_done[tid]})")
+            if self.outgoing:
+                raise TransferConflict(f"this replica is already migrating out (transfer {self.migrating_out()}): "
+                                       "one outgoing migration at a time")
+            o = self.outgoing[tid] = Outgoing(tid, self.clock())
+            self._ensure_sweeper()
+        if o.paused:
+            raise TransferConflict(f"transfer {tid} already ran its final round")
+        o.last = self.clock()
+        sent = dict(o.sent_upto)
+        if have is not None:
+            # the previous round was cut: what it sent may not have arrived; resend all but the
+            # chunks of completed rounds and those the target says it holds
+            o.sent_hashes.clear()
+            o.sent_hashes.update(e.chunk.hash for e in o.entries)
+            o.sent_hashes.update(h for h in have if isinstance(h, str) and len(h) == 32)
+        try:
+            cut = await self.ops.cut(sessions, pause, sent, None if pause else max_tokens)
+        except KeyError as e:
+            raise UnknownSession(str(e.args[0])) from None
+        if self.outgoing.get(tid) is not o:  # expired or aborted meanwhile: give them back
+            await self._resume(cut.paused)
+            raise TransferConflict(f"transfer {tid} ended while its round was cut")
+        o.paused = cut.paused
+        o.rounds += 1
+        return self._frames(o, cut, sent, codec, pause)
+
+    def _frames(self, o: Outgoing, cut: Cut, sent: dict[str, int], codec: str, final: bool) -> Iterator[bytes]:
+        rnd = o.rounds
+        try:
+            sink = FrameSink(o.sent_hashes, codec)
+            w = CheckpointWriter(sink, f"{o.transfer_id}-r{rnd}", codec=codec)
+            # earlier rounds' chunks, of the sessions still moving (one that finished since has no
+            # entry in this manifest; the target frees its reservation)
+            moving = {snap.state.session_id for snap in cut.snaps}
+            w.carry([e for e in o.entries if e.session_id in moving])
+            for snap in cut.snaps:
+                write_snapshot([snap], w, sent)
+                o.last = self.clock()
+                yield from sink.take()
+            m = w.commit(cut.model, cut.layout, cut.geometry, {"transfer": o.transfer_id, "round": rnd,
+                                                               "final": final})
+        except Exception as e:  # noqa: BLE001 - tell the receiver why, in-band, instead of a torn stream
+            yield encode_abort_frame(f"source failed to export round {rnd}: {type(e).__name__}: {e}")
+            return
+        o.entries = list(m.kv_entries)
+        for snap in cut.snaps:
+            o.sent_upto[snap.state.session_id] = snap.num_kv_tokens
+        o.last = self.clock()
+        yield from sink.take()
+
+    async def release(self, session_ids: list[str], tid: str | None = None, migrated_to: str | None = None) -> None:
+        """The commit, on the source: the target holds the sessions; free them here. With `tid`,
+        refused unless that transfer is still live here (not expired)."""
+        if tid is not None:
+            if tid not in self.outgoing:
+                raise TransferConflict(f"transfer {tid} is {self.out_done.get(tid, 'unknown')} on the source: "
+                                       "not released, the sessions stay here")
+            self.outgoing.pop(tid)  # no await since the check: the sweeper cannot expire it in between
+            self._remember(self.out_done, tid, "released")
+        await self.ops.release(session_ids, migrated_to)
+
+    async def end_outgoing(self, tid: str, state: str) -> None:
+        """Source: forget the transfer; sessions it paused and nobody released run here again."""
+        o = self.outgoing.pop(tid, None)
+        if o is None:
+            return
+        self._remember(self.out_done, tid, state)
+        await self._resume(o.paused)
+
+    # ---- target ---------------------------------------------------------------------------------------
+    def open_import(self, tid: str, source: str | None = None, declared: int | None = None) -> Incoming:
+        """The transfer a new import round adds to (created by its first round)."""
+        if declared is not None and declared > self.import_limit:
+            raise ImportTooLarge(f"transfer round of {declared} bytes exceeds this replica's import limit of "
+                                 f"{self.import_limit}")
+        i = self.incoming.get(tid)
+        if i is None:
+            if tid in self.in_done:
+                raise TransferConflict(f"transfer {tid} already ended ({self.in_done[tid]})")
+            if len(self.incoming) >= self.max_transfers:
+                raise TooManyTransfers("too many transfers in flight")
+            i = self.incoming[tid] = Incoming(tid, self.clock(), source)
+            self._ensure_sweeper()
+        elif i.final:
+            raise TransferConflict(f"transfer {tid} already ran its final round")
+        i.last = self.clock()
+        return i
+
+    async def import_round(self, tid: str, pieces: AsyncIterator[bytes], final: bool = False,
+                           source: str | None = None, declared: int | None = None) -> dict:
+        """Receive one round's frames from `pieces` and import them. A round cut in pre-copy
+        (`RoundCut` from `pieces`) keeps what arrived (chunks verified on receipt) and the
+        reservations, so the migrator can resume from the acknowledged chunks, and the lease
+        frees everything if it never comes back; any other failure drops the transfer."""
+        i = self.open_import(tid, source, declared)
+        recv = StreamReceiver(i.store, max_frame_bytes=self.frame_limit)
+        try:
+            async for piece in pieces:
+                if piece:
+                    i.staged += len(piece)
+                    i.last = self.clock()
+                    if i.staged > self.import_limit:
+                        raise ImportTooLarge(f"transfer {tid} sent more than this replica's import limit of "
+                                             f"{self.import_limit} bytes")
+                    recv.feed(piece)
+            manifest = recv.close()
+            res = await self.ops.receive(i, manifest, final)
+        except RoundCut:
+            if final:
+                await asyncio.shield(self.drop_incoming(tid, "aborted"))
+            i.last = self.clock()
+            raise
+        except BaseException:
+            # a garbled or refused round: nothing stays reserved for it
+            await asyncio.shield(self.drop_incoming(tid, "aborted"))
+            raise
+        i.last = self.clock()
+        if final:
+            i.final = True
+            res["placed"] = list(i.placed)
+        return res
+
+    async def commit(self, tid: str) -> dict:
+        """Target, the second phase: the source has released the sessions; they run here from now
+        on. Idempotent: a repeated commit answers `already: committed`."""
+        if tid not in self.incoming:
+            if self.in_done.get(tid) == "committed":
+                return {"sessions": [], "already": "committed"}
+            if tid in self.in_done:
+                raise TransferConflict(f"no incoming transfer {tid!r} ({self.in_done[tid]})")
+            raise UnknownTransfer(f"no incoming transfer {tid!r}")
+        if not self.incoming[tid].final:
+            raise TransferConflict(f"transfer {tid} has not run its final round")
+        return {"sessions": await self._commit_now(tid)}
+
+    async def _commit_now(self, tid: str) -> list[str]:
+        i = self.incoming.pop(tid)
+        self._remember(self.in_done, tid, "committed")
+        return await self.ops.commit(i)
+
+    async def drop_incoming(self, tid: str, state: str) -> None:
+        """Target: free the reservations and uncommitted sessions of a transfer."""
+        i = self.incoming.pop(tid, None)
+        if i is None:
+            return
+        self._remember(self.in_done, tid, state)
+        try:
+            await self.ops.abort(i)
+        except Exception:  # noqa: BLE001 - a dead engine holds nothing any more
+            pass
+
+    # ---- either side ------------------------------------------------------------------------------
+    async def abort(self, tid: str) -> None:
+        """Forget the transfer: the source resumes what it paused and did not release, the target
+        frees reservations and uncommitted sessions."""
+        await self.end_outgoing(tid, "aborted")
+        await self.drop_incoming(tid, "aborted")
+
+    # ---- the sweeper ---------------------------------------------------------------------------------
+    async def sweep(self) -> None:
+        """End every transfer whose lease lapsed (see the module docstring); one pass."""
+        now, ttl = self.clock(), self.ttl()
+        for tid, o in list(self.outgoing.items()):
+            if now - o.last > ttl:
+                await self.end_outgoing(tid, "expired")
+        for tid, i in list(self.incoming.items()):
+            if now - i.last <= ttl:
+                continue
+            if not i.final:
+                await self.drop_incoming(tid, "expired")
+                continue
+            if now - i.last <= 2 * ttl:  # by then the source has either released or resumed them
+                continue
+            i.first_doubt = i.first_doubt or now
+            verdict = await self._ask(tid, i)
+            if tid not in self.incoming:
+                continue
+            if verdict == "commit":
+                await self._commit_now(tid)
+            elif verdict == "abort" or now - i.first_doubt > DOUBT_GIVE_UP * ttl:
+                await self.drop_incoming(tid, "expired")
+
+    async def _ask(self, tid: str, i: Incoming) -> str | None:
+        """In doubt (placed, no commit, the migrator gone): "commit", "abort", or None (no answer yet)."""
+        if i.source is None or self.ask_source is None:
+            return "abort"  # nobody to ask: the source's lease expired and it resumed them
+        try:
+            state = await self.ask_source(i.source, tid)
+        except Exception:  # noqa: BLE001 - unreachable, or not a replica: keep asking
+            return None
+        if state == "released" or state is None:  # None: the source restarted; this copy is the only one
+            return "commit"
+        if state in ("aborted", "expired"):
+            return "abort"
+        return None  # still active on the source
+
+    async def run_sweeper(self) -> None:
+        """Sweep while there are transfers (a task started by the first transfer)."""
+        while self.outgoing or self.incoming:
+            await asyncio.sleep(min(1.0, self.ttl() / 4))
+            try:
+                await self.sweep()
+            except Exception:  # noqa: BLE001 - keep sweeping
+                pass
+
+    def _ensure_sweeper(self) -> None:
+        if self.autosweep and (self._sweeper is None or self._sweeper.done()):
+            self._sweeper = asyncio.get_running_loop().create_task(self.run_sweeper())
+
+    # ---- helpers ---------------------------------------------------------------------------------------
+    async def _resume(self, ids: list[str]) -> None:
+        if ids:
+            try:
+                await self.ops.resume(ids)
+            except Exception:  # noqa: BLE001 - a dead engine has nothing left to resume
+                pass
+
+    @staticmethod
+    def _remember(done: OrderedDict[str, str], tid: str, state: str) -> None:
+        done[tid] = state
+        done.move_to_end(tid)
+        while len(done) > DONE_KEEP:
+            done.popitem(last=False)
