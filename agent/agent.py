@@ -6,7 +6,6 @@ migration operations against them, and lists its own checkpoint store.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import signal
 import sys
 from contextlib import asynccontextmanager
@@ -14,28 +13,22 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import APIRouter, Depends, FastAPI
 from fastapi.responses import PlainTextResponse
 from prometheus_client import generate_latest
 from relayout.agent.drain import drain_node
 from relayout.agent.node import Agent, check_dtypes
 from relayout.agent.schema import (
-    ID_RE,
-    MAX_BODY,
     OP_TIMEOUT,
-    AgentError,
     CheckpointBody,
     DrainBody,
     MigrateBody,
     ReplicaBody,
     RestoreBody,
-    check_id,
-    check_session_ids,
-    error_response,
     validate_layout,
 )
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from relayout.engine import web
+from relayout.engine.web import HTTPError
 
 
 def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "127.0.0.1") -> FastAPI:
@@ -54,50 +47,10 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
     app = FastAPI(title="relayout agent", version="1", lifespan=lifespan)
     app.state.agent = ag
 
-    @app.middleware("http")
-    async def limit_body(request: Request, call_next):
-        cl = request.headers.get("content-length")
-        if cl is not None:
-            try:
-                if int(cl) > MAX_BODY:
-                    return error_response(413, "too_large", f"request body over {MAX_BODY} bytes")
-            except ValueError:
-                return error_response(400, "invalid_request", "bad content-length")
-        elif request.method in ("POST", "PUT", "PATCH"):
-            body = b""
-            async for chunk in request.stream():
-                body += chunk
-                if len(body) > MAX_BODY:
-                    return error_response(413, "too_large", f"request body over {MAX_BODY} bytes")
-            request._body = body  # type: ignore[attr-defined]
-        return await call_next(request)
-
-    @app.exception_handler(AgentError)
-    async def _agent_error(_: Request, e: AgentError):
-        return error_response(e.status, e.code, e.message)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, e: RequestValidationError):
-        parts = []
-        for d in e.errors()[:5]:
-            loc = ".".join(str(x) for x in d.get("loc", ()) if x != "body")
-            parts.append(f"{loc or 'body'}: {d.get('msg')}")
-        return error_response(422, "invalid_request", "; ".join(parts) or "invalid request")
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, e: StarletteHTTPException):
-        return error_response(e.status_code, "not_found" if e.status_code == 404 else "invalid_request", str(e.detail))
-
-    @app.exception_handler(Exception)
-    async def _internal(_: Request, e: Exception):
-        return error_response(500, "internal", f"internal error: {type(e).__name__}")
-
-    def auth(request: Request) -> None:
-        if ag.token is None:
-            return
-        got = request.headers.get("authorization", "")
-        if not hmac.compare_digest(got.encode(), f"Bearer {ag.token}".encode()):
-            raise AgentError(401, "missing or wrong bearer token")
+    # every body is a small JSON document: 1 MiB at most; errors as {"error": {"code": slug, "message"}}
+    app.add_middleware(web.BodyLimit, limit=lambda _path: web.MAX_JSON_BODY, dialect="agent")
+    web.install_error_handlers(app, dialect="agent", validation_status=422)
+    auth = web.bearer_auth(lambda: ag.token)
 
     @app.get("/healthz")
     async def healthz():
@@ -114,8 +67,6 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
         ag.m_sessions.set(sum(ag.sessions_seen.values()))
         return PlainTextResponse(generate_latest(ag.metrics).decode(), media_type="text/plain; version=0.0.4")
 
-    from fastapi import APIRouter
-
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(auth)])
 
     # ---- replicas ------------------------------------------------------------------------
@@ -128,9 +79,9 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
     @v1.post("/replicas", status_code=201)
     async def create_replica(body: ReplicaBody):
         if ag.draining:
-            raise AgentError(409, "agent is draining: no new replicas until POST /v1/undrain")
+            raise HTTPError(409, "agent is draining: no new replicas until POST /v1/undrain")
         if body.name and body.name in ag.reg.replicas:
-            raise AgentError(409, f"replica {body.name!r} already exists")
+            raise HTTPError(409, f"replica {body.name!r} already exists")
         layout = await asyncio.to_thread(validate_layout, body.model, body.layout)
         return await ag.launch(body.model, layout, body.name, dtype=body.dtype, kv_dtype=body.kv_dtype)
 
@@ -142,7 +93,7 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
     async def delete_replica(rid: str):
         ag.get_replica(rid)
         if rid in ag.busy:
-            raise AgentError(409, f"replica {rid!r} is busy with operation {ag.busy[rid]}")
+            raise HTTPError(409, f"replica {rid!r} is busy with operation {ag.busy[rid]}")
         await asyncio.to_thread(ag.stop_replica, rid)
         r = ag.reg.replicas.pop(rid)
         ag.reg.save()
@@ -151,14 +102,14 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
     def running(rid: str) -> dict:
         r = ag.get_replica(rid)
         if r["status"] != "running":
-            raise AgentError(409, f"replica {rid!r} is {r['status']}")
+            raise HTTPError(409, f"replica {rid!r} is {r['status']}")
         return r
 
     # ---- operations ----------------------------------------------------------------------
     @v1.post("/replicas/{rid}/checkpoint", status_code=202)
     async def checkpoint(rid: str, body: CheckpointBody):
         r = running(rid)
-        check_session_ids(body.sessions)
+        web.check_ids(body.sessions)
         dest = body.destination or (ag.data_dir / "checkpoints").as_uri()
         if body.destination:
             from relayout.storage.stores import open_store
@@ -169,7 +120,7 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
                 elif not dest.startswith("s3://"):
                     raise ValueError(f"unsupported destination {dest!r}: use file:///path or s3://bucket/prefix")
             except ValueError as e:
-                raise AgentError(400, f"destination: {e}") from None
+                raise HTTPError(400, f"destination: {e}") from None
 
         async def work(op):
             op["phase"] = "checkpointing"
@@ -185,20 +136,19 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
 
     @v1.post("/restore", status_code=202)
     async def restore(body: RestoreBody):
-        check_session_ids(body.sessions)
-        from relayout.engine.web import HTTPError
+        web.check_ids(body.sessions)
         from relayout.migrate.replica_routes import split_checkpoint_uri
 
         try:
             split_checkpoint_uri(body.checkpoint)
         except HTTPError as e:
-            raise AgentError(400, f"checkpoint: {e.message}") from None
+            raise HTTPError(400, f"checkpoint: {e.message}") from None
         if isinstance(body.replica, str):
             running(body.replica)
             rid, new = body.replica, None
         else:
             if ag.draining:
-                raise AgentError(409, "agent is draining")
+                raise HTTPError(409, "agent is draining")
             nr = body.replica
             check_dtypes(nr.dtype, nr.kv_dtype)
             new = (nr.model, await asyncio.to_thread(validate_layout, nr.model, nr.layout), None, nr.dtype, nr.kv_dtype)
@@ -222,15 +172,15 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
     @v1.post("/replicas/{rid}/migrate", status_code=202)
     async def migrate(rid: str, body: MigrateBody):
         r = running(rid)
-        check_session_ids(body.sessions)
+        web.check_ids(body.sessions)
         try:
             from relayout.migrate.live import migrate_live  # type: ignore[import-not-found]
         except ImportError:
-            raise AgentError(501, "live migration is not available in this build (migrate.live missing); "
+            raise HTTPError(501, "live migration is not available in this build (migrate.live missing); "
                                   "use checkpoint + restore") from None
         t = body.target
         if t.replica is None and t.layout is None:
-            raise AgentError(400, "target: give either replica or layout")
+            raise HTTPError(400, "target: give either replica or layout")
         agent_url = t.agent.rstrip("/")
 
         async def work(op):
@@ -242,7 +192,7 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
                     resp = await c.post(f"{agent_url}/v1/replicas", headers=ag.headers(),
                                         json={"model": t.model or r["model"], "layout": t.layout})
             if resp.status_code >= 400:
-                raise AgentError(502, f"target agent answered {resp.status_code}: {resp.text[:300]}")
+                raise HTTPError(502, f"target agent answered {resp.status_code}: {web.error_message(resp)[:300]}")
             tr = resp.json()
             op["phase"] = "migrating"
 
@@ -268,32 +218,32 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
 
     @v1.get("/operations/{oid}")
     async def get_operation(oid: str):
-        check_id(oid, "operation")
+        web.check_id(oid, "operation", 404)
         op = ag.reg.operations.get(oid)
         if op is None:
-            raise AgentError(404, f"no operation {oid!r}")
+            raise HTTPError(404, f"no operation {oid!r}")
         return op
 
     @v1.post("/drain", status_code=202)
     async def drain(body: DrainBody):
         if ag.drain_op is not None and ag.reg.operations.get(ag.drain_op, {}).get("state") in ("pending", "running"):
-            raise AgentError(409, f"a drain is already running: operation {ag.drain_op}")
+            raise HTTPError(409, f"a drain is already running: operation {ag.drain_op}")
         target = body.target_agent.rstrip("/")
         try:
             async with httpx.AsyncClient(timeout=httpx.Timeout(5.0)) as c:
                 h = (await c.get(f"{target}/healthz")).json()
         except (httpx.HTTPError, httpx.InvalidURL, ValueError, TypeError, UnicodeError, OSError) as e:
-            raise AgentError(400, f"target_agent {target} is unreachable: {type(e).__name__}") from None
+            raise HTTPError(400, f"target_agent {target} is unreachable: {type(e).__name__}") from None
         if not isinstance(h, dict) or h.get("status") != "ok":
-            raise AgentError(400, f"target_agent {target} is not a healthy relayout agent")
+            raise HTTPError(400, f"target_agent {target} is not a healthy relayout agent")
         if h.get("agent_id") == ag.agent_id:
-            raise AgentError(400, "target_agent is this agent: drain to another node")
+            raise HTTPError(400, "target_agent is this agent: drain to another node")
         if h.get("draining"):
-            raise AgentError(409, f"target_agent {target} is draining itself")
+            raise HTTPError(409, f"target_agent {target} is draining itself")
         layouts: dict[str, str | None] = {}
         for rid, lay in (body.layouts or {}).items():
-            if not ID_RE.fullmatch(rid) or rid not in ag.reg.replicas:
-                raise AgentError(400, f"layouts: no replica {rid!r} on this node")
+            if not web.ID_RE.fullmatch(rid) or rid not in ag.reg.replicas:
+                raise HTTPError(400, f"layouts: no replica {rid!r} on this node")
             layouts[rid] = await asyncio.to_thread(validate_layout, ag.reg.replicas[rid]["model"], lay)
         ag.draining = True  # from now on: no new replicas here, and the gateways stop routing here
         ag.drain_op = ag.new_op("drain", None, lambda op: drain_node(ag, op, target, layouts))
@@ -302,7 +252,7 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
     @v1.post("/undrain")
     async def undrain():
         if ag.drain_op is not None and ag.reg.operations.get(ag.drain_op, {}).get("state") in ("pending", "running"):
-            raise AgentError(409, f"drain operation {ag.drain_op} is still running")
+            raise HTTPError(409, f"drain operation {ag.drain_op} is still running")
         ag.draining = False
         return {"draining": False}
 
@@ -319,7 +269,7 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
         try:
             m = Manifest.parse(store().get_manifest(cid))
         except StorageError as e:
-            raise AgentError(404 if "not found" in str(e) else 409, str(e)) from None
+            raise HTTPError(404 if "not found" in str(e) else 409, str(e)) from None
         sizes = {e.chunk.hash: e.chunk.size for e in m.kv_entries}
         return {"id": cid, "uri": f"{(ag.data_dir / 'checkpoints').as_uri()}/{cid}", "created_at": m.created_at,
                 "model": m.model.name, "source_layout": m.source_layout,
@@ -333,18 +283,18 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
 
     @v1.get("/checkpoints/{cid}")
     async def get_checkpoint(cid: str):
-        check_id(cid, "checkpoint")
+        web.check_id(cid, "checkpoint", 404)
         return await asyncio.to_thread(summary, cid)
 
     @v1.delete("/checkpoints/{cid}")
     async def delete_checkpoint(cid: str):
         from relayout.storage.errors import CheckpointNotFound
 
-        check_id(cid, "checkpoint")
+        web.check_id(cid, "checkpoint", 404)
         try:
             await asyncio.to_thread(lambda: store().delete_checkpoint(cid))
         except CheckpointNotFound:
-            raise AgentError(404, f"no checkpoint {cid!r}") from None
+            raise HTTPError(404, f"no checkpoint {cid!r}") from None
         return {"id": cid, "deleted": True}
 
     app.include_router(v1)

@@ -190,15 +190,14 @@ def migrate_replica(
     mode: str = typer.Option("live", "--mode", help="live (pre-copy) or cold"),
 ) -> None:
     """Move sessions between two replicas directly (no agent), with a progress display."""
-    import os
-
+    from relayout.engine.web import env_token
     from relayout.migrate.live import MigrationError, migrate_live
     from rich.progress import Progress
 
     with Progress(transient=True) as bar:
         task = bar.add_task("migrating", total=None)
         try:
-            res = migrate_live(source, target, session or None, token=os.environ.get("RELAYOUT_TOKEN"), mode=mode,
+            res = migrate_live(source, target, session or None, token=env_token(), mode=mode,
                                progress=lambda phase, n: bar.update(task, description=f"{phase} {n / 2**20:.1f} MiB"))
         except MigrationError as e:
             _fail(str(e), 1)
@@ -209,14 +208,14 @@ def migrate_replica(
 
 # ---- node agent ------------------------------------------------------------------------------------
 def _token(token_file: Path | None) -> str | None:
-    import os
+    from relayout.engine.web import env_token
 
     if token_file is not None:
         try:
             return token_file.read_text().strip() or None
         except OSError as e:
             _fail(f"cannot read --token-file: {e}")
-    return os.environ.get("RELAYOUT_TOKEN") or None
+    return env_token()
 
 
 @app.command()
@@ -236,21 +235,17 @@ def _run_operation(agent_url: str, path: str, body: dict, token_file: Path | Non
     import time
 
     import httpx
+    from relayout.engine.web import bearer_headers, error_message
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
 
-    tok = _token(token_file)
-    headers = {"Authorization": f"Bearer {tok}"} if tok else {}
+    headers = bearer_headers(_token(token_file))
     base = agent_url.rstrip("/")
     try:
         resp = httpx.post(f"{base}{path}", json=body, headers=headers, timeout=60)
     except httpx.HTTPError as e:
         _fail(f"cannot reach agent {base}: {e}", 1)
     if resp.status_code != 202:
-        try:
-            msg = resp.json()["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            msg = resp.text[:300]
-        _fail(f"{resp.status_code}: {msg}", 1)
+        _fail(f"{resp.status_code}: {error_message(resp)[:300]}", 1)
     oid = resp.json()["operation_id"]
     if not wait:
         print(json.dumps({"operation_id": oid}))
@@ -377,7 +372,8 @@ def drain(
 ) -> None:
     """Move every session of every replica on a node to new replicas on another agent (live), then the node
     refuses new replicas and sessions until `POST /v1/undrain`. Prints per-replica results."""
-    tok = _token(token_file)
+    from relayout.engine.web import bearer_headers
+
     base = agent_url.rstrip("/")
     body: dict = {}
     for item in layout or []:
@@ -385,7 +381,7 @@ def drain(
         if not sep or not rid or not lay:
             _fail(f"--layout wants REPLICA_ID=LAYOUT, got {item!r}")
         body.setdefault("layouts", {})[rid] = lay
-    target = target_agent or _drain_target(base, {"Authorization": f"Bearer {tok}"} if tok else {})
+    target = target_agent or _drain_target(base, bearer_headers(_token(token_file)))
     _run_operation(base, "/v1/drain", {"target_agent": target.rstrip("/"), **body}, token_file, wait=wait)
 
 

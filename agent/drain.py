@@ -9,7 +9,9 @@ from typing import Any
 
 import httpx
 from relayout.agent.node import Agent
-from relayout.agent.schema import OP_TIMEOUT, AgentError
+from relayout.agent.schema import OP_TIMEOUT
+from relayout.engine import web
+from relayout.engine.web import HTTPError
 
 DRAIN_PASSES = 8  # re-list and retry: sessions that finish or arrive while a replica is moved
 
@@ -50,7 +52,7 @@ async def drain_node(ag: Agent, op: dict, target: str, layouts: dict[str, str | 
         while rid in ag.busy and time.monotonic() < end:
             await asyncio.sleep(0.2)
         if rid in ag.busy:
-            raise AgentError(409, f"replica {rid} stayed busy with operation {ag.busy[rid]}")
+            raise HTTPError(409, f"replica {rid} stayed busy with operation {ag.busy[rid]}")
 
     async def launch_target(rid: str) -> None:
         e, r = entries[rid], ag.reg.replicas[rid]
@@ -59,7 +61,7 @@ async def drain_node(ag: Agent, op: dict, target: str, layouts: dict[str, str | 
             resp = await c.post(f"{target}/v1/replicas", headers=ag.headers(),
                                 json={"model": r["model"], "layout": (layouts or {}).get(rid, r.get("layout"))})
         if resp.status_code >= 400:
-            raise AgentError(502, f"target agent refused the replica ({resp.status_code}): {resp.text[:300]}")
+            raise HTTPError(502, f"target agent refused the replica ({resp.status_code}): {web.error_message(resp)[:300]}")
         tr = resp.json()
         e.update(target_replica=tr["id"], target_url=tr["url"], state="launched")
 
@@ -134,7 +136,7 @@ async def drain_node(ag: Agent, op: dict, target: str, layouts: dict[str, str | 
             await launch_target(rid)
             e["launch_s"] = round(time.monotonic() - t0, 2)
             await wait_not_busy(rid)
-        except AgentError as err:
+        except HTTPError as err:
             e.update(state="failed", error=err.message)
             return
         except (httpx.HTTPError, ValueError, KeyError) as err:
@@ -174,7 +176,7 @@ async def drain_node(ag: Agent, op: dict, target: str, layouts: dict[str, str | 
         ag.reg.save()
     bad = [e for e in entries.values() if e["state"] == "failed"]
     if bad:
-        raise AgentError(502, f"drain incomplete: {len(res['sessions_not_moved'])} session(s) not moved, "
+        raise HTTPError(502, f"drain incomplete: {len(res['sessions_not_moved'])} session(s) not moved, "
                               f"replica(s) {', '.join(e['replica'] for e in bad)} failed; see result")
     op["phase"] = "drained"
     return res

@@ -5,40 +5,33 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import secrets
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from relayout.agent.registry import Registry
-from relayout.agent.schema import OP_TIMEOUT, AgentError, check_id
+from relayout.agent.schema import OP_TIMEOUT
+from relayout.engine import web
+from relayout.engine.web import HTTPError
+from relayout.migrate import procs
 from relayout.migrate.procs import stop_process
 
-URL_RE = re.compile(r"relayout serving .* on (http://\S+)")
 LAUNCH_TIMEOUT = float(os.environ.get("RELAYOUT_LAUNCH_TIMEOUT", "180"))
 
 
 def check_dtypes(dtype: str | None, kv_dtype: str | None) -> None:
-    """A replica's dtype and KV dtype names, or AgentError 400 naming the allowed values."""
+    """A replica's dtype and KV dtype names, or HTTPError 400 naming the allowed values."""
     from relayout.engine.config import check_dtype, parse_kv_dtype
 
     try:
         check_dtype(dtype)
         parse_kv_dtype(kv_dtype)
     except ValueError as e:
-        raise AgentError(400, str(e)) from None
-
-
-def relayout_cmd() -> list[str]:
-    exe = Path(sys.executable).with_name("relayout")
-    if exe.exists():
-        return [str(exe)]
-    return [sys.executable, "-c", "from agent.cli import app; app()"]
+        raise HTTPError(400, str(e)) from None
 
 
 def _pid_alive(pid: int | None) -> bool:
@@ -84,7 +77,7 @@ class Agent:
 
     # ---- helpers -----------------------------------------------------------------------------
     def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        return web.bearer_headers(self.token)
 
     def file_roots(self) -> list[str]:
         roots = [str(self.data_dir)]
@@ -123,9 +116,9 @@ class Agent:
         return r
 
     def get_replica(self, rid: str) -> dict:
-        check_id(rid, "replica")
+        web.check_id(rid, "replica", 404)
         if rid not in self.reg.replicas:
-            raise AgentError(404, f"no replica {rid!r}")
+            raise HTTPError(404, f"no replica {rid!r}")
         return self.refresh(rid)
 
     # ---- replicas ---------------------------------------------------------------------------
@@ -134,47 +127,27 @@ class Agent:
         check_dtypes(dtype, kv_dtype)  # before any process starts
         rid = name or f"r-{secrets.token_hex(4)}"
         if rid in self.reg.replicas:
-            raise AgentError(409, f"replica {rid!r} already exists")
+            raise HTTPError(409, f"replica {rid!r} already exists")
         log = self.data_dir / "replicas" / f"{rid}.log"
-        cmd = relayout_cmd() + ["serve", "--model", model, "--host", self.host, "--port", "0"]
-        if layout:
-            cmd += ["--layout", layout]
-        if dtype:
-            cmd += ["--dtype", dtype]
-        if kv_dtype:
-            cmd += ["--kv-dtype", kv_dtype]
-        env = dict(os.environ, RELAYOUT_DATA_DIR=str(self.data_dir), RELAYOUT_FILE_ROOTS=os.pathsep.join(self.file_roots()))
-        if self.token:
-            env["RELAYOUT_TOKEN"] = self.token
-        else:
-            env.pop("RELAYOUT_TOKEN", None)
+        env = {"RELAYOUT_DATA_DIR": str(self.data_dir), "RELAYOUT_FILE_ROOTS": os.pathsep.join(self.file_roots()),
+               "RELAYOUT_TOKEN": self.token}  # None: the replica runs without one, whatever this env says
+        args = [*(["--dtype", dtype] if dtype else []), *(["--kv-dtype", kv_dtype] if kv_dtype else [])]
         self.reg.replicas[rid] = {"id": rid, "model": model, "layout": layout, "status": "starting", "pid": None,
                                   "url": None, "created_at": time.time()}
-        with open(log, "wb") as out:
-            p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                 start_new_session=True)
+        # its own session and a log file: the replica outlives an agent restart, which adopts it again
+        proc = procs.replica(layout, env, model, args, host=self.host, log=log, new_session=True, wait=False)
+        p = proc.p
         self.procs[rid] = p
         self.reg.replicas[rid]["pid"] = p.pid
-        deadline = time.monotonic() + LAUNCH_TIMEOUT
-        url = None
-        while time.monotonic() < deadline:
-            m = URL_RE.search(log.read_text(errors="replace"))
-            if m:
-                url = m.group(1)
-                break
-            if p.poll() is not None:
-                break
-            await asyncio.sleep(0.1)
-        if url is None:
-            tail = log.read_text(errors="replace")[-800:]
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        try:
+            url = await asyncio.to_thread(proc.wait_ready, LAUNCH_TIMEOUT)
+        except procs.LaunchError as e:
             self.reg.replicas.pop(rid, None)
             self.procs.pop(rid, None)
             self.reg.save()
-            raise AgentError(400 if p.returncode not in (None, -9) else 504,
-                             f"replica did not start (exit {p.returncode}): {tail.strip()[-400:]}", "launch_failed")
+            raise HTTPError(504 if e.timed_out or p.returncode == -9 else 400,
+                            f"replica did not start (exit {p.returncode}): {e.output.strip()[-400:]}",
+                            code="launch_failed") from None
         lay = None
         try:
             async with httpx.AsyncClient(timeout=10.0) as c:
@@ -234,7 +207,7 @@ class Agent:
     def new_op(self, kind: str, replica: str | None, work) -> str:
         if replica is not None:
             if replica in self.busy:
-                raise AgentError(409, f"replica {replica!r} is busy with operation {self.busy[replica]}")
+                raise HTTPError(409, f"replica {replica!r} is busy with operation {self.busy[replica]}")
         oid = f"op-{secrets.token_hex(6)}"
         op = {"id": oid, "kind": kind, "replica": replica, "state": "pending", "phase": "queued", "bytes_done": 0,
               "bytes_total": None, "stall_ms": None, "error": None, "result": None, "created_at": time.time()}
@@ -248,7 +221,7 @@ class Agent:
             try:
                 op["result"] = await work(op)
                 op["state"] = "succeeded"
-            except AgentError as e:
+            except HTTPError as e:
                 op.update(state="failed", error=e.message)
             except asyncio.CancelledError:
                 op.update(state="aborted", error="cancelled")
@@ -273,12 +246,10 @@ class Agent:
     async def replica_post(self, url: str, path: str, body: dict) -> dict:
         async with httpx.AsyncClient(timeout=OP_TIMEOUT) as c:
             resp = await c.post(f"{url}{path}", json=body, headers=self.headers())
-        try:
-            data = resp.json()
-        except ValueError:
-            data = {}
         if resp.status_code >= 400:
-            msg = (data.get("error") or {}).get("message") if isinstance(data, dict) else None
-            raise AgentError(resp.status_code if resp.status_code < 500 else 502,
-                             f"replica {path} failed ({resp.status_code}): {msg or resp.text[:300]}")
-        return data
+            raise HTTPError(resp.status_code if resp.status_code < 500 else 502,
+                            f"replica {path} failed ({resp.status_code}): {web.error_message(resp)[:300]}")
+        try:
+            return resp.json()
+        except ValueError:
+            return {}

@@ -4,7 +4,7 @@ On "relayout": launch a replica with the new layout through `launcher(model, lay
 live-migrate every session onto it (`migrate_live`, swept again for sessions that arrived
 meanwhile), switch the controlled URL to it and stop the old replica (`launcher.stop(url)`,
 after `stop_grace_s` so clients following `migrated_to` can still ask the old replica where
-their session went). The default launcher starts `relayout serve` subprocesses on this host;
+their session went). The default launcher starts replica servers (`procs.replica`) on this host;
 the node agent plugs its own.
 """
 
@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -22,23 +20,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
+from relayout.engine import web
 from relayout.engine.layout import Layout
+from relayout.migrate import procs
 from relayout.migrate.live import MigrationError, MigrationResult, migrate_live
 from relayout.migrate.policy import Decision, RelayoutPolicy
-from relayout.migrate.procs import stop_process
+from relayout.migrate.procs import LaunchError, stop_process
 
 __all__ = ["Controller", "LaunchError", "Step", "SubprocessLauncher"]
 
-_URL_RE = re.compile(r"serving .* on (http://\S+)")
-
-
-class LaunchError(RuntimeError):
-    pass
-
 
 class SubprocessLauncher:
-    """`relayout serve --model M --layout <JSON> --port 0` on this host; the replica's output goes
-    to a log file (so it outlives the controller); `stop(url)` sends SIGTERM."""
+    """A replica server (`procs.replica`: --model M --layout <JSON> --port 0) on this host; its output
+    goes to a log file (so it outlives the controller); `stop(url)` sends SIGTERM."""
 
     def __init__(self, host: str = "127.0.0.1", startup_timeout_s: float = 180.0, log_dir: str | None = None,
                  extra_args: tuple[str, ...] = ()):
@@ -51,27 +45,13 @@ class SubprocessLauncher:
 
     def __call__(self, model: str, layout: Layout) -> str:
         fd, log = tempfile.mkstemp(prefix="replica-", suffix=".log", dir=self.log_dir)
-        with os.fdopen(fd, "w") as out:
-            p = subprocess.Popen(
-                [sys.executable, "-m", "relayout.agent.cli", "serve", "--model", model, "--layout", json.dumps(layout.to_dict()),
-                 "--host", self.host, "--port", "0", *self.extra_args],
-                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < self.startup_timeout_s:
-            with open(log) as f:
-                m = _URL_RE.search(f.read())
-            if m:
-                url = m.group(1).rstrip("/")
-                self.procs[url], self.logs[url] = p, log
-                return url
-            if p.poll() is not None:
-                with open(log) as f:
-                    tail = f.read()[-2000:]
-                raise LaunchError(f"replica exited with {p.returncode}: {tail}")
-            time.sleep(0.1)
-        stop_process(p)
-        raise LaunchError(f"replica did not print its URL within {self.startup_timeout_s:g}s (log: {log})")
+        os.close(fd)
+        # its own session and a log file: the replica outlives the controller
+        proc = procs.replica(json.dumps(layout.to_dict()), None, model, self.extra_args, host=self.host, log=log,
+                             new_session=True, timeout=self.startup_timeout_s)
+        url = proc.url.rstrip("/")
+        self.procs[url], self.logs[url] = proc.p, log
+        return url
 
     def stop(self, url: str) -> bool:
         """Stop a replica this launcher started (False for any other URL)."""
@@ -116,7 +96,7 @@ class Controller:
         self.policy = policy if policy is not None else RelayoutPolicy()
         self.interval = interval
         self.dry_run = dry_run
-        self.token = token if token is not None else os.environ.get("RELAYOUT_TOKEN")
+        self.token = token if token is not None else web.env_token()
         self.mode = mode
         self.stop_grace_s = stop_grace_s
         self.sweeps = sweeps
@@ -126,7 +106,7 @@ class Controller:
         self._stopping: list[threading.Thread] = []
 
     def _headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        return web.bearer_headers(self.token)
 
     def _get_replica(self, url: str) -> dict:
         r = httpx.get(f"{url}/v1/replica", headers=self._headers(), timeout=30)

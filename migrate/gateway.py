@@ -9,13 +9,13 @@ one unbroken stream: no token lost, repeated or changed, no error.
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import AsyncIterator
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from relayout.engine.web import bearer_headers, env_token, error_response, install_error_handlers
 
 MAX_HOPS = 16
 
@@ -31,7 +31,7 @@ class Upstreams:
         self._cache: tuple[float, list[str]] = (0.0, [])
 
     def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        return bearer_headers(self.token)
 
     async def candidates(self, client: httpx.AsyncClient) -> list[str]:
         if not self.agents:
@@ -61,12 +61,10 @@ class Upstreams:
 
 
 def create_gateway_app(agents: list[str], replicas: list[str] | None = None, token: str | None = None) -> FastAPI:
-    ups = Upstreams(agents, replicas or [], token if token is not None else os.environ.get("RELAYOUT_TOKEN"))
+    ups = Upstreams(agents, replicas or [], token if token is not None else env_token())
     app = FastAPI(title="relayout gateway")
+    install_error_handlers(app)
     client = httpx.AsyncClient(timeout=httpx.Timeout(600, connect=10))
-
-    def err(status: int, msg: str, type_: str = "invalid_request_error") -> JSONResponse:
-        return JSONResponse({"error": {"message": msg, "type": type_, "code": status}}, status_code=status)
 
     @app.get("/health")
     async def health():
@@ -77,7 +75,7 @@ def create_gateway_app(agents: list[str], replicas: list[str] | None = None, tok
         try:
             url = await ups.pick(client)
         except LookupError as e:
-            return err(503, str(e), "unavailable")
+            return error_response(503, str(e), "unavailable")
         r = await client.get(f"{url}/v1/models")
         return JSONResponse(r.json(), status_code=r.status_code)
 
@@ -137,9 +135,9 @@ def create_gateway_app(agents: list[str], replicas: list[str] | None = None, tok
         try:
             body = await request.json()
         except ValueError:
-            return err(400, "request body is not valid JSON")
+            return error_response(400, "request body is not valid JSON")
         if not isinstance(body, dict):
-            return err(400, "request body must be a JSON object")
+            return error_response(400, "request body must be a JSON object")
         want_stream = bool(body.get("stream"))
         want_ids = bool(body.get("return_token_ids"))
         up = {**body, "stream": True, "return_token_ids": True}
@@ -147,7 +145,7 @@ def create_gateway_app(agents: list[str], replicas: list[str] | None = None, tok
         try:
             url = await ups.pick(client)
         except LookupError as e:
-            return err(503, str(e), "unavailable")
+            return error_response(503, str(e), "unavailable")
         # counted from the pick on: concurrent requests must see each other before the first token arrives
         ups.active[url] = ups.active.get(url, 0) + 1
         req = client.build_request("POST", f"{url}/v1/completions", json=up)
@@ -185,7 +183,7 @@ def create_gateway_app(agents: list[str], replicas: list[str] | None = None, tok
         logprobs, usage = None, {"completion_tokens": 0}
         async for ev in events():
             if "error" in ev:
-                return err(502, ev["error"].get("message", "upstream error"), "upstream_error")
+                return error_response(502, ev["error"].get("message", "upstream error"), "upstream_error")
             sid = ev.get("id", sid)
             model = ev.get("model", model)
             usage = ev.get("usage") or usage
@@ -220,3 +218,22 @@ def run_gateway(agents: list[str], replicas: list[str], host: str, port: int) ->
                 print(f"relayout gateway on http://{host}:{bound}", flush=True)
 
     _Server(uvicorn.Config(app, host=host, port=port, log_level="warning")).run()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m relayout.migrate.gateway`: the same flags as `relayout gateway`."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="relayout gateway", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--agent", action="append", default=[], help="agent URL whose replicas to serve (repeatable)")
+    ap.add_argument("--replica", action="append", default=[], help="a replica URL to serve directly (repeatable)")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    a = ap.parse_args(argv)
+    if not a.agent and not a.replica:
+        ap.error("give at least one --agent or --replica")
+    run_gateway(a.agent, a.replica, a.host, a.port)
+
+
+if __name__ == "__main__":
+    main()
