@@ -30,7 +30,8 @@ ID_RE = re.compile(ID_PATTERN)
 URL_RE = re.compile(r"^https?://[A-Za-z0-9.\-\[\]:]+(/[A-Za-z0-9._~/\-]*)?$")
 MAX_JSON_BODY = 1 << 20  # control-plane JSON bodies: ids, layouts, URIs
 
-SLUGS = {400: "invalid_request", 401: "unauthorized", 404: "not_found", 409: "conflict", 413: "too_large",
+SLUGS = {400: "invalid_request", 401: "unauthorized", 404: "not_found", 405: "invalid_request", 409: "conflict",
+         413: "too_large",
          422: "invalid_request", 429: "too_many_requests", 500: "internal", 501: "not_implemented",
          502: "bad_gateway", 503: "unavailable"}
 
