@@ -101,28 +101,14 @@ def rank(
     torchrun-style environment: RANK (this rank), WORLD_SIZE (checked against the driver's layout),
     LOCAL_RANK (which GPU of this host), MASTER_ADDR/MASTER_PORT (the driver's --rank-endpoint), and
     RELAYOUT_TOKEN when the driver has one. Exits 0 when the driver shuts the replica down."""
-    import os
+    from relayout.engine.rank import RankConfigError, run_rank
+    from relayout.engine.weights import ModelNotFoundError
+    from relayout.engine.workers import RankJoinError
 
-    from relayout.engine.weights import ModelNotFoundError, resolve_model
-    from relayout.engine.workers import RankJoinError, rank_main
-
-    env = os.environ
     try:
-        rank_ = int(env["RANK"])
-        world = int(env["WORLD_SIZE"]) if "WORLD_SIZE" in env else None
-        local = int(env["LOCAL_RANK"]) if "LOCAL_RANK" in env else None
-    except KeyError:
-        _fail("RANK is not set (torchrun-style: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)")
-    except ValueError as e:
-        _fail(f"RANK, WORLD_SIZE and LOCAL_RANK must be integers: {e}")
-    if driver is None:
-        if not env.get("MASTER_ADDR") or not env.get("MASTER_PORT"):
-            _fail("give --driver HOST:PORT or set MASTER_ADDR and MASTER_PORT")
-        driver = f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
-    try:
-        model_dir = resolve_model(model)
-        err.print(f"relayout rank {rank_} joining {driver}")
-        code = rank_main(rank_, driver, str(model_dir), env.get("RELAYOUT_TOKEN"), threads, local, world)
+        code = run_rank(model, driver, threads, log=err.print)
+    except RankConfigError as e:
+        _fail(str(e))
     except (RankJoinError, ModelNotFoundError, ValueError) as e:
         _fail(str(e), code=1)
     raise typer.Exit(code)

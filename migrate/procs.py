@@ -23,7 +23,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 REPLICA_MODULE = "relayout.migrate.serve"  # the replica server's entry point (flags as `relayout serve`)
 GATEWAY_MODULE = "relayout.migrate.gateway"
-CLI_MODULE = "relayout.agent.cli"  # agents (`agent`), `relayout up`, and ranks (`rank`: no engine-level entry yet)
+CLI_MODULE = "relayout.agent.cli"  # agents (`agent`) and `relayout up`
+RANK_MODULE = "relayout.engine.rank"  # one remote rank of a multi-host replica
 
 # The line every relayout server prints once it is listening, e.g. "relayout serving builtin:tiny on
 # http://127.0.0.1:8000", "relayout agent on http://...", "relayout gateway on http://..."; group 1 is its URL.
@@ -243,11 +244,11 @@ def gateway(*args: str, env: Mapping[str, str | None] | None = None, **kw) -> Pr
 
 
 def rank(*args: str, env: Mapping[str, str | None] | None = None, **kw) -> Proc:
-    """One remote rank of a multi-host replica (`relayout rank *args`, torchrun-style `env`). It prints
+    """One remote rank of a multi-host replica (`python -m relayout.engine.rank *args`, torchrun-style `env`). It prints
     no URL: started without waiting (pass `wait=True` and a `ready` pattern to wait for a line)."""
     kw.setdefault("wait", False)
     kw.setdefault("what", "rank")
-    return start(CLI_MODULE, "rank", *args, env=env, **kw)
+    return start(RANK_MODULE, *args, env=env, **kw)
 
 
 def launch(*args: str, env: Mapping[str, str | None] | None = None, timeout: float = 180, **kw) -> Proc:
