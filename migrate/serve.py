@@ -17,13 +17,15 @@ from fastapi import FastAPI
 from relayout.engine.async_engine import AsyncEngine
 from relayout.engine.server import create_app
 from relayout.engine.workers import RankPlacement
+from relayout.migrate.protect_routes import install_protect_routes
 from relayout.migrate.replica_routes import install_replica_routes
 
 
 def create_replica_app(aengine: AsyncEngine, model_name: str) -> FastAPI:
-    """The replica's app: serving, checkpoint/restore and live transfers."""
+    """The replica's app: serving, checkpoint/restore, live transfers and protection."""
     app = create_app(aengine, model_name)
     install_replica_routes(app, aengine)
+    install_protect_routes(app, aengine)
     return app
 
 
