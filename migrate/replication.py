@@ -194,8 +194,10 @@ class Replicator:
             e.pause(live)
             return live
 
-        self.state = "fenced"
+        # paused first, then reported: whoever sees "fenced" sees them stopped (a round that renews
+        # the lease meanwhile leaves them paused until the next one resumes them)
         self.fenced = await self.ops.call(pause)
+        self.state = "fenced"
 
     async def _lose(self) -> None:
         """The standby promoted: the sessions it holds are its own now; free them here."""
