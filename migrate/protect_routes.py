@@ -67,6 +67,14 @@ def source_answer(token: str | None):
     return ask
 
 
+def start_protection(app: FastAPI, aengine: AsyncEngine, cfg: ProtectConfig, token: str | None) -> Replicator:
+    """Protect this replica's sessions to `cfg.standby` (on the server's event loop)."""
+    rep = Replicator(Replicator.new_id(), cfg, EngineThreadOps.of(aengine), engine_progress(aengine.engine), token)
+    rep.start()
+    app.state.protection = rep
+    return rep
+
+
 def install_protect_routes(app: FastAPI, aengine: AsyncEngine, token: str | None = None) -> StandbyTable:
     """Mount protection's routes on a replica's app; returns its StandbyTable (the source side
     lives in `app.state.protection`)."""
@@ -95,10 +103,7 @@ def install_protect_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
                             body.codec)
         if cfg.standby == source:
             raise HTTPError(400, "a replica cannot be its own standby")
-        rep = Replicator(Replicator.new_id(), cfg, EngineThreadOps.of(aengine), engine_progress(aengine.engine), token)
-        rep.start()
-        app.state.protection = rep
-        return rep.view()
+        return start_protection(app, aengine, cfg, token).view()
 
     @r.get("/v1/protection")
     async def protection():

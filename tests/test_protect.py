@@ -238,3 +238,41 @@ def test_protect_partition_then_death(standby: procs.Proc, refs: list[list[int]]
         to_standby.close()
         to_source.close()
         kill_all(src)
+
+
+def test_agent_protect_route_and_cli(tmp_path, standby: procs.Proc) -> None:
+    """`relayout protect` through the agent: a standby launched with a layout; the replica's view
+    shows the protection (each session's lag); `--stop` ends it. `serve --standby` protects from the start."""
+    import subprocess
+    import sys
+
+    token = "protect-test-token"
+    env = {**os.environ, "RELAYOUT_TOKEN": token}
+    ag = procs.agent("--port", "0", "--data-dir", str(tmp_path), env={"RELAYOUT_TOKEN": token}, timeout=60)
+    hdr = {"Authorization": f"Bearer {token}"}
+    try:
+        rid = httpx.post(f"{ag.url}/v1/replicas", json={"model": "builtin:tiny"}, headers=hdr, timeout=120).json()["id"]
+
+        def cli(*args: str) -> dict:
+            p = subprocess.run([sys.executable, "-m", procs.CLI_MODULE, "protect", rid, "--agent", ag.url, *args],
+                               env=env, capture_output=True, text=True, timeout=180)
+            assert p.returncode == 0, p.stderr
+            return json.loads(p.stdout)
+
+        started = cli("--layout", "attn_tp=1", "--every-tokens", "8")
+        assert started["state"] == "active" and started["standby_replica"] != rid
+        view = wait_for(lambda: (lambda d: d if d.get("protection", {}).get("rounds", 0) >= 1 else None)(
+            httpx.get(f"{ag.url}/v1/replicas/{rid}", headers=hdr, timeout=10).json()), 20)
+        assert view and view["protection"]["protection"] == started["protection"] and "sessions" in view["protection"]
+        assert cli("--stop")["state"] == "stopped"
+        assert "protection" not in httpx.get(f"{ag.url}/v1/replicas/{rid}", headers=hdr, timeout=10).json()
+    finally:
+        ag.stop()
+    src = procs.launch("serve", "--model", "builtin:tiny", "--port", "0", "--standby", standby.url)
+    try:
+        v = wait_for(lambda: (lambda v: v if v["rounds"] >= 1 else None)(
+            httpx.get(f"{src.url}/v1/protection", timeout=5).json()), 20)
+        assert v and v["standby"] == standby.url and v["state"] == "active"
+        httpx.delete(f"{src.url}/v1/protection", timeout=10)
+    finally:
+        src.stop()
