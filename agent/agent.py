@@ -18,6 +18,7 @@ from fastapi.responses import PlainTextResponse
 from prometheus_client import generate_latest
 from relayout.agent.drain import drain_node
 from relayout.agent.node import Agent, check_dtypes
+from relayout.agent.protect import protect_router, protection_of
 from relayout.agent.schema import (
     OP_TIMEOUT,
     CheckpointBody,
@@ -87,7 +88,9 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
 
     @v1.get("/replicas/{rid}")
     async def get_replica(rid: str):
-        return await ag.describe(rid)
+        d = await ag.describe(rid)
+        prot = await protection_of(ag, d.get("url") if d.get("status") == "running" else None)
+        return {**d, "protection": prot} if prot else d  # with each session's replication lag
 
     @v1.delete("/replicas/{rid}")
     async def delete_replica(rid: str):
@@ -297,6 +300,7 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
             raise HTTPError(404, f"no checkpoint {cid!r}") from None
         return {"id": cid, "deleted": True}
 
+    v1.include_router(protect_router(ag))
     app.include_router(v1)
     return app
 

@@ -65,6 +65,8 @@ def serve(
     rank_endpoint: str = typer.Option(None, "--rank-endpoint",
                                       help="HOST:PORT where ranks join this driver (remote ranks' "
                                            "MASTER_ADDR:MASTER_PORT); default 127.0.0.1 and a free port"),
+    standby: str = typer.Option(None, "--standby", help="replicate this replica's sessions continuously to the "
+                                                       "standby replica at URL (promoted there if this one dies)"),
 ) -> None:
     """Serve one model replica with an OpenAI-compatible API; prints its URL once listening."""
     from relayout.engine.config import ModelConfigError
@@ -84,7 +86,7 @@ def serve(
         _fail(f"--rank-endpoint: {e}")
     try:
         _serve(model, layout, host, port, kv_cache_mb=kv_cache_mb, device=device, placement=placement, dtype=dtype,
-               kv_dtype=kv_dtype)
+               kv_dtype=kv_dtype, standby=standby)
     except (LayoutError, ModelNotFoundError, ModelConfigError, RankFailure, ValueError) as e:
         _fail(str(e))
 
@@ -309,6 +311,43 @@ def migrate(
     if session:
         body["sessions"] = session
     _run_operation(agent_url, f"/v1/replicas/{replica}/migrate", body, token_file)
+
+
+@app.command()
+def protect(
+    replica: str = typer.Argument(..., help="replica id on the agent"),
+    agent_url: str = typer.Option("http://127.0.0.1:7070", "--agent", help="the replica's agent"),
+    standby_agent: str = typer.Option(None, "--standby-agent", help="default: the same agent"),
+    standby_replica: str = typer.Option(None, "--standby-replica", help="an existing replica id there"),
+    layout: str = typer.Option(None, "--layout", help="launch a new standby replica with this layout"),
+    every_tokens: int = typer.Option(16, "--every-tokens", help="sync a session every N new tokens"),
+    every_ms: int = typer.Option(200, "--every-ms", help="... or every T ms, whichever first"),
+    lease_s: float = typer.Option(1.0, "--lease-s", help="the source stops serving after this long unrenewed"),
+    stop: bool = typer.Option(False, "--stop", help="stop protecting (the standby frees its copies)"),
+    show: bool = typer.Option(False, "--show", help="print the protection and each session's replication lag"),
+    token_file: Path = typer.Option(None, "--token-file"),
+) -> None:
+    """Replicate a replica's sessions continuously to a standby replica, promoted there if it dies."""
+    import httpx
+    from relayout.engine.web import bearer_headers, error_message
+
+    url = f"{agent_url.rstrip('/')}/v1/replicas/{replica}/protect"
+    headers = bearer_headers(_token(token_file))
+    try:
+        if stop or show:
+            resp = httpx.request("DELETE" if stop else "GET", url, headers=headers, timeout=60)
+        else:
+            if (layout is None) == (standby_replica is None):
+                _fail("give either --standby-replica ID or --layout L (a new standby)")
+            sb: dict = {"agent": (standby_agent or agent_url).rstrip("/")}
+            sb.update({"layout": layout} if layout is not None else {"replica": standby_replica})
+            resp = httpx.post(url, headers=headers, timeout=600, json={
+                "standby": sb, "every_tokens": every_tokens, "every_ms": every_ms, "lease_s": lease_s})
+    except httpx.HTTPError as e:
+        _fail(f"cannot reach agent {agent_url}: {e}", 1)
+    if resp.status_code != 200:
+        _fail(f"{resp.status_code}: {error_message(resp)[:300]}", 1)
+    print(json.dumps(resp.json(), indent=1))
 
 
 def _drain_target(agent_url: str, headers: dict) -> str:

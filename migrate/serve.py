@@ -17,14 +17,24 @@ from fastapi import FastAPI
 from relayout.engine.async_engine import AsyncEngine
 from relayout.engine.server import create_app
 from relayout.engine.workers import RankPlacement
+from relayout.migrate.protect_routes import install_protect_routes
 from relayout.migrate.replica_routes import install_replica_routes
 
 
 def create_replica_app(aengine: AsyncEngine, model_name: str) -> FastAPI:
-    """The replica's app: serving, checkpoint/restore and live transfers."""
+    """The replica's app: serving, checkpoint/restore, live transfers and protection."""
     app = create_app(aengine, model_name)
     install_replica_routes(app, aengine)
+    install_protect_routes(app, aengine)
     return app
+
+
+def protect_from_start(app: FastAPI, aengine: AsyncEngine, standby: str, own_url: str) -> None:
+    from relayout.engine.web import env_token
+    from relayout.migrate.protect_routes import start_protection
+    from relayout.migrate.replication import ProtectConfig
+
+    start_protection(app, aengine, ProtectConfig(standby.rstrip("/"), own_url), env_token())
 
 
 def rank_placement(local_ranks: list[int] | None, rank_endpoint: str | None) -> RankPlacement | None:
@@ -40,8 +50,9 @@ def rank_placement(local_ranks: list[int] | None, rank_endpoint: str | None) -> 
 
 def serve(model: str = "builtin:tiny", layout: str | None = None, host: str = "127.0.0.1", port: int = 8000,
           kv_cache_mb: int | None = None, device: str | None = None, placement: RankPlacement | None = None,
-          dtype: str | None = None, kv_dtype: str | None = None) -> None:
-    """Load the model, serve it until SIGTERM/SIGINT, then shut the engine (and its ranks) down."""
+          dtype: str | None = None, kv_dtype: str | None = None, standby: str | None = None) -> None:
+    """Load the model, serve it until SIGTERM/SIGINT, then shut the engine (and its ranks) down.
+    `standby`: a replica URL to protect this one's sessions to from the start (migrate.replication)."""
     import uvicorn
     from relayout.engine.engine import LLMEngine
 
@@ -58,6 +69,8 @@ def serve(model: str = "builtin:tiny", layout: str | None = None, host: str = "1
                 await super().startup(sockets)
                 if self.started:
                     bound = self.servers[0].sockets[0].getsockname()[1] if self.servers else port
+                    if standby:
+                        protect_from_start(app, aengine, standby, f"http://{host}:{bound}")
                     print(f"relayout serving {model} on http://{host}:{bound}", flush=True)
 
             async def shutdown(self, sockets=None):
@@ -89,6 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kv-dtype", default="auto", help="KV cache: auto (the model dtype) or fp8_e4m3")
     ap.add_argument("--local-ranks", default=None, help="ranks to run on this host, e.g. 0,1 (default: all)")
     ap.add_argument("--rank-endpoint", default=None, help="HOST:PORT where ranks join this driver")
+    ap.add_argument("--standby", default=None, help="protect this replica's sessions to the standby replica at URL")
     a = ap.parse_args(argv)
     if a.kv_cache_mb is not None and a.kv_cache_mb < 1:
         ap.error("--kv-cache-mb must be at least 1")
@@ -99,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--local-ranks/--rank-endpoint: {e}")
     try:
         serve(a.model, a.layout, a.host, a.port, kv_cache_mb=a.kv_cache_mb, device=a.device, placement=placement,
-              dtype=a.dtype, kv_dtype=a.kv_dtype)
+              dtype=a.dtype, kv_dtype=a.kv_dtype, standby=a.standby)
     except (LayoutError, ModelNotFoundError, ModelConfigError, RankFailure, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
