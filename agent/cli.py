@@ -454,8 +454,11 @@ def controller(
     import signal
     import threading
 
+    from relayout.engine.tracing import setup_tracing
     from relayout.migrate.controller import Controller, SubprocessLauncher
     from relayout.migrate.policy import PolicyConfig, RelayoutPolicy
+
+    setup_tracing("relayout-controller")  # each re-layout is a trace when OTEL_* configure an exporter
 
     if interval <= 0 or consecutive < 1 or margin <= 0:
         _fail("--interval and --margin must be positive, --consecutive at least 1")
