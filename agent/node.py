@@ -241,7 +241,7 @@ class Agent:
                     sp.set_attributes(tracing.attributes({"state": op["state"], "bytes": op.get("bytes_done"),
                                                           "failed_phase": op.get("phase") if op["error"] else None}))
                     if op["error"]:
-                        sp.set_status(tracing.Status(tracing.StatusCode.ERROR, str(op["error"])[:200]))
+                        tracing.mark_error(sp, str(op["error"]))
                     op["phase"] = "done"
                     if replica is not None:
                         self.busy.pop(replica, None)

@@ -7,9 +7,10 @@ the SDK with a batching exporter; otherwise it installs nothing: the API's defau
 makes non-recording spans, so an untraced process does no span work at all.
 
 Context crosses processes in the W3C `traceparent` header: `inject_hooks()` /
-`async_inject_hooks()` are httpx event hooks that add it to every outgoing request, and
-`TraceMiddleware` (installed only when tracing is on) continues the caller's trace in a
-server span per request, with the request and response body sizes.
+`async_inject_hooks()` are httpx event hooks that add it to every outgoing request; on the
+serving side FastAPI itself continues the caller's trace in a server span per request (its
+built-in OpenTelemetry support, active once a tracer provider is installed), and
+`BodySizeMiddleware` adds the body sizes to that span.
 
 It lives at the bottom of the HTTP stack (next to engine.web), so every layer imports it downwards."""
 
@@ -21,7 +22,6 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
-from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
@@ -115,6 +115,11 @@ def attributes(attrs: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def mark_error(s: Span, message: str) -> None:
+    """Mark a span as failed, with a short reason."""
+    s.set_status(Status(StatusCode.ERROR, message[:200]))
+
+
 def set_attrs(**attrs: Any) -> None:
     """Add attributes to the current span (a no-op when it does not record)."""
     s = trace.get_current_span()
@@ -151,27 +156,21 @@ def async_inject_hooks() -> dict[str, list]:
     return {"request": [_inject_request_async]}
 
 
-def extract(headers: Mapping[str, str]) -> otel_context.Context:
-    """The trace context a request's headers carry (an empty context without `traceparent`)."""
-    return _PROPAGATOR.extract(headers)
+class BodySizeMiddleware:
+    """ASGI middleware: the request and response body sizes on the request's server span.
 
+    FastAPI makes that span itself once a tracer provider is installed (continuing the caller's
+    `traceparent`, named after the route); this adds what it does not record, the bytes, which
+    for a transfer's export and import routes are the bytes of the round."""
 
-class TraceMiddleware:
-    """ASGI middleware: a SERVER span per HTTP request, continuing the caller's `traceparent`,
-    named after the matched route (`POST /v1/sessions/import`), with the status and the body
-    sizes in both directions. `only(path)` selects the paths traced (default: all)."""
-
-    def __init__(self, app: Any, only: Any = None):
-        self.app, self.only = app, only
+    def __init__(self, app: Any):
+        self.app = app
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        path = scope.get("path", "")
-        if scope["type"] != "http" or (self.only is not None and not self.only(path)):
+        s = trace.get_current_span()
+        if scope["type"] != "http" or not s.is_recording():
             return await self.app(scope, receive, send)
-        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        method = scope.get("method", "GET")
         sizes = {"in": 0, "out": 0}
-        status: list[int] = []
 
         async def counting_receive():
             msg = await receive()
@@ -181,34 +180,17 @@ class TraceMiddleware:
 
         async def counting_send(msg):
             if msg["type"] == "http.response.start":
-                status.append(int(msg["status"]))
+                s.set_attribute("http.request.body.size", sizes["in"])
             elif msg["type"] == "http.response.body":
                 sizes["out"] += len(msg.get("body", b""))
+                if not msg.get("more_body", False):  # the span ends with the last piece
+                    s.set_attribute("http.response.body.size", sizes["out"])
             await send(msg)
 
-        with tracer().start_as_current_span(f"{method} {path}", context=extract(headers), kind=SpanKind.SERVER,
-                                            attributes={"http.request.method": method, "url.path": path},
-                                            record_exception=True, set_status_on_exception=True) as s:
-            try:
-                await self.app(scope, counting_receive, counting_send)
-            finally:
-                route = getattr(scope.get("route"), "path", None)
-                if route:
-                    s.update_name(f"{method} {route}")
-                    s.set_attribute("http.route", route)
-                s.set_attribute("http.request.body.size", sizes["in"])
-                s.set_attribute("http.response.body.size", sizes["out"])
-                if status:
-                    s.set_attribute("http.response.status_code", status[0])
-                    if status[0] >= 500:
-                        s.set_status(Status(StatusCode.ERROR))
+        await self.app(scope, counting_receive, counting_send)
 
 
-PROBES = ("/health", "/healthz", "/metrics")  # scraped every few seconds: not worth a trace each
-
-
-def install_tracing(app: Any, only: Any = None) -> None:
-    """Add TraceMiddleware to a FastAPI app when tracing is on (nothing otherwise: no cost per request).
-    Default `only`: every path but the health and metrics probes."""
+def install_tracing(app: Any) -> None:
+    """Add BodySizeMiddleware to a FastAPI app when tracing is on (nothing otherwise: no cost per request)."""
     if tracing_enabled():
-        app.add_middleware(TraceMiddleware, only=only or (lambda path: path not in PROBES))
+        app.add_middleware(BodySizeMiddleware)

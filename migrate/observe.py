@@ -51,7 +51,7 @@ class _Phases:
             otel_context.detach(self.token)  # type: ignore[arg-type]
         if error is not None:
             self.current.record_exception(error)
-            self.current.set_status(trace.Status(trace.StatusCode.ERROR, str(error)[:200]))
+            tracing.mark_error(self.current, str(error))
         self.current.end()
         self.current = self.token = None
 
