@@ -67,7 +67,8 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
         for st in ("running", "dead", "stopped", "starting"):
             ag.m.replicas.labels(st).set(counts.get(st, 0))
         # per-replica sessions and KV blocks, as the replicas answer now (describe() records them)
-        await asyncio.gather(*(ag.describe(rid) for rid in list(ag.reg.replicas)
+        # (briefly: a scrape must not hang on a busy replica; one that does not answer keeps its last figures)
+        await asyncio.gather(*(ag.describe(rid, timeout=2.0) for rid in list(ag.reg.replicas)
                                if ag.reg.replicas[rid].get("status") == "running"))
         ag.m.sessions.set(sum(ag.sessions_seen.values()))
         ag.m.draining.set(1 if ag.draining else 0)

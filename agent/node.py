@@ -158,11 +158,11 @@ class Agent:
         self.reg.save()
         return {"id": rid, "url": url, "layout": lay or layout}
 
-    async def describe(self, rid: str) -> dict:
+    async def describe(self, rid: str, timeout: float = 5.0) -> dict:
         r = dict(self.get_replica(rid))
         if r["status"] == "running":
             try:
-                async with self.client(5.0) as c:
+                async with self.client(timeout) as c:
                     resp = await c.get(f"{r['url']}/v1/replica", headers=self.headers())
                 if resp.status_code == 200:
                     info = resp.json()
