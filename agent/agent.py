@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import sys
+import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ from relayout.agent.schema import (
     RestoreBody,
     validate_layout,
 )
-from relayout.engine import web
+from relayout.engine import tracing, web
 from relayout.engine.web import HTTPError
 
 
@@ -51,6 +52,7 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
     # every body is a small JSON document: 1 MiB at most; errors as {"error": {"code": slug, "message"}}
     app.add_middleware(web.BodyLimit, limit=lambda _path: web.MAX_JSON_BODY, dialect="agent")
     web.install_error_handlers(app, dialect="agent", validation_status=422)
+    tracing.install_tracing(app)  # when OTEL_* configure an exporter: a span per request, traceparent honoured
     auth = web.bearer_auth(lambda: ag.token)
 
     @app.get("/healthz")
@@ -64,9 +66,14 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
             st = ag.refresh(rid).get("status", "unknown")
             counts[st] = counts.get(st, 0) + 1
         for st in ("running", "dead", "stopped", "starting"):
-            ag.m_replicas.labels(st).set(counts.get(st, 0))
-        ag.m_sessions.set(sum(ag.sessions_seen.values()))
-        return PlainTextResponse(generate_latest(ag.metrics).decode(), media_type="text/plain; version=0.0.4")
+            ag.m.replicas.labels(st).set(counts.get(st, 0))
+        # per-replica sessions and KV blocks, as the replicas answer now (describe() records them)
+        # (briefly: a scrape must not hang on a busy replica; one that does not answer keeps its last figures)
+        await asyncio.gather(*(ag.describe(rid, timeout=2.0) for rid in list(ag.reg.replicas)
+                               if ag.reg.replicas[rid].get("status") == "running"))
+        ag.m.sessions.set(sum(ag.sessions_seen.values()))
+        ag.m.draining.set(1 if ag.draining else 0)
+        return PlainTextResponse(generate_latest(ag.m.registry).decode(), media_type="text/plain; version=0.0.4")
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(auth)])
 
@@ -130,7 +137,11 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
             req = {"destination": dest, "stop": body.stop}
             if body.sessions is not None:
                 req["sessions"] = body.sessions
-            res = await ag.replica_post(r["url"], "/v1/sessions/checkpoint", req)
+            t0 = time.perf_counter()
+            with tracing.span("checkpointing", destination=dest) as sp:
+                res = await ag.replica_post(r["url"], "/v1/sessions/checkpoint", req)
+                sp.set_attributes(tracing.attributes({"bytes": res.get("bytes", 0), "sessions": res.get("sessions")}))
+            ag.m.observe_checkpoint(res.get("bytes", 0), time.perf_counter() - t0)
             op.update(bytes_done=res.get("bytes", 0), bytes_total=res.get("bytes", 0))
             return {"checkpoint": res["checkpoint"], "checkpoint_id": res.get("checkpoint_id"),
                     "sessions": res.get("sessions", []), "bytes": res.get("bytes", 0), "replica": rid}
@@ -161,13 +172,18 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
             target = rid
             if new is not None:
                 op["phase"] = "launching"
-                target = (await ag.launch(*new))["id"]
+                with tracing.span("launching", model=new[0], layout=new[1]):
+                    target = (await ag.launch(*new))["id"]
                 op["replica"] = target
             op["phase"] = "restoring"
             req: dict[str, Any] = {"checkpoint": body.checkpoint}
             if body.sessions is not None:
                 req["sessions"] = body.sessions
-            res = await ag.replica_post(ag.reg.replicas[target]["url"], "/v1/sessions/restore", req)
+            t0 = time.perf_counter()
+            with tracing.span("restoring", checkpoint=body.checkpoint, replica=target) as sp:
+                res = await ag.replica_post(ag.reg.replicas[target]["url"], "/v1/sessions/restore", req)
+                sp.set_attributes(tracing.attributes({"sessions": res.get("sessions")}))
+            ag.m.restore_seconds.observe(time.perf_counter() - t0)
             return {"replica": target, "sessions": res.get("sessions", [])}
 
         return {"operation_id": ag.new_op("restore", rid, work)}
@@ -188,7 +204,7 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
 
         async def work(op):
             op["phase"] = "resolving target"
-            async with httpx.AsyncClient(timeout=OP_TIMEOUT) as c:
+            async with ag.client(OP_TIMEOUT) as c:
                 if t.replica is not None:
                     resp = await c.get(f"{agent_url}/v1/replicas/{t.replica}", headers=ag.headers())
                 else:
@@ -207,6 +223,7 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
 
             res = await asyncio.to_thread(migrate_live, r["url"], tr["url"], sessions=body.sessions,
                                           token=ag.token, mode=body.mode, progress=progress)
+            ag.m.observe_migration(res)
             get = (lambda k, d=None: res.get(k, d)) if isinstance(res, dict) else (lambda k, d=None: getattr(res, k, d))
             op["stall_ms"] = get("stall_ms")
             if get("bytes_total") is not None:
@@ -309,6 +326,7 @@ def serve_agent(host: str, port: int, data_dir: Path, token: str | None) -> None
     import uvicorn
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    tracing.setup_tracing("relayout-agent")  # a no-op unless OTEL_* variables configure an exporter
     app = create_agent_app(data_dir, token, advertise_host=host if host not in ("0.0.0.0", "::") else "127.0.0.1")
 
     class _Server(uvicorn.Server):

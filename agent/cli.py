@@ -410,6 +410,26 @@ def drain(
     _run_operation(base, "/v1/drain", {"target_agent": target.rstrip("/"), **body}, token_file, wait=wait)
 
 
+@app.command()
+def status(
+    agent_url: list[str] = typer.Option(None, "--agent", help="an agent to ask; repeatable (default "
+                                                              "http://127.0.0.1:7070)"),
+    as_json: bool = typer.Option(False, "--json", help="print the gathered status as JSON (for scripts)"),
+    token_file: Path = typer.Option(None, "--token-file"),
+) -> None:
+    """Nodes, their replicas (layout, sessions, KV used, expert balance), the operations running now with
+    their progress, and which nodes drain. Exit code 1 when an agent cannot be reached."""
+    from relayout.agent.status import gather, render
+
+    st = gather(agent_url or ["http://127.0.0.1:7070"], _token(token_file))
+    if as_json:
+        print(json.dumps(st, indent=1))
+    else:
+        Console().print(render(st))
+    if not all(n["reachable"] for n in st["nodes"]):
+        raise typer.Exit(1)
+
+
 # ---- layout planning and the re-layout controller -------------------------------------------------
 @app.command()
 def plan(
@@ -479,8 +499,11 @@ def controller(
     import signal
     import threading
 
+    from relayout.engine.tracing import setup_tracing
     from relayout.migrate.controller import Controller, SubprocessLauncher
     from relayout.migrate.policy import PolicyConfig, RelayoutPolicy
+
+    setup_tracing("relayout-controller")  # each re-layout is a trace when OTEL_* configure an exporter
 
     if interval <= 0 or consecutive < 1 or margin <= 0:
         _fail("--interval and --margin must be positive, --consecutive at least 1")

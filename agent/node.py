@@ -12,10 +12,10 @@ import time
 from pathlib import Path
 
 import httpx
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from relayout.agent.metrics import AgentMetrics
 from relayout.agent.registry import Registry
 from relayout.agent.schema import OP_TIMEOUT
-from relayout.engine import web
+from relayout.engine import tracing, web
 from relayout.engine.web import HTTPError
 from relayout.migrate import procs
 from relayout.migrate.procs import stop_process
@@ -66,18 +66,17 @@ class Agent:
         self.draining = False
         self.drain_op: str | None = None
         self.agent_id = secrets.token_hex(8)  # tells a drain that its target is this very agent
-        self.metrics = CollectorRegistry(auto_describe=True)
-        self.m_ops = Counter("relayout_agent_operations", "Operations by kind and outcome", ["kind", "outcome"],
-                             registry=self.metrics)
-        self.m_bytes = Counter("relayout_agent_bytes_moved", "Checkpoint/transfer bytes moved", registry=self.metrics)
-        self.m_replicas = Gauge("relayout_agent_replicas", "Replicas by status", ["status"], registry=self.metrics)
-        self.m_sessions = Gauge("relayout_agent_sessions", "Live sessions on this node's replicas (last seen)",
-                                registry=self.metrics)
+        self.m = AgentMetrics()
         self.sessions_seen: dict[str, int] = {}
 
     # ---- helpers -----------------------------------------------------------------------------
     def headers(self) -> dict[str, str]:
         return web.bearer_headers(self.token)
+
+    @staticmethod
+    def client(timeout: float | httpx.Timeout) -> httpx.AsyncClient:
+        """An HTTP client whose requests carry the current trace context (`traceparent`)."""
+        return httpx.AsyncClient(timeout=timeout, event_hooks=tracing.async_inject_hooks())
 
     def file_roots(self) -> list[str]:
         roots = [str(self.data_dir)]
@@ -150,7 +149,7 @@ class Agent:
                             code="launch_failed") from None
         lay = None
         try:
-            async with httpx.AsyncClient(timeout=10.0) as c:
+            async with self.client(10.0) as c:
                 info = (await c.get(f"{url}/v1/replica", headers=self.headers())).json()
             lay = info.get("layout")
         except (httpx.HTTPError, ValueError):
@@ -159,17 +158,19 @@ class Agent:
         self.reg.save()
         return {"id": rid, "url": url, "layout": lay or layout}
 
-    async def describe(self, rid: str) -> dict:
+    async def describe(self, rid: str, timeout: float = 5.0) -> dict:
         r = dict(self.get_replica(rid))
         if r["status"] == "running":
             try:
-                async with httpx.AsyncClient(timeout=5.0) as c:
+                async with self.client(timeout) as c:
                     resp = await c.get(f"{r['url']}/v1/replica", headers=self.headers())
                 if resp.status_code == 200:
                     info = resp.json()
                     r.update(layout=info.get("layout"), sessions=info.get("sessions", []),
-                             kv_blocks_used=info.get("kv_blocks_used"), num_blocks=info.get("num_blocks"))
+                             kv_blocks_used=info.get("kv_blocks_used"), num_blocks=info.get("num_blocks"),
+                             expert_balance=expert_balance(info.get("expert_counts")))
                     self.sessions_seen[rid] = len(r["sessions"])
+                    self.m.observe_replica(rid, r.get("model", ""), info)
                 else:
                     r["replica_error"] = f"replica answered {resp.status_code}"
             except (httpx.HTTPError, ValueError) as e:
@@ -196,6 +197,7 @@ class Agent:
                 pass
         r["status"] = "stopped"
         self.sessions_seen.pop(rid, None)
+        self.m.forget_replica(rid, r.get("model", ""))
 
     def stop_all(self) -> None:
         for rid, r in list(self.reg.replicas.items()):
@@ -218,25 +220,32 @@ class Agent:
 
         async def run():
             op.update(state="running")
-            try:
-                op["result"] = await work(op)
-                op["state"] = "succeeded"
-            except HTTPError as e:
-                op.update(state="failed", error=e.message)
-            except asyncio.CancelledError:
-                op.update(state="aborted", error="cancelled")
-                raise
-            except Exception as e:  # reported, never raised into the server
-                op.update(state="failed", error=f"{type(e).__name__}: {e}")
-            finally:
-                op["finished_at"] = time.time()
-                op["phase"] = "done"
-                self.m_ops.labels(kind, op["state"]).inc()
-                if op.get("bytes_done"):
-                    self.m_bytes.inc(op["bytes_done"])
-                if replica is not None:
-                    self.busy.pop(replica, None)
-                self.reg.save()
+            self.m.running.labels(kind).inc()
+            # the operation's trace: every request it makes carries it on (traceparent)
+            with tracing.span(kind, operation=oid, replica=replica) as sp:
+                try:
+                    op["result"] = await work(op)
+                    op["state"] = "succeeded"
+                except HTTPError as e:
+                    op.update(state="failed", error=e.message)
+                except asyncio.CancelledError:
+                    op.update(state="aborted", error="cancelled")
+                    raise
+                except Exception as e:  # reported, never raised into the server
+                    op.update(state="failed", error=f"{type(e).__name__}: {e}")
+                finally:
+                    op["finished_at"] = time.time()
+                    self.m.running.labels(kind).dec()
+                    self.m.finished(kind, op["state"], op.get("phase") or "", op["finished_at"] - op["created_at"],
+                                    op.get("bytes_done") or 0)
+                    sp.set_attributes(tracing.attributes({"state": op["state"], "bytes": op.get("bytes_done"),
+                                                          "failed_phase": op.get("phase") if op["error"] else None}))
+                    if op["error"]:
+                        tracing.mark_error(sp, str(op["error"]))
+                    op["phase"] = "done"
+                    if replica is not None:
+                        self.busy.pop(replica, None)
+                    self.reg.save()
 
         t = asyncio.get_running_loop().create_task(run())
         self.tasks.add(t)
@@ -244,7 +253,7 @@ class Agent:
         return oid
 
     async def replica_post(self, url: str, path: str, body: dict) -> dict:
-        async with httpx.AsyncClient(timeout=OP_TIMEOUT) as c:
+        async with self.client(OP_TIMEOUT) as c:
             resp = await c.post(f"{url}{path}", json=body, headers=self.headers())
         if resp.status_code >= 400:
             raise HTTPError(resp.status_code if resp.status_code < 500 else 502,
@@ -253,3 +262,14 @@ class Agent:
             return resp.json()
         except ValueError:
             return {}
+
+
+def expert_balance(counts: list[list[int]] | None) -> float | None:
+    """How evenly a replica's tokens reach its experts: mean over max expert load in the most skewed
+    layer (1.0: even; 0.25: one expert takes 4x its share). None before any token was routed."""
+    worst = None
+    for row in counts or []:
+        if row and max(row) > 0:
+            b = (sum(row) / len(row)) / max(row)
+            worst = b if worst is None else min(worst, b)
+    return None if worst is None else round(worst, 4)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import httpx
 from relayout.engine import web
 from relayout.engine.layout import Layout
+from relayout.engine.tracing import traced
 from relayout.migrate import procs
 from relayout.migrate.live import MigrationError, MigrationResult, migrate_live
 from relayout.migrate.policy import Decision, RelayoutPolicy
@@ -153,6 +154,7 @@ class Controller:
         self.history.append(step)
         self.log(json.dumps(step.to_dict()))
 
+    @traced("relayout")  # the re-layout's trace: the launch, then the migrations (their own spans)
     def _relayout(self, step: Step, model: str, layout: Layout) -> None:
         old = self.replica_url
         t0 = time.monotonic()

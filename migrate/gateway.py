@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from relayout.engine.tracing import async_inject_hooks, install_tracing, setup_tracing
 from relayout.engine.web import bearer_headers, env_token, error_response, install_error_handlers
 
 MAX_HOPS = 16
@@ -64,7 +65,8 @@ def create_gateway_app(agents: list[str], replicas: list[str] | None = None, tok
     ups = Upstreams(agents, replicas or [], token if token is not None else env_token())
     app = FastAPI(title="relayout gateway")
     install_error_handlers(app)
-    client = httpx.AsyncClient(timeout=httpx.Timeout(600, connect=10))
+    install_tracing(app)  # traces (when OTEL_* configure them) continue into the replicas: traceparent
+    client = httpx.AsyncClient(timeout=httpx.Timeout(600, connect=10), event_hooks=async_inject_hooks())
 
     @app.get("/health")
     async def health():
@@ -208,6 +210,7 @@ def create_gateway_app(agents: list[str], replicas: list[str] | None = None, tok
 def run_gateway(agents: list[str], replicas: list[str], host: str, port: int) -> None:
     import uvicorn
 
+    setup_tracing("relayout-gateway")
     app = create_gateway_app(agents, replicas)
 
     class _Server(uvicorn.Server):

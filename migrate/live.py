@@ -26,7 +26,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
+from relayout.engine.tracing import inject_hooks
 from relayout.engine.web import bearer_headers, check_response
+from relayout.migrate.observe import phase_boundary, round_bytes, traced_migration
 
 
 class MigrationError(RuntimeError):
@@ -121,6 +123,7 @@ def _commit_target(client: httpx.Client, dst: str, t: str, token: str | None, tr
             time.sleep(0.2 * (attempt + 1))
 
 
+@traced_migration  # the migration's trace: a span per phase (migrate.observe)
 def migrate_live(source_url: str, target_url: str, sessions: list[str] | None = None, *, token: str | None = None,
                  mode: str = "live", max_rounds: int = 64, small_bytes: int = 1 << 20, codec: str = "none",
                  precopy_slice_tokens: int | None = 1024, retries: int = 3,
@@ -144,9 +147,10 @@ def migrate_live(source_url: str, target_url: str, sessions: list[str] | None = 
     back = source_for_target or src
 
     def at(name: str) -> None:
+        phase_boundary(name)
         if on_phase:
             on_phase(name)
-    with httpx.Client(timeout=timeout_s) as client:
+    with httpx.Client(timeout=timeout_s, event_hooks=inject_hooks()) as client:
         try:
             ids = sessions
             if ids is None:  # name them now, so an abort knows exactly what to resume
@@ -160,6 +164,7 @@ def migrate_live(source_url: str, target_url: str, sessions: list[str] | None = 
                     reply, n = _precopy_round(client, src, dst, t, ids, codec, token, back, precopy_slice_tokens,
                                               retries, res)
                     res.rounds.append(PreCopyRound(i, n, time.perf_counter() - t0, False))
+                    round_bytes(n, res.rounds[-1].seconds)
                     res.bytes_total += n
                     if progress:
                         progress(phase, res.bytes_total)
@@ -172,6 +177,7 @@ def migrate_live(source_url: str, target_url: str, sessions: list[str] | None = 
             reply, n = _round(client, src, dst, t, ids, True, codec, token, back)
             res.sessions = paused = list(reply.get("placed", reply["sessions"]))
             res.rounds.append(PreCopyRound(len(res.rounds), n, time.perf_counter() - t_hold, True))
+            round_bytes(n, res.rounds[-1].seconds)
             res.bytes_total += n
             phase = "commit"
             # the target must still hold them right before the commit (narrows the window in which

@@ -16,6 +16,7 @@ import sys
 from fastapi import FastAPI
 from relayout.engine.async_engine import AsyncEngine
 from relayout.engine.server import create_app
+from relayout.engine.tracing import install_tracing, setup_tracing
 from relayout.engine.workers import RankPlacement
 from relayout.migrate.protect_routes import install_protect_routes
 from relayout.migrate.replica_routes import install_replica_routes
@@ -26,6 +27,7 @@ def create_replica_app(aengine: AsyncEngine, model_name: str) -> FastAPI:
     app = create_app(aengine, model_name)
     install_replica_routes(app, aengine)
     install_protect_routes(app, aengine)
+    install_tracing(app)  # continues the migrator's trace (traceparent) in a span per request
     return app
 
 
@@ -58,6 +60,7 @@ def serve(model: str = "builtin:tiny", layout: str | None = None, host: str = "1
 
     # uvicorn re-raises the signal it caught once it has shut down; make that a clean exit 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    setup_tracing("relayout-replica")  # a no-op unless OTEL_* variables configure an exporter
     engine = LLMEngine(model, layout, kv_cache_bytes=kv_cache_mb * 2**20 if kv_cache_mb else None, device=device,
                        placement=placement, dtype=dtype, kv_dtype=kv_dtype)
     aengine = AsyncEngine(engine)
