@@ -101,6 +101,7 @@ class Outgoing:
     sent_hashes: set[str] = field(default_factory=set)
     rounds: int = 0
     paused: list[str] = field(default_factory=list)  # held by the final round, until release or resume
+    pushing: asyncio.Future | None = None  # the round being sent to the target (push mode), if any
 
 
 @dataclass
@@ -230,6 +231,21 @@ class TransferTable:
         o.last = self.clock()
         yield from sink.take()
 
+    async def push(self, tid: str, send: Awaitable[dict]) -> dict:
+        """Source: deliver an exported round to the target (`send`: the transport's push of its
+        frames) as part of transfer `tid`; ending the transfer (abort, lease) cancels it."""
+        task = asyncio.ensure_future(send)
+        o = self.outgoing.get(tid)
+        if o is None:
+            task.cancel()
+            raise TransferConflict(f"transfer {tid} ended before its round was sent")
+        o.pushing = task
+        try:
+            return await task
+        finally:
+            if o.pushing is task:
+                o.pushing = None
+
     async def release(self, session_ids: list[str], tid: str | None = None, migrated_to: str | None = None) -> None:
         """The commit, on the source: the target holds the sessions; free them here. With `tid`,
         refused unless that transfer is still live here (not expired)."""
@@ -247,6 +263,8 @@ class TransferTable:
         if o is None:
             return
         self._remember(self.out_done, tid, state)
+        if o.pushing is not None:  # its round is no longer wanted by anyone
+            o.pushing.cancel()
         await self._resume(o.paused)
 
     # ---- target ---------------------------------------------------------------------------------------
