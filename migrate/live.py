@@ -191,7 +191,7 @@ def migrate_live(source_url: str, target_url: str, sessions: list[str] | None = 
                 raise RuntimeError(f"target no longer holds the transfer ({st.get('incoming')})")
             at("prepared")
             check_response(client.post(f"{src}/v1/sessions/release",
-                               json={"sessions": res.sessions, "migrated_to": dst, "transfer": t},
+                               json={"sessions": res.sessions, "migrated_to": push_to, "transfer": t},
                                headers=bearer_headers(token)), "source release")
             committed = True
             at("committed")

@@ -210,7 +210,9 @@ class TransferTable:
     def _frames(self, o: Outgoing, cut: Cut, sent: dict[str, int], codec: str, final: bool) -> Iterator[bytes]:
         rnd = o.rounds
         try:
-            sink = FrameSink(o.sent_hashes, codec)
+            # this round's own copy: a cut round's frame producer may still be running when its retry
+            # starts, and must not mark chunks as sent under it; merged once the round is framed
+            sink = FrameSink(set(o.sent_hashes), codec)
             w = CheckpointWriter(sink, f"{o.transfer_id}-r{rnd}", codec=codec)
             # earlier rounds' chunks, of the sessions still moving (one that finished since has no
             # entry in this manifest; the target frees its reservation)
@@ -225,9 +227,11 @@ class TransferTable:
         except Exception as e:  # noqa: BLE001 - tell the receiver why, in-band, instead of a torn stream
             yield encode_abort_frame(f"source failed to export round {rnd}: {type(e).__name__}: {e}")
             return
-        o.entries = list(m.kv_entries)
-        for snap in cut.snaps:
-            o.sent_upto[snap.state.session_id] = snap.num_kv_tokens
+        if o.rounds == rnd:  # not overtaken by a retry (whose cut already covers this one's)
+            o.entries = list(m.kv_entries)
+            o.sent_hashes |= sink.sent
+            for snap in cut.snaps:
+                o.sent_upto[snap.state.session_id] = snap.num_kv_tokens
         o.last = self.clock()
         yield from sink.take()
 

@@ -63,6 +63,10 @@ class HttpTransport:
                 await resp.aread()
         except httpx.TransportError as e:
             raise PushFailed(f"target import: {type(e).__name__}: {e or 'no detail'}", retryable=True) from None
+        finally:
+            close = getattr(frames, "aclose", None)
+            if close is not None:  # stops the round's producer now, not whenever the iterator is collected
+                await close()
         if resp.status_code >= 400:
             raise PushFailed(f"target import: HTTP {resp.status_code}: {error_message(resp)}", retryable=False)
         try:
