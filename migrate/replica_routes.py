@@ -243,7 +243,8 @@ def install_replica_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
         for url in (body.target, body.source):
             if url is not None and not URL_RE.fullmatch(url):
                 raise HTTPError(400, "target and source must be replica http(s) URLs")
-        frames = await table.export(body.transfer, body.sessions, body.pause, body.codec, body.max_tokens, body.have)
+        frames = await table.export(body.transfer, body.sessions, body.pause, body.codec, body.max_tokens, body.have,
+                                    confirm_on_delivery=body.target is not None)
         if body.target is None:
             return StreamingResponse(frames, media_type="application/x-relayout-frames")
         # push: only this transfer's frames, only to the import route of a URL an authenticated caller gave

@@ -2,9 +2,8 @@
 replica takes part in, as source (outgoing) or target (incoming), its lease, the two-phase
 commit and the sweeper that decides alone once the migrator is gone.
 
-No HTTP here: `TransferTable` is driven by migrate.replica_routes (or by a test) and reaches
-the engine through `EngineOps` and the source replica through an `AskSource` callable, so
-every transition can run in one process with a fake clock.
+No HTTP here: `TransferTable` is driven by migrate.replica_routes (or a test), reaches the engine
+through `EngineOps` and the source through `AskSource`: every transition runs in one process.
 
 Leases: a transfer idle for `ttl` seconds is ended by the sweeper. The source resumes what it
 paused (a late release is refused from then on); the target frees reservations of a transfer
@@ -34,7 +33,6 @@ from relayout.storage.stream import StreamReceiver, encode_abort_frame
 MAX_TRANSFERS = 64  # incoming transfers in flight at once
 DONE_KEEP = 1024  # finished transfers remembered (for a target that asks how one ended)
 DOUBT_GIVE_UP = 10  # ttls a target in doubt keeps asking a silent source before it drops its copy
-
 Clock = Callable[[], float]
 # (source replica URL, transfer id) -> the source's "outgoing" state of that transfer (None: it
 # does not know it); raises when the source cannot be asked
@@ -91,6 +89,16 @@ class Cut:
 
 
 @dataclass
+class SentRound:
+    """What one framed round sent: its cumulative manifest entries, chunk hashes, KV tokens per session."""
+
+    epoch: int
+    entries: list[KVEntry]
+    hashes: set[str]
+    upto: dict[str, int]
+
+
+@dataclass
 class Outgoing:
     """Source: one outgoing transfer — what earlier rounds sent, and its lease."""
 
@@ -102,6 +110,13 @@ class Outgoing:
     rounds: int = 0
     paused: list[str] = field(default_factory=list)  # held by the final round, until release or resume
     pushing: asyncio.Future | None = None  # the round being sent to the target (push mode), if any
+    epoch: int = 0  # bumped by every export: a round framed under an older epoch is stale
+    framed: SentRound | None = None  # push mode: the round framed, counted as sent once delivered
+
+    def mark_sent(self, r: SentRound) -> None:
+        if r.epoch == self.epoch:  # not overtaken by a retry (whose cut already covers this one's)
+            self.entries, self.sent_hashes = r.entries, self.sent_hashes | r.hashes
+            self.sent_upto.update(r.upto)
 
 
 @dataclass
@@ -157,8 +172,7 @@ class TransferTable:
         self._sweeper: asyncio.Task | None = None
 
     # ---- what the replica reports -------------------------------------------------------------------
-    def migrating_out(self) -> str | None:
-        """The outgoing transfer in flight, if any (at most one)."""
+    def migrating_out(self) -> str | None:  # the outgoing transfer in flight, if any (at most one)
         return next(iter(self.outgoing), None)
 
     def state(self, tid: str) -> dict:
@@ -174,9 +188,12 @@ class TransferTable:
 
     # ---- source ---------------------------------------------------------------------------------------
     async def export(self, tid: str, sessions: list[str] | None, pause: bool = False, codec: str = "none",
-                     max_tokens: int | None = None, have: list[str] | None = None) -> Iterator[bytes]:
+                     max_tokens: int | None = None, have: list[str] | None = None,
+                     confirm_on_delivery: bool = False) -> Iterator[bytes]:
         """Cut one round (the final one with `pause`) and return its frames, to be streamed to the
-        target. `have`: a retry of a cut round — the chunks the target acknowledges holding."""
+        target. `have`: a retry of a cut round — the chunks the target acknowledges holding.
+        `confirm_on_delivery` (push): the round counts as sent only once `push` delivered it, not
+        once it is framed (a producer runs ahead of a link that may be cut)."""
         o = self.outgoing.get(tid)
         if o is None:
             if tid in self.out_done:
@@ -189,6 +206,8 @@ class TransferTable:
         if o.paused:
             raise TransferConflict(f"transfer {tid} already ran its final round")
         o.last = self.clock()
+        o.epoch += 1  # any round still being framed is superseded by this one
+        epoch = o.epoch
         sent = dict(o.sent_upto)
         if have is not None:
             # the previous round was cut: what it sent may not have arrived; resend all but the
@@ -205,9 +224,10 @@ class TransferTable:
             raise TransferConflict(f"transfer {tid} ended while its round was cut")
         o.paused = cut.paused
         o.rounds += 1
-        return self._frames(o, cut, sent, codec, pause)
+        return self._frames(o, cut, sent, codec, pause, epoch, confirm_on_delivery)
 
-    def _frames(self, o: Outgoing, cut: Cut, sent: dict[str, int], codec: str, final: bool) -> Iterator[bytes]:
+    def _frames(self, o: Outgoing, cut: Cut, sent: dict[str, int], codec: str, final: bool, epoch: int,
+                confirm_on_delivery: bool) -> Iterator[bytes]:
         rnd = o.rounds
         try:
             # this round's own copy: a cut round's frame producer may still be running when its retry
@@ -227,25 +247,28 @@ class TransferTable:
         except Exception as e:  # noqa: BLE001 - tell the receiver why, in-band, instead of a torn stream
             yield encode_abort_frame(f"source failed to export round {rnd}: {type(e).__name__}: {e}")
             return
-        if o.rounds == rnd:  # not overtaken by a retry (whose cut already covers this one's)
-            o.entries = list(m.kv_entries)
-            o.sent_hashes |= sink.sent
-            for snap in cut.snaps:
-                o.sent_upto[snap.state.session_id] = snap.num_kv_tokens
+        done = SentRound(epoch, list(m.kv_entries), sink.sent,
+                         {snap.state.session_id: snap.num_kv_tokens for snap in cut.snaps})
+        if confirm_on_delivery:
+            o.framed = done
+        else:
+            o.mark_sent(done)
         o.last = self.clock()
         yield from sink.take()
 
     async def push(self, tid: str, send: Awaitable[dict]) -> dict:
-        """Source: deliver an exported round to the target (`send`: the transport's push of its
-        frames) as part of transfer `tid`; ending the transfer (abort, lease) cancels it."""
-        task = asyncio.ensure_future(send)
-        o = self.outgoing.get(tid)
+        """Source: deliver an exported round (`send`: the transport's push); ending the transfer cancels it."""
+        task, o = asyncio.ensure_future(send), self.outgoing.get(tid)
         if o is None:
             task.cancel()
             raise TransferConflict(f"transfer {tid} ended before its round was sent")
         o.pushing = task
         try:
-            return await task
+            reply = await task
+            if o.framed is not None:  # delivered: from now on the target holds these chunks
+                o.mark_sent(o.framed)
+                o.framed = None
+            return reply
         finally:
             if o.pushing is task:
                 o.pushing = None
