@@ -211,10 +211,7 @@ def test_retried_round_resends_only_chunks_the_target_lacks():
 
 
 def test_pushed_round_counts_as_sent_only_once_delivered():
-    """Push mode: a round framed in full (its producer ran ahead) whose delivery failed is not
-    taken as sent; its retry resends every chunk the target does not acknowledge, and a retry
-    that overtakes a still-framing round is not undone by it."""
-
+    """A round framed in full but not delivered is not taken as sent, nor undone by an overtaken one."""
     async def go():
         p = Pair()
         framed = list(await p.src.export("t1", None, confirm_on_delivery=True))  # never delivered
@@ -226,9 +223,7 @@ def test_pushed_round_counts_as_sent_only_once_delivered():
         sent = list(again)
         assert [f for f in sent if f[:4] == b"RLC1"] == chunks
         reply = await p.src.push("t1", p.dst.import_round("t1", _pieces(sent), False, "http://src:1"))
-        assert reply["sessions"] and p.src.outgoing["t1"].sent_hashes == {FrameDecoder().feed(c)[0].ref.hash
-                                                                            for c in chunks}
-        # delivered: the next round sends no chunk again
+        assert reply["sessions"] and len(p.src.outgoing["t1"].sent_hashes) == 2  # delivered: none sent again
         assert not [f for f in await p.src.export("t1", None, confirm_on_delivery=True) if f[:4] == b"RLC1"]
 
     run(go())
