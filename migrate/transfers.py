@@ -113,8 +113,10 @@ class Outgoing:
     epoch: int = 0  # bumped by every export: a round framed under an older epoch is stale
     framed: SentRound | None = None  # push mode: the round framed, counted as sent once delivered
 
-    def mark_sent(self, r: SentRound) -> None:
-        if r.epoch == self.epoch:  # not overtaken by a retry (whose cut already covers this one's)
+    def mark_sent(self, r: SentRound | None) -> None:
+        if r is self.framed:
+            self.framed = None
+        if r is not None and r.epoch == self.epoch:  # not overtaken by a retry (whose cut covers this one's)
             self.entries, self.sent_hashes = r.entries, self.sent_hashes | r.hashes
             self.sent_upto.update(r.upto)
 
@@ -192,8 +194,7 @@ class TransferTable:
                      confirm_on_delivery: bool = False) -> Iterator[bytes]:
         """Cut one round (the final one with `pause`) and return its frames, to be streamed to the
         target. `have`: a retry of a cut round — the chunks the target acknowledges holding.
-        `confirm_on_delivery` (push): the round counts as sent only once `push` delivered it, not
-        once it is framed (a producer runs ahead of a link that may be cut)."""
+        `confirm_on_delivery` (push): the round counts as sent once `push` delivered it, not once framed."""
         o = self.outgoing.get(tid)
         if o is None:
             if tid in self.out_done:
@@ -230,8 +231,7 @@ class TransferTable:
                 confirm_on_delivery: bool) -> Iterator[bytes]:
         rnd = o.rounds
         try:
-            # this round's own copy: a cut round's frame producer may still be running when its retry
-            # starts, and must not mark chunks as sent under it; merged once the round is framed
+            # its own copy: a cut round's producer may still run when its retry starts (merged by mark_sent)
             sink = FrameSink(set(o.sent_hashes), codec)
             w = CheckpointWriter(sink, f"{o.transfer_id}-r{rnd}", codec=codec)
             # earlier rounds' chunks, of the sessions still moving (one that finished since has no
@@ -249,27 +249,27 @@ class TransferTable:
             return
         done = SentRound(epoch, list(m.kv_entries), sink.sent,
                          {snap.state.session_id: snap.num_kv_tokens for snap in cut.snaps})
-        if confirm_on_delivery:
-            o.framed = done
-        else:
+        o.framed = done
+        if not confirm_on_delivery:
             o.mark_sent(done)
         o.last = self.clock()
         yield from sink.take()
 
-    async def push(self, tid: str, send: Awaitable[dict]) -> dict:
-        """Source: deliver an exported round (`send`: the transport's push); ending the transfer cancels it."""
-        task, o = asyncio.ensure_future(send), self.outgoing.get(tid)
+    async def push(self, tid: str, send: Awaitable[dict], sent: Callable[[], int] = lambda: 0) -> dict:
+        """Source: deliver an exported round (`send`; `sent()`: bytes so far, each advance renews the lease)."""
+        task, o, moved = asyncio.ensure_future(send), self.outgoing.get(tid), -1
         if o is None:
             task.cancel()
             raise TransferConflict(f"transfer {tid} ended before its round was sent")
-        o.pushing = task
+        o.pushing = task  # ending the transfer cancels it
         try:
-            reply = await task
-            if o.framed is not None:  # delivered: from now on the target holds these chunks
-                o.mark_sent(o.framed)
-                o.framed = None
+            while not (await asyncio.wait({task}, timeout=min(1.0, self.ttl() / 4)))[0]:
+                if sent() != moved:
+                    moved, o.last = sent(), self.clock()
+            reply, _ = task.result(), o.mark_sent(o.framed)  # delivered: the target holds these chunks now
             return reply
         finally:
+            task.cancel()  # a no-op once done; else whoever awaited this round is gone
             if o.pushing is task:
                 o.pushing = None
 
