@@ -252,7 +252,7 @@ def install_replica_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
         send = transport.push(body.target, body.transfer, pump(frames, None if body.pause else precopy_mbps(),
                                                                counter=counter),
                               final=body.pause, source=body.source, timeout_s=body.timeout_s)
-        return StreamingResponse(progress_stream(table.push(body.transfer, send, lambda: counter[0]), counter,
+        return StreamingResponse(progress_stream(table.push(body.transfer, send), counter,
                                                  min(1.0, body.timeout_s / 4)), media_type="application/json")
 
     @r.post(IMPORT_PATH)

@@ -255,17 +255,16 @@ class TransferTable:
         o.last = self.clock()
         yield from sink.take()
 
-    async def push(self, tid: str, send: Awaitable[dict], sent: Callable[[], int] = lambda: 0) -> dict:
-        """Source: deliver an exported round (`send`; `sent()`: bytes so far, each advance renews the lease)."""
-        task, o, moved = asyncio.ensure_future(send), self.outgoing.get(tid), -1
+    async def push(self, tid: str, send: Awaitable[dict]) -> dict:
+        """Source: deliver an exported round (`send`); the lease holds while it runs (bounded by its timeout)."""
+        task, o = asyncio.ensure_future(send), self.outgoing.get(tid)
         if o is None:
             task.cancel()
             raise TransferConflict(f"transfer {tid} ended before its round was sent")
         o.pushing = task  # ending the transfer cancels it
         try:
             while not (await asyncio.wait({task}, timeout=min(1.0, self.ttl() / 4)))[0]:
-                if sent() != moved:
-                    moved, o.last = sent(), self.clock()
+                o.last = self.clock()  # a round on a slow link is not an idle transfer
             reply, _ = task.result(), o.mark_sent(o.framed)  # delivered: the target holds these chunks now
             return reply
         finally:
