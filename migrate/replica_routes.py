@@ -55,12 +55,20 @@ from relayout.migrate.transfers import (
     UnknownSession,
     UnknownTransfer,
 )
+from relayout.migrate.transport import (
+    IMPORT_PATH,
+    HttpTransport,
+    Transport,
+    precopy_mbps,
+    progress_stream,
+    pump,
+)
 from relayout.storage.checkpoint import CheckpointReader, CheckpointWriter
 from relayout.storage.errors import CorruptCheckpoint, StorageError
 from relayout.storage.stores import open_store
 from starlette.requests import ClientDisconnect
 
-IMPORT_PATH = "/v1/sessions/import"  # streams its body: bounded by the transfer's import limit instead
+# IMPORT_PATH streams its body: bounded by the transfer's import limit instead
 STATUS = {TransferConflict: 409, UnknownTransfer: 404, UnknownSession: 404, TooManyTransfers: 429, ImportTooLarge: 413}
 
 
@@ -111,6 +119,11 @@ class ExportBody(BaseModel):
     max_tokens: int | None = Field(None, ge=16, le=1 << 24)
     # retry of an interrupted round: chunks the target acknowledged (holds); only the rest are sent
     have: list[str] | None = Field(None, max_length=1 << 20)
+    # push mode: this replica sends the round to the target replica at this URL itself (with its own
+    # token) and answers with the target's reply; without it, the frames are this request's response
+    target: str | None = Field(None, max_length=2048)
+    source: str | None = Field(None, max_length=2048)  # this replica's URL as the target can reach it
+    timeout_s: float = Field(300.0, gt=0, le=3600)  # the push's network timeout
 
 
 class SessionsBody(BaseModel):
@@ -162,6 +175,7 @@ def install_replica_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
     table = TransferTable(EngineThreadOps.of(aengine), source_asker(token), import_limit=import_limit,
                           frame_limit=frame_limit)
     r = APIRouter(dependencies=[Depends(bearer_auth(token))])
+    transport: Transport = HttpTransport(token)
 
     @r.post("/v1/sessions/checkpoint")
     async def checkpoint_route(body: CheckpointBody):
@@ -226,8 +240,20 @@ def install_replica_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
     async def export_route(body: ExportBody):
         check_id(body.transfer, "transfer id")
         check_ids(body.sessions)
-        frames = await table.export(body.transfer, body.sessions, body.pause, body.codec, body.max_tokens, body.have)
-        return StreamingResponse(frames, media_type="application/x-relayout-frames")
+        for url in (body.target, body.source):
+            if url is not None and not URL_RE.fullmatch(url):
+                raise HTTPError(400, "target and source must be replica http(s) URLs")
+        frames = await table.export(body.transfer, body.sessions, body.pause, body.codec, body.max_tokens, body.have,
+                                    confirm_on_delivery=body.target is not None)
+        if body.target is None:
+            return StreamingResponse(frames, media_type="application/x-relayout-frames")
+        # push: only this transfer's frames, only to the import route of a URL an authenticated caller gave
+        counter = [0]
+        send = transport.push(body.target, body.transfer, pump(frames, None if body.pause else precopy_mbps(),
+                                                               counter=counter),
+                              final=body.pause, source=body.source, timeout_s=body.timeout_s)
+        return StreamingResponse(progress_stream(table.push(body.transfer, send), counter,
+                                                 min(1.0, body.timeout_s / 4)), media_type="application/json")
 
     @r.post(IMPORT_PATH)
     async def import_route(request: Request, transfer: str, final: bool = False, source: str | None = None):
