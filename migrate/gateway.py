@@ -140,7 +140,7 @@ def run_gateway(agents: list[str], replicas: list[str], host: str, port: int,
                 bound = self.servers[0].sockets[0].getsockname()[1] if self.servers else port
                 print(f"relayout gateway on http://{host}:{bound}", flush=True)
 
-    _Server(uvicorn.Config(app, host=host, port=port, log_level="warning")).run()
+    _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)).run()
 
 
 def main(argv: list[str] | None = None) -> None:
