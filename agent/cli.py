@@ -67,6 +67,8 @@ def serve(
                                            "MASTER_ADDR:MASTER_PORT); default 127.0.0.1 and a free port"),
     standby: str = typer.Option(None, "--standby", help="replicate this replica's sessions continuously to the "
                                                        "standby replica at URL (promoted there if this one dies)"),
+    api_key: list[str] = typer.Option([], "--api-key", help="a client API key (repeatable; default "
+                                                          "RELAYOUT_API_KEYS, comma-separated; none: open)"),
 ) -> None:
     """Serve one model replica with an OpenAI-compatible API; prints its URL once listening."""
     from relayout.engine.config import ModelConfigError
@@ -86,7 +88,7 @@ def serve(
         _fail(f"--rank-endpoint: {e}")
     try:
         _serve(model, layout, host, port, kv_cache_mb=kv_cache_mb, device=device, placement=placement, dtype=dtype,
-               kv_dtype=kv_dtype, standby=standby)
+               kv_dtype=kv_dtype, standby=standby, api_keys=api_key or None)
     except (LayoutError, ModelNotFoundError, ModelConfigError, RankFailure, ValueError) as e:
         _fail(str(e))
 
@@ -161,13 +163,15 @@ def gateway(
     replica: list[str] = typer.Option([], "--replica", help="a replica URL to serve directly (repeatable)"),
     host: str = typer.Option("127.0.0.1", "--host"),
     port: int = typer.Option(8000, "--port"),
+    api_key: list[str] = typer.Option([], "--api-key", help="a client API key (repeatable; default "
+                                                          "RELAYOUT_API_KEYS, comma-separated; none: open)"),
 ) -> None:
-    """The clients' /v1/completions in front of the replicas; streams survive migrations."""
+    """The clients' OpenAI API in front of the replicas; streams survive migrations, checkpoints, failovers."""
     from relayout.migrate.gateway import run_gateway
 
     if not agent and not replica:
         _fail("give at least one --agent or --replica")
-    run_gateway(agent, replica, host, port)
+    run_gateway(agent, replica, host, port, api_key)
 
 
 @app.command("migrate-replica")

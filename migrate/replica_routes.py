@@ -19,7 +19,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from relayout.engine.async_engine import AsyncEngine
 from relayout.engine.engine import LLMEngine
-from relayout.engine.session import SessionState
+from relayout.engine.session import SessionState, SessionStatus
 from relayout.engine.snapshot import (
     RestoreError,
     check_compatible,
@@ -219,9 +219,11 @@ def install_replica_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
             raise HTTPError(502, f"checkpoint {cid} was not written to {dest}: {type(e).__name__}: {e}; "
                                  f"nothing was committed" + ("; the sessions continue here" if body.stop else "")
                             ) from None
-        if body.stop:
-            await aengine.call(lambda e: e.release(ids))
-        return {"checkpoint": f"{dest.rstrip('/')}/{cid}", "checkpoint_id": cid, "sessions": ids, "bytes": nbytes}
+        uri = f"{dest.rstrip('/')}/{cid}"
+        if body.stop:  # their streams end with finish_reason "checkpointed"; GET /v1/sessions/{id} names the URI
+            aengine.note_checkpointed(ids, uri)
+            await aengine.call(lambda e: e.release(ids, SessionStatus.CHECKPOINTED))
+        return {"checkpoint": uri, "checkpoint_id": cid, "sessions": ids, "bytes": nbytes}
 
     @r.post("/v1/sessions/restore")
     async def restore_route(body: RestoreBody):

@@ -2,7 +2,7 @@
 (migrate.replica_routes), served until SIGTERM/SIGINT. `relayout serve` runs this; so does
 
     python -m relayout.migrate.serve --model M --layout L --host H --port P [--kv-cache-mb N]
-        [--device D] [--local-ranks 0,1] [--rank-endpoint HOST:PORT]
+        [--device D] [--local-ranks 0,1] [--rank-endpoint HOST:PORT] [--api-key KEY ...]
 
 Once listening it prints `relayout serving MODEL on http://HOST:PORT`."""
 
@@ -22,9 +22,10 @@ from relayout.migrate.protect_routes import install_protect_routes
 from relayout.migrate.replica_routes import install_replica_routes
 
 
-def create_replica_app(aengine: AsyncEngine, model_name: str) -> FastAPI:
-    """The replica's app: serving, checkpoint/restore, live transfers and protection."""
-    app = create_app(aengine, model_name)
+def create_replica_app(aengine: AsyncEngine, model_name: str, api_keys: list[str] | None = None) -> FastAPI:
+    """The replica's app: serving, checkpoint/restore, live transfers and protection. `api_keys`: the
+    client keys (default RELAYOUT_API_KEYS)."""
+    app = create_app(aengine, model_name, api_keys)
     install_replica_routes(app, aengine)
     install_protect_routes(app, aengine)
     install_tracing(app)  # continues the migrator's trace (traceparent) in a span per request
@@ -52,7 +53,8 @@ def rank_placement(local_ranks: list[int] | None, rank_endpoint: str | None) -> 
 
 def serve(model: str = "builtin:tiny", layout: str | None = None, host: str = "127.0.0.1", port: int = 8000,
           kv_cache_mb: int | None = None, device: str | None = None, placement: RankPlacement | None = None,
-          dtype: str | None = None, kv_dtype: str | None = None, standby: str | None = None) -> None:
+          dtype: str | None = None, kv_dtype: str | None = None, standby: str | None = None,
+          api_keys: list[str] | None = None) -> None:
     """Load the model, serve it until SIGTERM/SIGINT, then shut the engine (and its ranks) down.
     `standby`: a replica URL to protect this one's sessions to from the start (migrate.replication)."""
     import uvicorn
@@ -65,7 +67,7 @@ def serve(model: str = "builtin:tiny", layout: str | None = None, host: str = "1
                        placement=placement, dtype=dtype, kv_dtype=kv_dtype)
     aengine = AsyncEngine(engine)
     try:
-        app = create_replica_app(aengine, model)
+        app = create_replica_app(aengine, model, api_keys)
 
         class _Server(uvicorn.Server):
             async def startup(self, sockets=None):
@@ -106,6 +108,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--local-ranks", default=None, help="ranks to run on this host, e.g. 0,1 (default: all)")
     ap.add_argument("--rank-endpoint", default=None, help="HOST:PORT where ranks join this driver")
     ap.add_argument("--standby", default=None, help="protect this replica's sessions to the standby replica at URL")
+    ap.add_argument("--api-key", action="append", default=[],
+                    help="a client API key (repeatable; default RELAYOUT_API_KEYS, comma-separated; none: open)")
     a = ap.parse_args(argv)
     if a.kv_cache_mb is not None and a.kv_cache_mb < 1:
         ap.error("--kv-cache-mb must be at least 1")
@@ -116,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--local-ranks/--rank-endpoint: {e}")
     try:
         serve(a.model, a.layout, a.host, a.port, kv_cache_mb=a.kv_cache_mb, device=a.device, placement=placement,
-              dtype=a.dtype, kv_dtype=a.kv_dtype, standby=a.standby)
+              dtype=a.dtype, kv_dtype=a.kv_dtype, standby=a.standby, api_keys=a.api_key or None)
     except (LayoutError, ModelNotFoundError, ModelConfigError, RankFailure, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -19,7 +19,9 @@ KV_MB = 1  # builtin:tiny: 512 B/token → 2048 tokens, so an over-long request 
 
 
 def start_server(*args: str) -> tuple[subprocess.Popen, str]:
-    proc = procs.replica(env={"OMP_NUM_THREADS": "1"}, args=args, timeout=60)
+    # a bare disconnect detaches a session for the grace, then aborts it: 1 s here (tests/test_reattach.py
+    # checks the reattach within the grace)
+    proc = procs.replica(env={"OMP_NUM_THREADS": "1", "RELAYOUT_DETACH_GRACE_S": "1"}, args=args, timeout=60)
     return proc.p, proc.url
 
 
