@@ -45,6 +45,7 @@ from relayout.engine.web import (
     error_response,
 )
 from relayout.migrate.engine_ops import EngineThreadOps, import_limits
+from relayout.migrate.frame_link import LINK_PATH, FrameLinkServer, TcpTransport
 from relayout.migrate.transfers import (
     ImportTooLarge,
     RoundCut,
@@ -58,6 +59,7 @@ from relayout.migrate.transfers import (
 from relayout.migrate.transport import (
     IMPORT_PATH,
     HttpTransport,
+    PushFailed,
     Transport,
     precopy_mbps,
     progress_stream,
@@ -168,6 +170,19 @@ async def _cut_pieces(request: Request) -> AsyncIterator[bytes]:
         raise RoundCut() from None
 
 
+def _classify(e: BaseException) -> tuple[int, str]:
+    """An import refused over the frame link: the status and message the HTTP route would answer."""
+    if isinstance(e, TransferError):
+        return STATUS.get(type(e), 409), str(e)
+    if isinstance(e, HTTPError):
+        return e.status, e.message
+    if isinstance(e, RestoreError):
+        return 409, str(e)
+    if isinstance(e, StorageError):
+        return 400, f"{type(e).__name__}: {e}"
+    return 500, f"{type(e).__name__}: {e}"
+
+
 def install_replica_routes(app: FastAPI, aengine: AsyncEngine, token: str | None = None) -> TransferTable:
     """Mount the session-moving routes on a replica's app; returns the replica's TransferTable."""
     token = token if token is not None else env_token()
@@ -176,6 +191,9 @@ def install_replica_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
                           frame_limit=frame_limit)
     r = APIRouter(dependencies=[Depends(bearer_auth(token))])
     transport: Transport = HttpTransport(token)
+    if os.environ.get("RELAYOUT_TRANSPORT", "http") == "tcp":
+        transport = TcpTransport(token, transport, PushFailed)
+    link = FrameLinkServer(token, table.import_round, _classify, lambda tid: check_id(tid, "transfer id"), RoundCut)
 
     @r.post("/v1/sessions/checkpoint")
     async def checkpoint_route(body: CheckpointBody):
@@ -268,6 +286,13 @@ def install_replica_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
             return await table.import_round(transfer, _cut_pieces(request), final, source, declared)
         except RoundCut:
             raise ClientDisconnect() from None
+
+    @r.get(LINK_PATH)
+    async def link_route(request: Request):
+        """The port of this replica's raw frame link (migrate.frame_link), listening on the address
+        this request arrived on."""
+        host = (request.scope.get("server") or ("127.0.0.1", 0))[0]
+        return {"port": await link.ensure(host)}
 
     @r.post("/v1/sessions/transfers/{transfer}/commit")
     async def commit_incoming(transfer: str):
