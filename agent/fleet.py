@@ -35,7 +35,7 @@ from relayout.migrate.policy import Decision, PolicyConfig, RelayoutPolicy
 __all__ = ["FleetController", "expand_agents"]
 
 OP_DONE = ("succeeded", "failed", "aborted")
-LIVE = ("finished", "migrated")  # session states that are no longer served (anything else still is)
+GONE = ("finished", "migrated")  # session states no longer served here (anything else still is)
 
 
 def _split_urls(urls: Iterable[str]) -> list[str]:
@@ -184,7 +184,7 @@ class FleetController:
                                bytes_total=int(op.get("bytes_total") or 0), stall_ms=float(op.get("stall_ms") or 0.0))
 
     def _left(self, url: str) -> list[str]:
-        return [s["id"] for s in self._get(f"{url}/v1/replica").get("sessions", []) if s.get("state") not in LIVE]
+        return [s["id"] for s in self._get(f"{url}/v1/replica").get("sessions", []) if s.get("state") not in GONE]
 
     @traced("relayout")  # the re-layout's trace; the agent's operation carries its own spans
     def _relayout(self, agent: str, key: tuple[str, str], url: str, rep: dict, step: Step, model: str,
