@@ -213,6 +213,7 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
             if resp.status_code >= 400:
                 raise HTTPError(502, f"target agent answered {resp.status_code}: {web.error_message(resp)[:300]}")
             tr = resp.json()
+            op["target_replica"] = tr["id"]  # known even if the move then fails (the caller may drop it)
             op["phase"] = "migrating"
 
             def progress(phase=None, bytes_done=None, *_, **__):  # migrate_live calls progress(phase, bytes)

@@ -491,7 +491,11 @@ def _plan_reference():
 
 @app.command()
 def controller(
-    replica: str = typer.Option(..., "--replica", help="URL of the replica to watch"),
+    replica: str = typer.Option(None, "--replica", help="URL of the one replica to watch (launches its successors here)"),
+    agents: str = typer.Option(None, "--agents", help="comma-separated agent URLs: watch every replica of every "
+                                                      "agent (default without --replica: RELAYOUT_AGENTS)"),
+    agent: list[str] = typer.Option(None, "--agent", help="an agent URL (repeatable; added to --agents)"),
+    topology: Path = typer.Option(None, "--topology", help="fleet topology (YAML or JSON), checked and reported"),
     interval: float = typer.Option(10.0, "--interval", help="seconds between polls"),
     dry_run: bool = typer.Option(False, "--dry-run", help="log the decisions, never relayout"),
     margin: float = typer.Option(1.5, "--margin", help="relayout when gain > cost x margin"),
@@ -499,29 +503,57 @@ def controller(
     cooldown: float = typer.Option(600.0, "--cooldown", help="seconds between relayouts"),
     horizon: float = typer.Option(600.0, "--horizon", help="seconds of traffic the gain is counted over"),
 ) -> None:
-    """Relayout a replica when a better expert placement pays for the move (one JSON line per poll)."""
+    """Relayout replicas when a better expert placement pays for the move (one JSON line per poll and replica).
+
+    --replica URL watches one replica; --agents/--agent watch every replica of every agent, and the
+    replica's own agent launches the new layout and migrates onto it."""
+    import os
     import signal
     import threading
 
     from relayout.engine.tracing import setup_tracing
-    from relayout.migrate.controller import Controller, SubprocessLauncher
     from relayout.migrate.policy import PolicyConfig, RelayoutPolicy
 
-    setup_tracing("relayout-controller")  # each re-layout is a trace when OTEL_* configure an exporter
-
+    agent_urls = [u for u in ([agents] if agents else []) + list(agent or []) if u.strip()]
+    if replica and agent_urls:
+        _fail("give either --replica URL (one replica) or --agents/--agent URL (every replica of the agents), not both")
+    if not replica and not agent_urls and os.environ.get("RELAYOUT_AGENTS", "").strip():
+        agent_urls = [os.environ["RELAYOUT_AGENTS"]]
+    if not replica and not agent_urls:
+        _fail("give --replica URL (one replica) or --agents URL[,URL...] (or RELAYOUT_AGENTS) for the fleet")
     if interval <= 0 or consecutive < 1 or margin <= 0:
         _fail("--interval and --margin must be positive, --consecutive at least 1")
-    pol = RelayoutPolicy(PolicyConfig(margin=margin, consecutive=consecutive, cooldown_s=cooldown, horizon_s=horizon))
-    ctl = Controller(replica, SubprocessLauncher(), pol, interval, dry_run=dry_run,
-                     log=lambda line: print(line, flush=True))
+    if topology is not None:
+        from relayout.migrate.topology import Topology, TopologyError
+
+        try:
+            topo = Topology.load(topology)
+        except TopologyError as e:
+            _fail(f"--topology: {e}")
+        # the policy keeps the attention split and world size, so the topology changes no decision yet
+        err.print(f"topology {topology}: {len(topo.nodes)} nodes, {len(topo.devices())} devices "
+                  f"({sum(d.free for d in topo.devices())} free); checked, not used by the policy")
+    setup_tracing("relayout-controller")  # each re-layout is a trace when OTEL_* configure an exporter
+    cfg = PolicyConfig(margin=margin, consecutive=consecutive, cooldown_s=cooldown, horizon_s=horizon)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    err.print(f"relayout controller watching {replica} every {interval:g}s" + (" (dry run)" if dry_run else ""))
+    line = lambda s: print(s, flush=True)  # noqa: E731
+    if replica:
+        from relayout.migrate.controller import Controller, SubprocessLauncher
+
+        ctl = Controller(replica, SubprocessLauncher(), RelayoutPolicy(cfg), interval, dry_run=dry_run, log=line)
+        watching = replica
+    else:
+        from relayout.agent.fleet import FleetController
+
+        ctl = FleetController(agent_urls, cfg, interval, dry_run=dry_run, log=line)
+        watching = "the replicas of " + ", ".join(ctl.agents)
+    err.print(f"relayout controller watching {watching} every {interval:g}s" + (" (dry run)" if dry_run else ""))
     try:
         ctl.run_forever(stop)
     except KeyboardInterrupt:
         pass
-    err.print(f"controller stopped; replica now at {ctl.replica_url}")
+    err.print(f"controller stopped; replica now at {ctl.replica_url}" if replica else "controller stopped")
 
 
 # ---- plugin sub-commands -------------------------------------------------------------------------
