@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import httpx
 from relayout.engine.engine import LLMEngine
 from relayout.engine.snapshot import write_snapshot
+from relayout.engine.tracing import span
 from relayout.engine.web import bearer_headers, error_message
 from relayout.migrate.engine_ops import EngineThreadOps
 from relayout.migrate.frame_sink import FrameSink
@@ -141,32 +142,34 @@ class Replicator:
                     await asyncio.sleep(min(0.2, self.cfg.every_ms / 1000))
 
     async def _round(self, client: httpx.AsyncClient) -> None:
-        t0 = self.clock()  # the lease counts from before the cut: the standby stamps it later
-        sent = {sid: s.kv_tokens for sid, s in self.synced.items()}
-        cut = await self.ops.cut(None, False, sent, None)
-        for snap in cut.snaps:
-            # a session preempted here and still recomputing: its KV on the standby stays valid
-            snap.num_kv_tokens = max(snap.num_kv_tokens, sent.get(snap.state.session_id, 0))
-        rnd = self.rounds + 1
-        manifest, frames = await asyncio.to_thread(self._frames, cut, sent, rnd)
-        r = await client.post(f"{self.cfg.standby}/v1/standby/{self.pid}/rounds", content=b"".join(frames),
-                              params={"source": self.cfg.source_url, "lease_s": str(self.cfg.lease_s)},
-                              headers=bearer_headers(self.token))
-        if r.status_code == 409 and _error_type(r) in (PROMOTED, DROPPED):
-            await self._lose()
-            return
-        if r.status_code != 200:
-            if 400 <= r.status_code < 500:  # the standby lost what it held (restarted): send it all again
-                self.synced, self.entries = {}, []
-            raise RuntimeError(f"standby refused round {rnd}: HTTP {r.status_code}: {error_message(r)}")
-        self.lease_until = t0 + self.cfg.lease_s
-        self.rounds, self.round_bytes = rnd, self.round_bytes + sum(len(f) for f in frames)
-        self.entries = list(manifest.kv_entries)
-        self.synced = {e.session_id: SyncedSession(e.num_kv_tokens, len(e.state["prompt_token_ids"])
-                                                   + len(e.state["output_token_ids"])) for e in manifest.sessions}
-        if self.state == "fenced":
-            fenced, self.fenced, self.state = self.fenced, [], "active"
-            await self.ops.resume(fenced)
+        with span("protection-round", protection=self.pid, round=self.rounds + 1) as sp:
+            t0 = self.clock()  # the lease counts from before the cut: the standby stamps it later
+            sent = {sid: s.kv_tokens for sid, s in self.synced.items()}
+            cut = await self.ops.cut(None, False, sent, None)
+            for snap in cut.snaps:
+                # a session preempted here and still recomputing: its KV on the standby stays valid
+                snap.num_kv_tokens = max(snap.num_kv_tokens, sent.get(snap.state.session_id, 0))
+            rnd = self.rounds + 1
+            manifest, frames = await asyncio.to_thread(self._frames, cut, sent, rnd)
+            r = await client.post(f"{self.cfg.standby}/v1/standby/{self.pid}/rounds", content=b"".join(frames),
+                                  params={"source": self.cfg.source_url, "lease_s": str(self.cfg.lease_s)},
+                                  headers=bearer_headers(self.token))
+            if r.status_code == 409 and _error_type(r) in (PROMOTED, DROPPED):
+                await self._lose()
+                return
+            if r.status_code != 200:
+                if 400 <= r.status_code < 500:  # the standby lost what it held (restarted): send it all again
+                    self.synced, self.entries = {}, []
+                raise RuntimeError(f"standby refused round {rnd}: HTTP {r.status_code}: {error_message(r)}")
+            self.lease_until = t0 + self.cfg.lease_s
+            self.rounds, self.round_bytes = rnd, self.round_bytes + sum(len(f) for f in frames)
+            sp.set_attribute("relayout.bytes", sum(len(f) for f in frames))
+            self.entries = list(manifest.kv_entries)
+            self.synced = {e.session_id: SyncedSession(e.num_kv_tokens, len(e.state["prompt_token_ids"])
+                                                       + len(e.state["output_token_ids"])) for e in manifest.sessions}
+            if self.state == "fenced":
+                fenced, self.fenced, self.state = self.fenced, [], "active"
+                await self.ops.resume(fenced)
 
     def _frames(self, cut: Cut, sent: dict[str, int], rnd: int) -> tuple[Manifest, list[bytes]]:
         """One round's frames: chunks the standby lacks, then the cumulative manifest (any thread)."""
@@ -187,24 +190,26 @@ class Replicator:
 
     async def _fence(self) -> None:
         """The lease lapsed: stop serving what the standby holds before it may promote it."""
-        ids = list(self.synced)
+        with span("protection-fence", protection=self.pid):
+            ids = list(self.synced)
 
-        def pause(e: LLMEngine) -> list[str]:
-            live = [sid for sid in ids if sid in e.sessions and not e.sessions[sid].is_finished]
-            e.pause(live)
-            return live
+            def pause(e: LLMEngine) -> list[str]:
+                live = [sid for sid in ids if sid in e.sessions and not e.sessions[sid].is_finished]
+                e.pause(live)
+                return live
 
-        # paused first, then reported: whoever sees "fenced" sees them stopped (a round that renews
-        # the lease meanwhile leaves them paused until the next one resumes them)
-        self.fenced = await self.ops.call(pause)
-        self.state = "fenced"
+            # paused first, then reported: whoever sees "fenced" sees them stopped (a round that renews
+            # the lease meanwhile leaves them paused until the next one resumes them)
+            self.fenced = await self.ops.call(pause)
+            self.state = "fenced"
 
     async def _lose(self) -> None:
         """The standby promoted: the sessions it holds are its own now; free them here."""
-        self.state = "lost"
-        ids = list(dict.fromkeys(self.fenced + list(self.synced)))
-        self.fenced = []
-        await self.ops.release(ids, self.cfg.standby)
+        with span("protection-lost", protection=self.pid):
+            self.state = "lost"
+            ids = list(dict.fromkeys(self.fenced + list(self.synced)))
+            self.fenced = []
+            await self.ops.release(ids, self.cfg.standby)
 
 
 def _error_type(r: httpx.Response) -> str | None:

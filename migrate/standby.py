@@ -20,6 +20,7 @@ from relayout.engine.engine import LLMEngine
 from relayout.engine.receive import abort_incoming, free_reservations, receive_round
 from relayout.engine.sampling import advance_rng
 from relayout.engine.session import SessionState, SessionStatus
+from relayout.engine.tracing import span
 from relayout.migrate.engine_ops import EngineCall
 from relayout.storage.manifest import Manifest
 from relayout.storage.store_base import Store
@@ -228,7 +229,8 @@ class StandbyTable:
                 return await self._promoted_view(h, told or {})
             if not h.lapsed(self.clock()) or h.manifest is None:  # a round came in meanwhile
                 raise NotLapsed(f"protection {pid}: the source renewed its lease")
-            h.promoted = await self.call(lambda e: place_promoted(e, h, told or {}))
+            with span("failover-promote", protection=pid, sessions=len(h.manifest.sessions)):
+                h.promoted = await self.call(lambda e: place_promoted(e, h, told or {}))
             h.state = "promoted"
             self.ended[pid] = "promoted"
             h.store = MemoryStore()  # the staged chunks are not needed any more
