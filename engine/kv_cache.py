@@ -213,15 +213,16 @@ class KVCache:
 
     def export_into(self, blocks: list[int], layer: int, tok_lo: int, tok_hi: int, out: torch.Tensor) -> None:
         """K, V of one layer, tokens [tok_lo, tok_hi), into `out` ([2, kv_heads, tokens, head_dim], any
-        device/dtype): straight from the pool, one copy_ per run of consecutive blocks, no staging."""
+        device/dtype): straight from the pool, one copy per run of consecutive blocks and K/V, no
+        staging. A token-major `out` (a chunk, see storage.chunks.new_kv_chunk) makes each of those
+        one contiguous memcpy, the pool's rows being [tokens, heads, head_dim] too."""
         self.refuse_quantised()
         if tok_hi <= tok_lo:
             return
-        k, v = self.k[layer], self.v[layer]
-        for a, b, blk, off in self._runs(blocks, tok_lo, tok_hi):
-            nb = (off + b - a + self.block_size - 1) // self.block_size
-            copy_into(out[0, :, a - tok_lo : b - tok_lo], k[blk : blk + nb].flatten(0, 1)[off : off + b - a].transpose(0, 1))
-            copy_into(out[1, :, a - tok_lo : b - tok_lo], v[blk : blk + nb].flatten(0, 1)[off : off + b - a].transpose(0, 1))
+        dst = out.transpose(1, 2)  # [2, tokens, heads, head_dim]: the pool's order
+        for a, b, rows in self._row_runs(blocks, tok_lo, tok_hi):
+            copy_into(dst[0, a - tok_lo : b - tok_lo], self.k[layer].view(-1, *self.k[layer].shape[2:])[rows])
+            copy_into(dst[1, a - tok_lo : b - tok_lo], self.v[layer].view(-1, *self.v[layer].shape[2:])[rows])
 
     def import_from(self, blocks: list[int], layer: int, tok_lo: int, kv: torch.Tensor, head_lo: int = 0) -> None:
         """Inverse of export_into for local heads [head_lo, head_lo + kv.shape[1]): kv is
@@ -232,13 +233,18 @@ class KVCache:
             return
         if not 0 <= head_lo <= head_lo + h <= self.k[layer].shape[2]:
             raise ValueError(f"heads [{head_lo},{head_lo + h}) outside this cache's {self.k[layer].shape[2]}")
-        k, v = self.k[layer], self.v[layer]
-        for a, b, blk, off in self._runs(blocks, tok_lo, tok_lo + n):
-            nb = (off + b - a + self.block_size - 1) // self.block_size
-            rows = slice(off, off + b - a)
-            src = slice(a - tok_lo, b - tok_lo)
-            copy_into(k[blk : blk + nb].flatten(0, 1)[rows, head_lo : head_lo + h], kv[0, :, src].transpose(0, 1))
-            copy_into(v[blk : blk + nb].flatten(0, 1)[rows, head_lo : head_lo + h], kv[1, :, src].transpose(0, 1))
+        src = kv.transpose(1, 2)  # [2, tokens, heads, head_dim]: a chunk's stored order
+        kf = self.k[layer].view(-1, *self.k[layer].shape[2:])
+        vf = self.v[layer].view(-1, *self.v[layer].shape[2:])
+        for a, b, rows in self._row_runs(blocks, tok_lo, tok_lo + n):
+            copy_into(kf[rows, head_lo : head_lo + h], src[0, a - tok_lo : b - tok_lo])
+            copy_into(vf[rows, head_lo : head_lo + h], src[1, a - tok_lo : b - tok_lo])
+
+    def _row_runs(self, blocks: list[int], tok_lo: int, tok_hi: int):
+        """_runs as (a, b, slice of the flattened pool's rows holding tokens [a, b))."""
+        for a, b, blk, off in self._runs(blocks, tok_lo, tok_hi):
+            start = blk * self.block_size + off
+            yield a, b, slice(start, start + b - a)
 
     def import_tokens(self, blocks: list[int], tok_lo: int, kv: torch.Tensor) -> None:
         """Inverse of export_tokens; kv: [layers, 2, kv_heads, tokens, head_dim]."""

@@ -47,7 +47,8 @@ def import_range(engine: LLMEngine, store: Store, manifest: Manifest, sid: str, 
     if host is None:
         kv = torch.empty((c.num_layers, 2, c.num_kv_heads, b - a, c.head_dim), dtype=engine.dtype)
     for e in entries:
-        t = kv_view(store.get_chunk(e.chunk.hash), e.chunk, e.shape(c.head_dim), engine.dtype)  # read-only
+        t = kv_view(store.get_chunk(e.chunk.hash), e.chunk, e.shape(c.head_dim), engine.dtype,  # read-only
+                    manifest.format_version)
         lo, hi = max(a, e.tok_lo), min(b, e.tok_hi)
         part = t[:, :, lo - e.tok_lo : hi - e.tok_lo]
         if kv is None:

@@ -21,7 +21,7 @@ from relayout.engine.executor import LocalExecutor
 from relayout.engine.kv_cache import KVCache, blocks_needed
 from relayout.engine.session import SessionState, SessionStatus
 from relayout.storage.checkpoint import CheckpointReader, CheckpointWriter
-from relayout.storage.chunks import dtype_name, keep_freed_memory, new_kv_chunk, parallel_map
+from relayout.storage.chunks import dtype_name, keep_freed_memory, new_kv_chunk, parallel_map, seal_kv_chunk
 from relayout.storage.errors import CorruptCheckpoint, ModelMismatch
 from relayout.storage.manifest import KVGeometry, Manifest, ModelRef
 
@@ -104,8 +104,13 @@ def _export_chunks(pool: KVCache, heads: tuple[int, int], blocks: list[int], lo:
     chunks = [(layer, heads[0], heads[1], a, b, new_kv_chunk((2, k0.shape[2], b - a, k0.shape[3]), k0.dtype))
               for a, b in _chunk_ranges(lo, hi) for layer in range(len(pool.k))]
     # buffers from this thread's allocator (reused from the last snapshot's where it kept them);
-    # the copies, and the first touch of fresh pages, on all cores
-    parallel_map(lambda c: pool.export_into(blocks, c[0], c[3], c[4], c[5]), chunks)
+    # the copies, and the first touch of fresh pages, on all cores; each chunk hashed right after
+    # its copy, from this core's cache (a separate pass later would read it all from memory again)
+    def fill(c: tuple[int, int, int, int, int, torch.Tensor]) -> None:
+        pool.export_into(blocks, c[0], c[3], c[4], c[5])
+        seal_kv_chunk(c[5])
+
+    parallel_map(fill, chunks)
     return chunks
 
 
@@ -272,32 +277,36 @@ def plan_restore(engine: LLMEngine, manifest: Manifest, session_ids: list[str] |
 
 def restore(engine: LLMEngine, reader: CheckpointReader, session_ids: list[str] | None = None,
             verify: bool = True) -> list[str]:
-    """Import sessions into this replica (engine thread, between steps). All checks first:
-    a refused restore leaves the replica's sessions and blocks untouched."""
+    """Import sessions into this replica (engine thread, between steps). All or nothing: the
+    cheap checks first, then every session's KV into freshly allocated blocks, each chunk's hash
+    checked as it is read (once, from cache, just before its copy), and only when all of them
+    imported are the sessions placed. A refused restore frees those blocks again and leaves the
+    replica's sessions and blocks as they were. `verify` also checks the whole manifest's coverage
+    up front (the hashes are checked either way)."""
     m = reader.manifest
     check_compatible(engine, m)
     plan = plan_restore(engine, m, session_ids)
     if verify:
-        reader.verify()  # every chunk hash, before anything is imported
-    imported: list[str] = []
-    for st, n_kv, g in plan:
-        if n_kv == 0:
-            st.num_computed = 0
-            st.status = SessionStatus.WAITING
-            engine.adopt(st, g, None)
-            imported.append(st.session_id)
-            continue
-        blocks = engine.allocators[g].allocate(blocks_needed(st.num_tokens + 1))
-        try:
-            _import_session(engine, reader, st.session_id, g, blocks, n_kv)
-        except BaseException:
-            engine.allocators[g].free(blocks)
-            raise
+        gap = m.coverage_error()
+        if gap is not None:
+            raise CorruptCheckpoint(f"checkpoint {m.checkpoint_id} is incomplete: {gap}")
+    placed: list[tuple[SessionState, int, int, list[int] | None]] = []
+    try:
+        for st, n_kv, g in plan:
+            blocks = engine.allocators[g].allocate(blocks_needed(st.num_tokens + 1)) if n_kv else None
+            placed.append((st, n_kv, g, blocks))
+            if blocks is not None:
+                _import_session(engine, reader, st.session_id, g, blocks, n_kv)
+    except BaseException:
+        for _, _, g, blocks in placed:
+            if blocks is not None:
+                engine.allocators[g].free(blocks)
+        raise
+    for st, n_kv, g, blocks in placed:
         st.num_computed = n_kv
-        st.status = SessionStatus.RUNNING
+        st.status = SessionStatus.RUNNING if n_kv else SessionStatus.WAITING
         engine.adopt(st, g, blocks)
-        imported.append(st.session_id)
-    return imported
+    return [st.session_id for st, _, _, _ in placed]
 
 
 def _import_session(engine: LLMEngine, reader: CheckpointReader, sid: str, group: int, blocks: list[int],

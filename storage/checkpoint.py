@@ -267,7 +267,8 @@ class CheckpointReader:
     def _load(self, e: KVEntry, shape: tuple[int, ...]) -> torch.Tensor:
         """The verified chunk of `e`, read-only (see kv_pieces)."""
         try:
-            return kv_view(self.store.get_chunk(e.chunk.hash), e.chunk, shape, self.manifest.kv.dtype)
+            m = self.manifest
+            return kv_view(self.store.get_chunk(e.chunk.hash), e.chunk, shape, m.kv.dtype, m.format_version)
         except CorruptCheckpoint as exc:
             raise CorruptCheckpoint(f"{exc} (session {e.session_id}, layer {e.layer})") from None
 

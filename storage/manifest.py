@@ -18,7 +18,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from relayout.storage.errors import CorruptCheckpoint
 
-FORMAT_VERSION = 1
+# 2: chunks store their tensor token-major, [2, tokens, heads, head_dim] (the KV pool's order);
+# 1: [2, heads, tokens, head_dim]. Readers take both; writers write FORMAT_VERSION.
+FORMAT_VERSION = 2
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 HASH_PATTERN = r"^[0-9a-f]{32}$"  # xxh3_128 hexdigest
@@ -106,7 +108,7 @@ class KVGeometry(BaseModel):
 
 class Manifest(BaseModel):
     model_config = _CFG
-    format_version: Literal[1] = FORMAT_VERSION
+    format_version: Literal[1, 2] = FORMAT_VERSION
     checkpoint_id: Id
     created_at: float = Field(ge=0, allow_inf_nan=False)
     model: ModelRef
