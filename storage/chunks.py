@@ -123,7 +123,9 @@ def keep_freed_memory(nbytes: int) -> int:
     reuse rather than return it to the kernel at once; never lowers an earlier setting. Process-wide
     (glibc mallopt); a no-op elsewhere. Returns the amount now kept."""
     global _kept
-    want = min(int(nbytes), KEEP_FREED_MAX)
+    # headroom: glibc gives back ALL of a free top chunk once it exceeds the threshold, and a
+    # snapshot's freed buffers plus their headers (and whatever else was freed) exceed `nbytes`
+    want = min(int(nbytes) + int(nbytes) // 8 + (8 << 20), KEEP_FREED_MAX)
     with _kept_lock:
         if _mallopt is not None and want > _kept:
             if _mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD) == 1 and _mallopt(_M_TRIM_THRESHOLD, want) == 1:
