@@ -90,7 +90,12 @@ def _fill(eng: LLMEngine, sessions: int, tokens: int, prefill: int) -> tuple[lis
 def _codecs(t: torch.Tensor) -> dict[str, dict[str, float]]:
     raw = t.view(torch.uint8).numpy().tobytes()
     res = measure_codecs(raw, t.element_size())
-    return {k: {"ratio": round(v["ratio"], 3), "gbps": round(v["gbps"], 3)} for k, v in res.items()}
+    return {k: {"ratio": _sig(v["ratio"]), "gbps": _sig(v["gbps"])} for k, v in res.items()}
+
+
+def _sig(x: float) -> float:
+    """x to 4 significant digits (a fixed number of decimals rounds a tiny model's GB/s to 0)."""
+    return float(f"{x:.4g}")
 
 
 def run(model: str = "builtin:bench", sessions: int = 4, tokens: int = 2048, prefill: int = 200, reps: int = 3,
@@ -150,10 +155,10 @@ def run(model: str = "builtin:bench", sessions: int = 4, tokens: int = 2048, pre
         t_rest = _best(after_memcpy(restore_once), reps)
         t_mem = min(mem_tries)
         gb = ids_kv / 1e9
-        res.update(kv_bytes=ids_kv, memcpy_gbps=round(gb / t_mem, 3), snapshot_gbps=round(gb / t_snap, 3),
-                   restore_gbps=round(gb / t_rest, 3))
-        res["snapshot_vs_memcpy"] = round(res["snapshot_gbps"] / res["memcpy_gbps"], 3)
-        res["restore_vs_memcpy"] = round(res["restore_gbps"] / res["memcpy_gbps"], 3)
+        res.update(kv_bytes=ids_kv, memcpy_gbps=_sig(gb / t_mem), snapshot_gbps=_sig(gb / t_snap),
+                   restore_gbps=_sig(gb / t_rest))
+        res["snapshot_vs_memcpy"] = _sig(t_mem / t_snap)
+        res["restore_vs_memcpy"] = _sig(t_mem / t_rest)
         log("codecs…")
         sample = real[: CODEC_SAMPLE_BYTES // real.element_size()].contiguous()
         res["codec_sample_bytes"] = sample.numel() * sample.element_size()
