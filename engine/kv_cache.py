@@ -211,34 +211,46 @@ class KVCache:
             yield a, b, blocks[i], a - i * bs
             i = j + 1
 
-    def export_into(self, blocks: list[int], layer: int, tok_lo: int, tok_hi: int, out: torch.Tensor) -> None:
+    def export_into(self, blocks: list[int], layer: int, tok_lo: int, tok_hi: int, out: torch.Tensor,
+                    scale_out: torch.Tensor | None = None) -> None:
         """K, V of one layer, tokens [tok_lo, tok_hi), into `out` ([2, kv_heads, tokens, head_dim], any
         device/dtype): straight from the pool, one copy per run of consecutive blocks and K/V, no
         staging. A token-major `out` (a chunk, see storage.chunks.new_kv_chunk) makes each of those
-        one contiguous memcpy, the pool's rows being [tokens, heads, head_dim] too."""
-        self.refuse_quantised()
+        one contiguous memcpy, the pool's rows being [tokens, heads, head_dim] too. A quantised pool
+        also needs `scale_out` ([2, kv_heads, tokens], float32): the values are copied as stored."""
+        if self.quantised and scale_out is None:
+            self.refuse_quantised()
         if tok_hi <= tok_lo:
             return
         dst = out.transpose(1, 2)  # [2, tokens, heads, head_dim]: the pool's order
+        sdst = scale_out.transpose(1, 2) if self.quantised and scale_out is not None else None
         for a, b, rows in self._row_runs(blocks, tok_lo, tok_hi):
-            copy_into(dst[0, a - tok_lo : b - tok_lo], self.k[layer].view(-1, *self.k[layer].shape[2:])[rows])
-            copy_into(dst[1, a - tok_lo : b - tok_lo], self.v[layer].view(-1, *self.v[layer].shape[2:])[rows])
+            for j, pool in enumerate((self.k[layer], self.v[layer])):
+                copy_into(dst[j, a - tok_lo : b - tok_lo], pool.view(-1, *pool.shape[2:])[rows])
+            if sdst is not None:
+                for j, sc in enumerate((self.k_scale[layer], self.v_scale[layer])):
+                    copy_into(sdst[j, a - tok_lo : b - tok_lo], sc.view(-1, sc.shape[2])[rows])
 
-    def import_from(self, blocks: list[int], layer: int, tok_lo: int, kv: torch.Tensor, head_lo: int = 0) -> None:
+    def import_from(self, blocks: list[int], layer: int, tok_lo: int, kv: torch.Tensor, head_lo: int = 0,
+                    scale: torch.Tensor | None = None) -> None:
         """Inverse of export_into for local heads [head_lo, head_lo + kv.shape[1]): kv is
-        [2, heads, tokens, head_dim] for tokens from tok_lo (any device/dtype; converted on copy)."""
-        self.refuse_quantised()
+        [2, heads, tokens, head_dim] for tokens from tok_lo (any device/dtype; converted on copy).
+        A quantised pool takes quantised KV of its own dtype with its `scale` ([2, heads, tokens])."""
+        if self.quantised and (scale is None or kv.dtype != self.k[layer].dtype):
+            self.refuse_quantised()
         n, h = kv.shape[2], kv.shape[1]
         if n == 0:
             return
         if not 0 <= head_lo <= head_lo + h <= self.k[layer].shape[2]:
             raise ValueError(f"heads [{head_lo},{head_lo + h}) outside this cache's {self.k[layer].shape[2]}")
         src = kv.transpose(1, 2)  # [2, tokens, heads, head_dim]: a chunk's stored order
-        kf = self.k[layer].view(-1, *self.k[layer].shape[2:])
-        vf = self.v[layer].view(-1, *self.v[layer].shape[2:])
+        ssrc = scale.transpose(1, 2) if self.quantised and scale is not None else None
         for a, b, rows in self._row_runs(blocks, tok_lo, tok_lo + n):
-            copy_into(kf[rows, head_lo : head_lo + h], src[0, a - tok_lo : b - tok_lo])
-            copy_into(vf[rows, head_lo : head_lo + h], src[1, a - tok_lo : b - tok_lo])
+            for j, pool in enumerate((self.k[layer], self.v[layer])):
+                copy_into(pool.view(-1, *pool.shape[2:])[rows, head_lo : head_lo + h], src[j, a - tok_lo : b - tok_lo])
+            if ssrc is not None:
+                for j, sc in enumerate((self.k_scale[layer], self.v_scale[layer])):
+                    copy_into(sc.view(-1, sc.shape[2])[rows, head_lo : head_lo + h], ssrc[j, a - tok_lo : b - tok_lo])
 
     def _row_runs(self, blocks: list[int], tok_lo: int, tok_hi: int):
         """_runs as (a, b, slice of the flattened pool's rows holding tokens [a, b))."""

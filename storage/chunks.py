@@ -36,6 +36,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 TENSOR_NAME = "kv"
+SCALE_NAME = "kv_scale"  # fp8 KV: float32 [2, tokens, heads] (logical [2, heads, tokens]) beside "kv"
 _T = TypeVar("_T")
 _R = TypeVar("_R")
 _POOL: ThreadPoolExecutor | None = None
@@ -219,11 +220,19 @@ def _st_bytes(t: torch.Tensor) -> bytes:
     return buf  # type: ignore[return-value]  # bytes-like, spared the copy bytes() would make
 
 
-def pack_kv(tensor: torch.Tensor, codec: str = "none") -> tuple[bytes, ChunkRef]:
+def pack_kv(tensor: torch.Tensor, codec: str = "none", scale: torch.Tensor | None = None) -> tuple[bytes, ChunkRef]:
     """Serialise a [2, heads, tokens, head_dim] tensor (any device) into stored chunk bytes
-    (current format version: token-major)."""
+    (current format version: token-major). `scale`: the float32 [2, heads, tokens] scales of
+    quantised (fp8) KV, stored beside it as "kv_scale"."""
     if tensor.dim() != 4 or tensor.shape[0] != 2:
         raise ValueError(f"KV chunk tensor must be [2, heads, tokens, head_dim], got {list(tensor.shape)}")
+    if scale is not None:
+        if tuple(scale.shape) != tuple(tensor.shape[:3]) or scale.dtype != torch.float32:
+            raise ValueError(f"KV scales must be float32 {list(tensor.shape[:3])}, got {scale.dtype} {list(scale.shape)}")
+        raw = st_save({TENSOR_NAME: _logical(tensor.detach().cpu(), FORMAT_VERSION).contiguous(),
+                       SCALE_NAME: scale.detach().cpu().transpose(1, 2).contiguous()})
+        data = encode(codec, raw, tensor.element_size())
+        return data, ChunkRef(hash=chunk_hash(data), size=len(data), raw_size=len(raw), codec=codec)  # type: ignore[arg-type]
     raw = _prepared(tensor)
     if raw is None:
         t = _logical(tensor.detach().to("cpu"), FORMAT_VERSION)  # the stored order, as a view
@@ -279,20 +288,42 @@ def kv_view(
                     format_version)
 
 
-def _stored_view(data: bytes, ref: ChunkRef, shape: tuple[int, ...], expect_dtype: torch.dtype | str
-                 ) -> torch.Tensor:
-    """The verified chunk's stored tensor, checked to be exactly `shape` and the dtype."""
-    dtype = _as_dtype(expect_dtype)
+def _decoded(data: bytes, ref: ChunkRef, dtype: torch.dtype) -> bytes:
+    """The verified chunk's safetensors payload (for codec "none": `data` itself, no copy)."""
     if ref.codec == "none":  # decode() would only copy it and check the size
         if len(data) != ref.raw_size:
             raise CorruptCheckpoint(f"chunk {ref.hash}: none data decodes to {len(data)} bytes, "
                                     f"declared {ref.raw_size}")
-        raw = data
-    else:
-        try:
-            raw = decode(ref.codec, data, ref.raw_size, torch.empty((), dtype=dtype).element_size())
-        except CorruptCheckpoint as exc:
-            raise CorruptCheckpoint(f"chunk {ref.hash}: {exc}") from None
+        return data
+    try:
+        return decode(ref.codec, data, ref.raw_size, torch.empty((), dtype=dtype).element_size())
+    except CorruptCheckpoint as exc:
+        raise CorruptCheckpoint(f"chunk {ref.hash}: {exc}") from None
+
+
+def _parsed(raw: bytes, ref: ChunkRef, want: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, torch.Tensor]:
+    """The full safetensors parser, and exactly the tensors `want` names, of those shapes and dtypes."""
+    try:
+        tensors = st_load(bytes(raw))
+    except Exception as exc:  # safetensors raises its own (non-Storage) error types on bad headers
+        raise CorruptCheckpoint(f"chunk {ref.hash}: not a valid safetensors payload ({exc})") from None
+    if set(tensors) != set(want):
+        raise CorruptCheckpoint(f"chunk {ref.hash}: expected tensors {sorted(want)}, found {sorted(tensors)}")
+    for name, (shape, dtype) in want.items():
+        t = tensors[name]
+        if tuple(t.shape) != shape:
+            raise CorruptCheckpoint(f"chunk {ref.hash}: {name} shape {list(t.shape)}, expected {list(shape)}")
+        if t.dtype != dtype:
+            raise CorruptCheckpoint(f"chunk {ref.hash}: {name} dtype {dtype_name(t.dtype)}, "
+                                    f"expected {dtype_name(dtype)}")
+    return tensors
+
+
+def _stored_view(data: bytes, ref: ChunkRef, shape: tuple[int, ...], expect_dtype: torch.dtype | str
+                 ) -> torch.Tensor:
+    """The verified chunk's stored tensor, checked to be exactly `shape` and the dtype."""
+    dtype = _as_dtype(expect_dtype)
+    raw = _decoded(data, ref, dtype)
     # Fast path: the exact header this module (and safetensors.torch.save) writes for the expected
     # tensor, followed by exactly its bytes. That is a valid payload of the right shape and dtype.
     code = _ST_DTYPES.get(dtype)
@@ -305,18 +336,18 @@ def _stored_view(data: bytes, ref: ChunkRef, shape: tuple[int, ...], expect_dtyp
                 return _payload(raw, p, shape, dtype, n)
             return _view_readonly(raw, p, shape, dtype, n)
     # Anything else (other header spellings, metadata, wrong shapes): the full parser and its errors.
-    try:
-        tensors = st_load(bytes(raw))
-    except Exception as exc:  # safetensors raises its own (non-Storage) error types on bad headers
-        raise CorruptCheckpoint(f"chunk {ref.hash}: not a valid safetensors payload ({exc})") from None
-    if set(tensors) != {TENSOR_NAME}:
-        raise CorruptCheckpoint(f"chunk {ref.hash}: expected one tensor {TENSOR_NAME!r}, found {sorted(tensors)}")
-    t = tensors[TENSOR_NAME]
-    if tuple(t.shape) != shape:
-        raise CorruptCheckpoint(f"chunk {ref.hash}: shape {list(t.shape)}, expected {list(shape)}")
-    if t.dtype != dtype:
-        raise CorruptCheckpoint(f"chunk {ref.hash}: dtype {dtype_name(t.dtype)}, expected {dtype_name(dtype)}")
-    return t
+    return _parsed(raw, ref, {TENSOR_NAME: (shape, dtype)})[TENSOR_NAME]
+
+
+def kv_scaled_view(data: bytes, ref: ChunkRef, expect_shape: tuple[int, ...] | torch.Size,
+                   expect_dtype: torch.dtype | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chunk of quantised KV (format version 2 with scales): the [2, heads, tokens, head_dim] values
+    and their float32 [2, heads, tokens] scales, verified and checked like kv_view."""
+    verify_chunk(data, ref)
+    dtype = _as_dtype(expect_dtype)
+    st = stored_shape(tuple(expect_shape))
+    got = _parsed(_decoded(data, ref, dtype), ref, {TENSOR_NAME: (st, dtype), SCALE_NAME: (st[:3], torch.float32)})
+    return got[TENSOR_NAME].transpose(1, 2), got[SCALE_NAME].transpose(1, 2)
 
 
 def unpack_kv(
