@@ -211,11 +211,11 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
                 target = (await ag.launch(*new))["id"]
                 op["replica"] = target
             op["phase"] = "restoring"
-            req: dict[str, Any] = {"checkpoint": body.checkpoint}
+            req: dict[str, Any] = {"checkpoint": body.checkpoint, "exact": body.exact}
             if body.sessions is not None:
                 req["sessions"] = body.sessions
             res = await ag.replica_post(ag.reg.replicas[target]["url"], "/v1/sessions/restore", req)
-            return {"replica": target, "sessions": res.get("sessions", [])}
+            return {"replica": target, "sessions": res.get("sessions", []), "converted": res.get("converted")}
 
         return {"operation_id": ag.new_op("restore", rid, work)}
 

@@ -234,10 +234,14 @@ class KVCache:
     def import_from(self, blocks: list[int], layer: int, tok_lo: int, kv: torch.Tensor, head_lo: int = 0,
                     scale: torch.Tensor | None = None) -> None:
         """Inverse of export_into for local heads [head_lo, head_lo + kv.shape[1]): kv is
-        [2, heads, tokens, head_dim] for tokens from tok_lo (any device/dtype; converted on copy).
-        A quantised pool takes quantised KV of its own dtype with its `scale` ([2, heads, tokens])."""
+        [2, heads, tokens, head_dim] for tokens from tok_lo, with its float32 `scale` ([2, heads, tokens])
+        when it is quantised. Any dtype goes into any pool: copied as is when they match, else cast,
+        dequantised (fp8 into a plain pool) or quantised (into an fp8 pool)."""
         if self.quantised and (scale is None or kv.dtype != self.k[layer].dtype):
-            self.refuse_quantised()
+            x = kv.float() if scale is None else kv.float() * scale.unsqueeze(-1)
+            kv, scale = quantise_fp8(x)  # per token and head, as write() does
+        elif not self.quantised and scale is not None:
+            kv, scale = kv.float() * scale.unsqueeze(-1), None
         n, h = kv.shape[2], kv.shape[1]
         if n == 0:
             return

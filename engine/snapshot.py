@@ -243,7 +243,9 @@ def checkpoint(engine: LLMEngine, writer: CheckpointWriter, session_ids: list[st
 
 
 # ---- restore ------------------------------------------------------------------
-def check_compatible(engine: LLMEngine, manifest: Manifest) -> None:
+def check_compatible(engine: LLMEngine, manifest: Manifest, exact: bool = False) -> None:
+    """The checkpoint's model and KV geometry are this replica's; its KV dtype may differ (converted
+    on import, see kv_conversion) unless `exact`."""
     if manifest.model.fingerprint != engine.fingerprint:
         raise ModelMismatch(
             f"checkpoint {manifest.checkpoint_id} is of model {manifest.model.name} "
@@ -253,12 +255,24 @@ def check_compatible(engine: LLMEngine, manifest: Manifest) -> None:
     g, kv = geometry(engine), manifest.kv
     if (kv.num_layers, kv.num_kv_heads, kv.head_dim) != (g.num_layers, g.num_kv_heads, g.head_dim):
         raise CorruptCheckpoint(f"checkpoint KV geometry {kv} does not match the model's {g}")
-    if (kv.scale or g.scale) and (kv.dtype, kv.scale) != (g.dtype, g.scale):
-        raise RestoreError(f"checkpoint {manifest.checkpoint_id} holds {kv.dtype} KV"
-                           f"{' with scales' if kv.scale else ''}, this replica's KV is {g.dtype}"
-                           f"{' with scales' if g.scale else ''}: converting to or from fp8 KV is not supported yet")
+    conv = kv_conversion(engine, manifest)
+    if conv is not None and exact:
+        raise RestoreError(f"checkpoint {manifest.checkpoint_id} holds {conv['from']} KV, this replica's KV is "
+                           f"{conv['to']}: an exact restore does not convert (restore without exact to convert)")
+    if (kv.scale or g.scale) and conv is not None and host_pool(engine) is None:
+        raise RestoreError(f"converting {conv['from']} KV to {conv['to']} needs a replica whose KV pool is local "
+                           "host memory (one rank, CPU)")
     if kv.scale and host_pool(engine) is None:
         raise RestoreError("fp8 KV moves only into a replica whose KV pool is local host memory (one rank, CPU)")
+
+
+def kv_conversion(engine: LLMEngine, manifest: Manifest) -> dict[str, str] | None:
+    """{"from": checkpoint KV dtype, "to": this replica's} when they differ (a restore casts, quantises
+    into fp8 or dequantises out of it), else None."""
+    g, kv = geometry(engine), manifest.kv
+    if (kv.dtype, kv.scale) == (g.dtype, g.scale):
+        return None
+    return {"from": kv.dtype, "to": g.dtype}
 
 
 def plan_restore(engine: LLMEngine, manifest: Manifest, session_ids: list[str] | None = None
@@ -294,15 +308,16 @@ def plan_restore(engine: LLMEngine, manifest: Manifest, session_ids: list[str] |
 
 
 def restore(engine: LLMEngine, reader: CheckpointReader, session_ids: list[str] | None = None,
-            verify: bool = True) -> list[str]:
+            verify: bool = True, exact: bool = False) -> list[str]:
     """Import sessions into this replica (engine thread, between steps). All or nothing: the
     cheap checks first, then every session's KV into freshly allocated blocks, each chunk's hash
     checked as it is read (once, from cache, just before its copy), and only when all of them
     imported are the sessions placed. A refused restore frees those blocks again and leaves the
     replica's sessions and blocks as they were. `verify` also checks the whole manifest's coverage
-    up front (the hashes are checked either way)."""
+    up front (the hashes are checked either way). KV of another dtype is converted (kv_conversion)
+    unless `exact`, which refuses it."""
     m = reader.manifest
-    check_compatible(engine, m)
+    check_compatible(engine, m, exact)
     plan = plan_restore(engine, m, session_ids)
     if verify:
         gap = m.coverage_error()

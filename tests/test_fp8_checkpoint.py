@@ -5,7 +5,7 @@ import pytest
 import torch
 from relayout.engine.engine import LLMEngine
 from relayout.engine.session import SamplingParams
-from relayout.engine.snapshot import RestoreError, checkpoint, release, restore
+from relayout.engine.snapshot import RestoreError, checkpoint, kv_conversion, release, restore
 from relayout.storage.checkpoint import CheckpointReader, CheckpointWriter
 from relayout.storage.chunks import kv_scaled_view, pack_kv
 from relayout.storage.errors import CorruptCheckpoint
@@ -61,25 +61,45 @@ def test_fp8_session_continues_token_for_token(fp8, tmp_path):
     assert [dst.sessions[i].output_token_ids for i in ids] == undisturbed
 
 
-def test_fp8_to_other_kv_dtype_refused_untouched(fp8):
+def _kv_of(engine: LLMEngine, sid: str, layer: int) -> torch.Tensor:
+    """The session's KV as the engine holds it, dequantised: through a checkpoint of it."""
+    store = MemoryStore()
+    with CheckpointWriter(store, "peek") as w:
+        m = checkpoint(engine, w, [sid])
+    return CheckpointReader(store, "peek").read_kv(sid, layer, 0, m.kv.num_kv_heads).float()
+
+
+def test_fp8_converts_to_and_from_other_kv_dtypes_unless_exact(fp8):
     src, _ = fp8
-    s = src.add_session(list(range(1, 30)), SamplingParams(max_tokens=4), session_id="q")
+    src.add_session(list(range(1, 40)), SamplingParams(max_tokens=6, ignore_eos=True), session_id="q")
     src.step()
     store = MemoryStore()
     with CheckpointWriter(store, "q8") as w:
         checkpoint(src, w, ["q"])
     release(src, ["q"])
-    plain = LLMEngine("builtin:tiny")
+    plain = LLMEngine("builtin:tiny")  # float32 KV
     try:
-        with pytest.raises(RestoreError, match="float8_e4m3fn KV with scales, this replica's KV is float32"):
-            restore(plain, CheckpointReader(store, "q8"))
-        assert plain.kv_blocks_used() == 0 and not plain.sessions
-        with CheckpointWriter(store, "p") as w:  # and the other way round
-            plain.add_session([3, 4, 5], SamplingParams(max_tokens=4), session_id="p")
+        reader = CheckpointReader(store, "q8")
+        with pytest.raises(RestoreError, match="holds float8_e4m3fn KV, this replica's KV is float32: an exact"):
+            restore(plain, reader, exact=True)
+        assert plain.kv_blocks_used() == 0 and not plain.sessions  # refused before anything moved
+        assert kv_conversion(plain, reader.manifest) == {"from": "float8_e4m3fn", "to": "float32"}
+        assert restore(plain, reader) == ["q"]  # dequantised: the very values the fp8 pool computed with
+        assert torch.equal(_kv_of(plain, "q", 1), reader.read_kv("q", 1, 0, reader.manifest.kv.num_kv_heads))
+        while not plain.sessions["q"].is_finished:
             plain.step()
+        # and back: float32 KV quantised into the fp8 replica, within fp8's precision
+        p = plain.add_session(list(range(5, 50)), SamplingParams(max_tokens=6, ignore_eos=True), session_id="p")
+        plain.step()
+        with CheckpointWriter(store, "p32") as w:
             checkpoint(plain, w, ["p"])
-        with pytest.raises(RestoreError, match="float32 KV, this replica's KV is float8_e4m3fn with scales"):
-            restore(src, CheckpointReader(store, "p"))
+        release(plain, ["p"])
+        exact_kv = CheckpointReader(store, "p32").read_kv("p", 1, 0, 2)
+        assert restore(src, CheckpointReader(store, "p32")) == ["p"]
+        got = _kv_of(src, "p", 1)
+        assert (got - exact_kv).abs().max() <= exact_kv.abs().amax(-1, keepdim=True).max() / 16
+        while not src.sessions["p"].is_finished:
+            src.step()
+        assert p.num_computed > 0
     finally:
         plain.shutdown()
-    assert s.num_computed > 0
