@@ -5,9 +5,7 @@ One process, one run: prefill a few sessions on a world-1 engine, then time
 - snapshot: take_snapshot + write_snapshot + commit into a MemoryStore, codec "none"
   (copy out of the KV pool, safetensors pack, xxh3 hash) — the full path, fresh store per try;
 - restore: restore() of that checkpoint into a second engine, chunk verification included.
-Each figure is the best of its tries (on a shared machine the fastest try is the least disturbed);
-a memcpy try runs right before every snapshot and restore try, so the ratios compare copies made
-under the same load, and memcpy is the best of all of them.
+Each figure is the best of `reps` (on a shared machine the fastest try is the least disturbed).
 Codec ratios are measured on (up to 32 MiB of) the prefilled KV, in float32 and rounded to bf16.
 """
 
@@ -42,8 +40,7 @@ def _best(fn: Callable[[], float], reps: int) -> float:
     return min(fn() for _ in range(reps))
 
 
-def _memcpy_timer(nbytes: int) -> Callable[[], float]:
-    """One timed `copy_` of `nbytes` into a preallocated buffer per call."""
+def _memcpy_s(nbytes: int, reps: int) -> float:
     src = torch.randn(nbytes // 4)
     dst = torch.empty_like(src)
     dst.copy_(src)  # fault the pages in first: we want the copy, not the allocator
@@ -53,7 +50,7 @@ def _memcpy_timer(nbytes: int) -> Callable[[], float]:
         dst.copy_(src)
         return time.perf_counter() - t
 
-    return once
+    return _best(once, reps)
 
 
 def _fill(eng: LLMEngine, sessions: int, tokens: int, prefill: int) -> tuple[list[str], torch.Tensor]:
@@ -118,16 +115,9 @@ def run(model: str = "builtin:bench", sessions: int = 4, tokens: int = 2048, pre
         ids, real = _fill(src, sessions, tokens, prefill)
         _ = src.fingerprint, dst.fingerprint  # hashes the weights once: not part of a snapshot's cost
         ids_kv = sum(src.sessions[s].num_computed for s in ids) * per_tok
-        memcpy_once = _memcpy_timer(ids_kv)
-        mem_tries: list[float] = []
-
-        def after_memcpy(fn: Callable[[], float]) -> Callable[[], float]:
-            def once() -> float:
-                mem_tries.append(memcpy_once())
-                return fn()
-            return once
-
-        log("snapshot (each try after a memcpy)…")
+        log("memcpy…")
+        t_mem = _memcpy_s(ids_kv, reps)
+        log("snapshot…")
         store = MemoryStore()
         ckpt_ids: list[str] = []
 
@@ -141,8 +131,8 @@ def run(model: str = "builtin:bench", sessions: int = 4, tokens: int = 2048, pre
             ckpt_ids.append(w.checkpoint_id)
             return dt
 
-        t_snap = _best(after_memcpy(snap_once), reps)
-        log("restore (each try after a memcpy)…")
+        t_snap = _best(snap_once, reps)
+        log("restore…")
 
         def restore_once() -> float:
             r = CheckpointReader(store, ckpt_ids[-1])
@@ -152,8 +142,7 @@ def run(model: str = "builtin:bench", sessions: int = 4, tokens: int = 2048, pre
             release(dst, got)  # free the blocks for the next try
             return dt
 
-        t_rest = _best(after_memcpy(restore_once), reps)
-        t_mem = min(mem_tries)
+        t_rest = _best(restore_once, reps)
         gb = ids_kv / 1e9
         res.update(kv_bytes=ids_kv, memcpy_gbps=_sig(gb / t_mem), snapshot_gbps=_sig(gb / t_snap),
                    restore_gbps=_sig(gb / t_rest))
