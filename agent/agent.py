@@ -6,36 +6,31 @@ migration operations against them, and lists its own checkpoint store.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import signal
 import sys
+import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
-from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import APIRouter, Depends, FastAPI
 from fastapi.responses import PlainTextResponse
 from prometheus_client import generate_latest
 from relayout.agent.drain import drain_node
 from relayout.agent.node import Agent, check_dtypes
+from relayout.agent.protect import protect_router, protection_of
 from relayout.agent.schema import (
-    ID_RE,
-    MAX_BODY,
     OP_TIMEOUT,
-    AgentError,
     CheckpointBody,
     DrainBody,
     MigrateBody,
     ReplicaBody,
     RestoreBody,
-    check_id,
-    check_session_ids,
-    error_response,
     validate_layout,
 )
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from relayout.engine import tracing, web
+from relayout.engine.web import HTTPError
 
 
 def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "127.0.0.1") -> FastAPI:
@@ -54,50 +49,11 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
     app = FastAPI(title="relayout agent", version="1", lifespan=lifespan)
     app.state.agent = ag
 
-    @app.middleware("http")
-    async def limit_body(request: Request, call_next):
-        cl = request.headers.get("content-length")
-        if cl is not None:
-            try:
-                if int(cl) > MAX_BODY:
-                    return error_response(413, "too_large", f"request body over {MAX_BODY} bytes")
-            except ValueError:
-                return error_response(400, "invalid_request", "bad content-length")
-        elif request.method in ("POST", "PUT", "PATCH"):
-            body = b""
-            async for chunk in request.stream():
-                body += chunk
-                if len(body) > MAX_BODY:
-                    return error_response(413, "too_large", f"request body over {MAX_BODY} bytes")
-            request._body = body  # type: ignore[attr-defined]
-        return await call_next(request)
-
-    @app.exception_handler(AgentError)
-    async def _agent_error(_: Request, e: AgentError):
-        return error_response(e.status, e.code, e.message)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, e: RequestValidationError):
-        parts = []
-        for d in e.errors()[:5]:
-            loc = ".".join(str(x) for x in d.get("loc", ()) if x != "body")
-            parts.append(f"{loc or 'body'}: {d.get('msg')}")
-        return error_response(422, "invalid_request", "; ".join(parts) or "invalid request")
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, e: StarletteHTTPException):
-        return error_response(e.status_code, "not_found" if e.status_code == 404 else "invalid_request", str(e.detail))
-
-    @app.exception_handler(Exception)
-    async def _internal(_: Request, e: Exception):
-        return error_response(500, "internal", f"internal error: {type(e).__name__}")
-
-    def auth(request: Request) -> None:
-        if ag.token is None:
-            return
-        got = request.headers.get("authorization", "")
-        if not hmac.compare_digest(got.encode(), f"Bearer {ag.token}".encode()):
-            raise AgentError(401, "missing or wrong bearer token")
+    # every body is a small JSON document: 1 MiB at most; errors as {"error": {"code": slug, "message"}}
+    app.add_middleware(web.BodyLimit, limit=lambda _path: web.MAX_JSON_BODY, dialect="agent")
+    web.install_error_handlers(app, dialect="agent", validation_status=422)
+    tracing.install_tracing(app)  # when OTEL_* configure an exporter: a span per request, traceparent honoured
+    auth = web.bearer_auth(lambda: ag.token)
 
     @app.get("/healthz")
     async def healthz():
@@ -110,11 +66,14 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
             st = ag.refresh(rid).get("status", "unknown")
             counts[st] = counts.get(st, 0) + 1
         for st in ("running", "dead", "stopped", "starting"):
-            ag.m_replicas.labels(st).set(counts.get(st, 0))
-        ag.m_sessions.set(sum(ag.sessions_seen.values()))
-        return PlainTextResponse(generate_latest(ag.metrics).decode(), media_type="text/plain; version=0.0.4")
-
-    from fastapi import APIRouter
+            ag.m.replicas.labels(st).set(counts.get(st, 0))
+        # per-replica sessions and KV blocks, as the replicas answer now (describe() records them)
+        # (briefly: a scrape must not hang on a busy replica; one that does not answer keeps its last figures)
+        await asyncio.gather(*(ag.describe(rid, timeout=2.0) for rid in list(ag.reg.replicas)
+                               if ag.reg.replicas[rid].get("status") == "running"))
+        ag.m.sessions.set(sum(ag.sessions_seen.values()))
+        ag.m.draining.set(1 if ag.draining else 0)
+        return PlainTextResponse(generate_latest(ag.m.registry).decode(), media_type="text/plain; version=0.0.4")
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(auth)])
 
@@ -128,21 +87,23 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
     @v1.post("/replicas", status_code=201)
     async def create_replica(body: ReplicaBody):
         if ag.draining:
-            raise AgentError(409, "agent is draining: no new replicas until POST /v1/undrain")
+            raise HTTPError(409, "agent is draining: no new replicas until POST /v1/undrain")
         if body.name and body.name in ag.reg.replicas:
-            raise AgentError(409, f"replica {body.name!r} already exists")
+            raise HTTPError(409, f"replica {body.name!r} already exists")
         layout = await asyncio.to_thread(validate_layout, body.model, body.layout)
         return await ag.launch(body.model, layout, body.name, dtype=body.dtype, kv_dtype=body.kv_dtype)
 
     @v1.get("/replicas/{rid}")
     async def get_replica(rid: str):
-        return await ag.describe(rid)
+        d = await ag.describe(rid)
+        prot = await protection_of(ag, d.get("url") if d.get("status") == "running" else None)
+        return {**d, "protection": prot} if prot else d  # with each session's replication lag
 
     @v1.delete("/replicas/{rid}")
     async def delete_replica(rid: str):
         ag.get_replica(rid)
         if rid in ag.busy:
-            raise AgentError(409, f"replica {rid!r} is busy with operation {ag.busy[rid]}")
+            raise HTTPError(409, f"replica {rid!r} is busy with operation {ag.busy[rid]}")
         await asyncio.to_thread(ag.stop_replica, rid)
         r = ag.reg.replicas.pop(rid)
         ag.reg.save()
@@ -151,14 +112,14 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
     def running(rid: str) -> dict:
         r = ag.get_replica(rid)
         if r["status"] != "running":
-            raise AgentError(409, f"replica {rid!r} is {r['status']}")
+            raise HTTPError(409, f"replica {rid!r} is {r['status']}")
         return r
 
     # ---- operations ----------------------------------------------------------------------
     @v1.post("/replicas/{rid}/checkpoint", status_code=202)
     async def checkpoint(rid: str, body: CheckpointBody):
         r = running(rid)
-        check_session_ids(body.sessions)
+        web.check_ids(body.sessions)
         dest = body.destination or (ag.data_dir / "checkpoints").as_uri()
         if body.destination:
             from relayout.storage.stores import open_store
@@ -169,14 +130,18 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
                 elif not dest.startswith("s3://"):
                     raise ValueError(f"unsupported destination {dest!r}: use file:///path or s3://bucket/prefix")
             except ValueError as e:
-                raise AgentError(400, f"destination: {e}") from None
+                raise HTTPError(400, f"destination: {e}") from None
 
         async def work(op):
             op["phase"] = "checkpointing"
             req = {"destination": dest, "stop": body.stop}
             if body.sessions is not None:
                 req["sessions"] = body.sessions
-            res = await ag.replica_post(r["url"], "/v1/sessions/checkpoint", req)
+            t0 = time.perf_counter()
+            with tracing.span("checkpointing", destination=dest) as sp:
+                res = await ag.replica_post(r["url"], "/v1/sessions/checkpoint", req)
+                sp.set_attributes(tracing.attributes({"bytes": res.get("bytes", 0), "sessions": res.get("sessions")}))
+            ag.m.observe_checkpoint(res.get("bytes", 0), time.perf_counter() - t0)
             op.update(bytes_done=res.get("bytes", 0), bytes_total=res.get("bytes", 0))
             return {"checkpoint": res["checkpoint"], "checkpoint_id": res.get("checkpoint_id"),
                     "sessions": res.get("sessions", []), "bytes": res.get("bytes", 0), "replica": rid}
@@ -185,20 +150,19 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
 
     @v1.post("/restore", status_code=202)
     async def restore(body: RestoreBody):
-        check_session_ids(body.sessions)
-        from relayout.engine.web import HTTPError
+        web.check_ids(body.sessions)
         from relayout.migrate.replica_routes import split_checkpoint_uri
 
         try:
             split_checkpoint_uri(body.checkpoint)
         except HTTPError as e:
-            raise AgentError(400, f"checkpoint: {e.message}") from None
+            raise HTTPError(400, f"checkpoint: {e.message}") from None
         if isinstance(body.replica, str):
             running(body.replica)
             rid, new = body.replica, None
         else:
             if ag.draining:
-                raise AgentError(409, "agent is draining")
+                raise HTTPError(409, "agent is draining")
             nr = body.replica
             check_dtypes(nr.dtype, nr.kv_dtype)
             new = (nr.model, await asyncio.to_thread(validate_layout, nr.model, nr.layout), None, nr.dtype, nr.kv_dtype)
@@ -208,13 +172,18 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
             target = rid
             if new is not None:
                 op["phase"] = "launching"
-                target = (await ag.launch(*new))["id"]
+                with tracing.span("launching", model=new[0], layout=new[1]):
+                    target = (await ag.launch(*new))["id"]
                 op["replica"] = target
             op["phase"] = "restoring"
             req: dict[str, Any] = {"checkpoint": body.checkpoint, "exact": body.exact}
             if body.sessions is not None:
                 req["sessions"] = body.sessions
-            res = await ag.replica_post(ag.reg.replicas[target]["url"], "/v1/sessions/restore", req)
+            t0 = time.perf_counter()
+            with tracing.span("restoring", checkpoint=body.checkpoint, replica=target) as sp:
+                res = await ag.replica_post(ag.reg.replicas[target]["url"], "/v1/sessions/restore", req)
+                sp.set_attributes(tracing.attributes({"sessions": res.get("sessions")}))
+            ag.m.restore_seconds.observe(time.perf_counter() - t0)
             return {"replica": target, "sessions": res.get("sessions", []), "converted": res.get("converted")}
 
         return {"operation_id": ag.new_op("restore", rid, work)}
@@ -222,28 +191,29 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
     @v1.post("/replicas/{rid}/migrate", status_code=202)
     async def migrate(rid: str, body: MigrateBody):
         r = running(rid)
-        check_session_ids(body.sessions)
+        web.check_ids(body.sessions)
         try:
             from relayout.migrate.live import migrate_live  # type: ignore[import-not-found]
         except ImportError:
-            raise AgentError(501, "live migration is not available in this build (migrate.live missing); "
+            raise HTTPError(501, "live migration is not available in this build (migrate.live missing); "
                                   "use checkpoint + restore") from None
         t = body.target
         if t.replica is None and t.layout is None:
-            raise AgentError(400, "target: give either replica or layout")
+            raise HTTPError(400, "target: give either replica or layout")
         agent_url = t.agent.rstrip("/")
 
         async def work(op):
             op["phase"] = "resolving target"
-            async with httpx.AsyncClient(timeout=OP_TIMEOUT) as c:
+            async with ag.client(OP_TIMEOUT) as c:
                 if t.replica is not None:
                     resp = await c.get(f"{agent_url}/v1/replicas/{t.replica}", headers=ag.headers())
                 else:
                     resp = await c.post(f"{agent_url}/v1/replicas", headers=ag.headers(),
                                         json={"model": t.model or r["model"], "layout": t.layout})
             if resp.status_code >= 400:
-                raise AgentError(502, f"target agent answered {resp.status_code}: {resp.text[:300]}")
+                raise HTTPError(502, f"target agent answered {resp.status_code}: {web.error_message(resp)[:300]}")
             tr = resp.json()
+            op["target_replica"] = tr["id"]  # known even if the move then fails (the caller may drop it)
             op["phase"] = "migrating"
 
             def progress(phase=None, bytes_done=None, *_, **__):  # migrate_live calls progress(phase, bytes)
@@ -254,6 +224,7 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
 
             res = await asyncio.to_thread(migrate_live, r["url"], tr["url"], sessions=body.sessions,
                                           token=ag.token, mode=body.mode, progress=progress)
+            ag.m.observe_migration(res)
             get = (lambda k, d=None: res.get(k, d)) if isinstance(res, dict) else (lambda k, d=None: getattr(res, k, d))
             op["stall_ms"] = get("stall_ms")
             if get("bytes_total") is not None:
@@ -268,32 +239,32 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
 
     @v1.get("/operations/{oid}")
     async def get_operation(oid: str):
-        check_id(oid, "operation")
+        web.check_id(oid, "operation", 404)
         op = ag.reg.operations.get(oid)
         if op is None:
-            raise AgentError(404, f"no operation {oid!r}")
+            raise HTTPError(404, f"no operation {oid!r}")
         return op
 
     @v1.post("/drain", status_code=202)
     async def drain(body: DrainBody):
         if ag.drain_op is not None and ag.reg.operations.get(ag.drain_op, {}).get("state") in ("pending", "running"):
-            raise AgentError(409, f"a drain is already running: operation {ag.drain_op}")
+            raise HTTPError(409, f"a drain is already running: operation {ag.drain_op}")
         target = body.target_agent.rstrip("/")
         try:
             async with httpx.AsyncClient(timeout=httpx.Timeout(5.0)) as c:
                 h = (await c.get(f"{target}/healthz")).json()
         except (httpx.HTTPError, httpx.InvalidURL, ValueError, TypeError, UnicodeError, OSError) as e:
-            raise AgentError(400, f"target_agent {target} is unreachable: {type(e).__name__}") from None
+            raise HTTPError(400, f"target_agent {target} is unreachable: {type(e).__name__}") from None
         if not isinstance(h, dict) or h.get("status") != "ok":
-            raise AgentError(400, f"target_agent {target} is not a healthy relayout agent")
+            raise HTTPError(400, f"target_agent {target} is not a healthy relayout agent")
         if h.get("agent_id") == ag.agent_id:
-            raise AgentError(400, "target_agent is this agent: drain to another node")
+            raise HTTPError(400, "target_agent is this agent: drain to another node")
         if h.get("draining"):
-            raise AgentError(409, f"target_agent {target} is draining itself")
+            raise HTTPError(409, f"target_agent {target} is draining itself")
         layouts: dict[str, str | None] = {}
         for rid, lay in (body.layouts or {}).items():
-            if not ID_RE.fullmatch(rid) or rid not in ag.reg.replicas:
-                raise AgentError(400, f"layouts: no replica {rid!r} on this node")
+            if not web.ID_RE.fullmatch(rid) or rid not in ag.reg.replicas:
+                raise HTTPError(400, f"layouts: no replica {rid!r} on this node")
             layouts[rid] = await asyncio.to_thread(validate_layout, ag.reg.replicas[rid]["model"], lay)
         ag.draining = True  # from now on: no new replicas here, and the gateways stop routing here
         ag.drain_op = ag.new_op("drain", None, lambda op: drain_node(ag, op, target, layouts))
@@ -302,7 +273,7 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
     @v1.post("/undrain")
     async def undrain():
         if ag.drain_op is not None and ag.reg.operations.get(ag.drain_op, {}).get("state") in ("pending", "running"):
-            raise AgentError(409, f"drain operation {ag.drain_op} is still running")
+            raise HTTPError(409, f"drain operation {ag.drain_op} is still running")
         ag.draining = False
         return {"draining": False}
 
@@ -319,7 +290,7 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
         try:
             m = Manifest.parse(store().get_manifest(cid))
         except StorageError as e:
-            raise AgentError(404 if "not found" in str(e) else 409, str(e)) from None
+            raise HTTPError(404 if "not found" in str(e) else 409, str(e)) from None
         sizes = {e.chunk.hash: e.chunk.size for e in m.kv_entries}
         return {"id": cid, "uri": f"{(ag.data_dir / 'checkpoints').as_uri()}/{cid}", "created_at": m.created_at,
                 "model": m.model.name, "source_layout": m.source_layout,
@@ -333,20 +304,21 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
 
     @v1.get("/checkpoints/{cid}")
     async def get_checkpoint(cid: str):
-        check_id(cid, "checkpoint")
+        web.check_id(cid, "checkpoint", 404)
         return await asyncio.to_thread(summary, cid)
 
     @v1.delete("/checkpoints/{cid}")
     async def delete_checkpoint(cid: str):
         from relayout.storage.errors import CheckpointNotFound
 
-        check_id(cid, "checkpoint")
+        web.check_id(cid, "checkpoint", 404)
         try:
             await asyncio.to_thread(lambda: store().delete_checkpoint(cid))
         except CheckpointNotFound:
-            raise AgentError(404, f"no checkpoint {cid!r}") from None
+            raise HTTPError(404, f"no checkpoint {cid!r}") from None
         return {"id": cid, "deleted": True}
 
+    v1.include_router(protect_router(ag))
     app.include_router(v1)
     return app
 
@@ -355,6 +327,7 @@ def serve_agent(host: str, port: int, data_dir: Path, token: str | None) -> None
     import uvicorn
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    tracing.setup_tracing("relayout-agent")  # a no-op unless OTEL_* variables configure an exporter
     app = create_agent_app(data_dir, token, advertise_host=host if host not in ("0.0.0.0", "::") else "127.0.0.1")
 
     class _Server(uvicorn.Server):

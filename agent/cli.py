@@ -65,6 +65,10 @@ def serve(
     rank_endpoint: str = typer.Option(None, "--rank-endpoint",
                                       help="HOST:PORT where ranks join this driver (remote ranks' "
                                            "MASTER_ADDR:MASTER_PORT); default 127.0.0.1 and a free port"),
+    standby: str = typer.Option(None, "--standby", help="replicate this replica's sessions continuously to the "
+                                                       "standby replica at URL (promoted there if this one dies)"),
+    api_key: list[str] = typer.Option([], "--api-key", help="a client API key (repeatable; default "
+                                                          "RELAYOUT_API_KEYS, comma-separated; none: open)"),
 ) -> None:
     """Serve one model replica with an OpenAI-compatible API; prints its URL once listening."""
     from relayout.engine.config import ModelConfigError
@@ -84,7 +88,7 @@ def serve(
         _fail(f"--rank-endpoint: {e}")
     try:
         _serve(model, layout, host, port, kv_cache_mb=kv_cache_mb, device=device, placement=placement, dtype=dtype,
-               kv_dtype=kv_dtype)
+               kv_dtype=kv_dtype, standby=standby, api_keys=api_key or None)
     except (LayoutError, ModelNotFoundError, ModelConfigError, RankFailure, ValueError) as e:
         _fail(str(e))
 
@@ -101,28 +105,14 @@ def rank(
     torchrun-style environment: RANK (this rank), WORLD_SIZE (checked against the driver's layout),
     LOCAL_RANK (which GPU of this host), MASTER_ADDR/MASTER_PORT (the driver's --rank-endpoint), and
     RELAYOUT_TOKEN when the driver has one. Exits 0 when the driver shuts the replica down."""
-    import os
+    from relayout.engine.rank import RankConfigError, run_rank
+    from relayout.engine.weights import ModelNotFoundError
+    from relayout.engine.workers import RankJoinError
 
-    from relayout.engine.weights import ModelNotFoundError, resolve_model
-    from relayout.engine.workers import RankJoinError, rank_main
-
-    env = os.environ
     try:
-        rank_ = int(env["RANK"])
-        world = int(env["WORLD_SIZE"]) if "WORLD_SIZE" in env else None
-        local = int(env["LOCAL_RANK"]) if "LOCAL_RANK" in env else None
-    except KeyError:
-        _fail("RANK is not set (torchrun-style: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)")
-    except ValueError as e:
-        _fail(f"RANK, WORLD_SIZE and LOCAL_RANK must be integers: {e}")
-    if driver is None:
-        if not env.get("MASTER_ADDR") or not env.get("MASTER_PORT"):
-            _fail("give --driver HOST:PORT or set MASTER_ADDR and MASTER_PORT")
-        driver = f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
-    try:
-        model_dir = resolve_model(model)
-        err.print(f"relayout rank {rank_} joining {driver}")
-        code = rank_main(rank_, driver, str(model_dir), env.get("RELAYOUT_TOKEN"), threads, local, world)
+        code = run_rank(model, driver, threads, log=err.print)
+    except RankConfigError as e:
+        _fail(str(e))
     except (RankJoinError, ModelNotFoundError, ValueError) as e:
         _fail(str(e), code=1)
     raise typer.Exit(code)
@@ -173,13 +163,15 @@ def gateway(
     replica: list[str] = typer.Option([], "--replica", help="a replica URL to serve directly (repeatable)"),
     host: str = typer.Option("127.0.0.1", "--host"),
     port: int = typer.Option(8000, "--port"),
+    api_key: list[str] = typer.Option([], "--api-key", help="a client API key (repeatable; default "
+                                                          "RELAYOUT_API_KEYS, comma-separated; none: open)"),
 ) -> None:
-    """The clients' /v1/completions in front of the replicas; streams survive migrations."""
+    """The clients' OpenAI API in front of the replicas; streams survive migrations, checkpoints, failovers."""
     from relayout.migrate.gateway import run_gateway
 
     if not agent and not replica:
         _fail("give at least one --agent or --replica")
-    run_gateway(agent, replica, host, port)
+    run_gateway(agent, replica, host, port, api_key)
 
 
 @app.command("migrate-replica")
@@ -190,15 +182,14 @@ def migrate_replica(
     mode: str = typer.Option("live", "--mode", help="live (pre-copy) or cold"),
 ) -> None:
     """Move sessions between two replicas directly (no agent), with a progress display."""
-    import os
-
+    from relayout.engine.web import env_token
     from relayout.migrate.live import MigrationError, migrate_live
     from rich.progress import Progress
 
     with Progress(transient=True) as bar:
         task = bar.add_task("migrating", total=None)
         try:
-            res = migrate_live(source, target, session or None, token=os.environ.get("RELAYOUT_TOKEN"), mode=mode,
+            res = migrate_live(source, target, session or None, token=env_token(), mode=mode,
                                progress=lambda phase, n: bar.update(task, description=f"{phase} {n / 2**20:.1f} MiB"))
         except MigrationError as e:
             _fail(str(e), 1)
@@ -209,14 +200,14 @@ def migrate_replica(
 
 # ---- node agent ------------------------------------------------------------------------------------
 def _token(token_file: Path | None) -> str | None:
-    import os
+    from relayout.engine.web import env_token
 
     if token_file is not None:
         try:
             return token_file.read_text().strip() or None
         except OSError as e:
             _fail(f"cannot read --token-file: {e}")
-    return os.environ.get("RELAYOUT_TOKEN") or None
+    return env_token()
 
 
 @app.command()
@@ -236,21 +227,17 @@ def _run_operation(agent_url: str, path: str, body: dict, token_file: Path | Non
     import time
 
     import httpx
+    from relayout.engine.web import bearer_headers, error_message
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
 
-    tok = _token(token_file)
-    headers = {"Authorization": f"Bearer {tok}"} if tok else {}
+    headers = bearer_headers(_token(token_file))
     base = agent_url.rstrip("/")
     try:
         resp = httpx.post(f"{base}{path}", json=body, headers=headers, timeout=60)
     except httpx.HTTPError as e:
         _fail(f"cannot reach agent {base}: {e}", 1)
     if resp.status_code != 202:
-        try:
-            msg = resp.json()["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            msg = resp.text[:300]
-        _fail(f"{resp.status_code}: {msg}", 1)
+        _fail(f"{resp.status_code}: {error_message(resp)[:300]}", 1)
     oid = resp.json()["operation_id"]
     if not wait:
         print(json.dumps({"operation_id": oid}))
@@ -330,6 +317,43 @@ def migrate(
     _run_operation(agent_url, f"/v1/replicas/{replica}/migrate", body, token_file)
 
 
+@app.command()
+def protect(
+    replica: str = typer.Argument(..., help="replica id on the agent"),
+    agent_url: str = typer.Option("http://127.0.0.1:7070", "--agent", help="the replica's agent"),
+    standby_agent: str = typer.Option(None, "--standby-agent", help="default: the same agent"),
+    standby_replica: str = typer.Option(None, "--standby-replica", help="an existing replica id there"),
+    layout: str = typer.Option(None, "--layout", help="launch a new standby replica with this layout"),
+    every_tokens: int = typer.Option(16, "--every-tokens", help="sync a session every N new tokens"),
+    every_ms: int = typer.Option(200, "--every-ms", help="... or every T ms, whichever first"),
+    lease_s: float = typer.Option(1.0, "--lease-s", help="the source stops serving after this long unrenewed"),
+    stop: bool = typer.Option(False, "--stop", help="stop protecting (the standby frees its copies)"),
+    show: bool = typer.Option(False, "--show", help="print the protection and each session's replication lag"),
+    token_file: Path = typer.Option(None, "--token-file"),
+) -> None:
+    """Replicate a replica's sessions continuously to a standby replica, promoted there if it dies."""
+    import httpx
+    from relayout.engine.web import bearer_headers, error_message
+
+    url = f"{agent_url.rstrip('/')}/v1/replicas/{replica}/protect"
+    headers = bearer_headers(_token(token_file))
+    try:
+        if stop or show:
+            resp = httpx.request("DELETE" if stop else "GET", url, headers=headers, timeout=60)
+        else:
+            if (layout is None) == (standby_replica is None):
+                _fail("give either --standby-replica ID or --layout L (a new standby)")
+            sb: dict = {"agent": (standby_agent or agent_url).rstrip("/")}
+            sb.update({"layout": layout} if layout is not None else {"replica": standby_replica})
+            resp = httpx.post(url, headers=headers, timeout=600, json={
+                "standby": sb, "every_tokens": every_tokens, "every_ms": every_ms, "lease_s": lease_s})
+    except httpx.HTTPError as e:
+        _fail(f"cannot reach agent {agent_url}: {e}", 1)
+    if resp.status_code != 200:
+        _fail(f"{resp.status_code}: {error_message(resp)[:300]}", 1)
+    print(json.dumps(resp.json(), indent=1))
+
+
 def _drain_target(agent_url: str, headers: dict) -> str:
     """A drain target from RELAYOUT_DRAIN_TARGET or RELAYOUT_AGENTS (comma/space separated; a name that resolves to
     several addresses, like a headless Service, counts as each of them): the first healthy agent that is neither
@@ -377,7 +401,8 @@ def drain(
 ) -> None:
     """Move every session of every replica on a node to new replicas on another agent (live), then the node
     refuses new replicas and sessions until `POST /v1/undrain`. Prints per-replica results."""
-    tok = _token(token_file)
+    from relayout.engine.web import bearer_headers
+
     base = agent_url.rstrip("/")
     body: dict = {}
     for item in layout or []:
@@ -385,8 +410,28 @@ def drain(
         if not sep or not rid or not lay:
             _fail(f"--layout wants REPLICA_ID=LAYOUT, got {item!r}")
         body.setdefault("layouts", {})[rid] = lay
-    target = target_agent or _drain_target(base, {"Authorization": f"Bearer {tok}"} if tok else {})
+    target = target_agent or _drain_target(base, bearer_headers(_token(token_file)))
     _run_operation(base, "/v1/drain", {"target_agent": target.rstrip("/"), **body}, token_file, wait=wait)
+
+
+@app.command()
+def status(
+    agent_url: list[str] = typer.Option(None, "--agent", help="an agent to ask; repeatable (default "
+                                                              "http://127.0.0.1:7070)"),
+    as_json: bool = typer.Option(False, "--json", help="print the gathered status as JSON (for scripts)"),
+    token_file: Path = typer.Option(None, "--token-file"),
+) -> None:
+    """Nodes, their replicas (layout, sessions, KV used, expert balance), the operations running now with
+    their progress, and which nodes drain. Exit code 1 when an agent cannot be reached."""
+    from relayout.agent.status import gather, render
+
+    st = gather(agent_url or ["http://127.0.0.1:7070"], _token(token_file))
+    if as_json:
+        print(json.dumps(st, indent=1))
+    else:
+        Console().print(render(st))
+    if not all(n["reachable"] for n in st["nodes"]):
+        raise typer.Exit(1)
 
 
 # ---- layout planning and the re-layout controller -------------------------------------------------
@@ -446,7 +491,11 @@ def _plan_reference():
 
 @app.command()
 def controller(
-    replica: str = typer.Option(..., "--replica", help="URL of the replica to watch"),
+    replica: str = typer.Option(None, "--replica", help="URL of the one replica to watch (launches its successors here)"),
+    agents: str = typer.Option(None, "--agents", help="comma-separated agent URLs: watch every replica of every "
+                                                      "agent (default without --replica: RELAYOUT_AGENTS)"),
+    agent: list[str] = typer.Option(None, "--agent", help="an agent URL (repeatable; added to --agents)"),
+    topology: Path = typer.Option(None, "--topology", help="fleet topology (YAML or JSON), checked and reported"),
     interval: float = typer.Option(10.0, "--interval", help="seconds between polls"),
     dry_run: bool = typer.Option(False, "--dry-run", help="log the decisions, never relayout"),
     margin: float = typer.Option(1.5, "--margin", help="relayout when gain > cost x margin"),
@@ -454,26 +503,57 @@ def controller(
     cooldown: float = typer.Option(600.0, "--cooldown", help="seconds between relayouts"),
     horizon: float = typer.Option(600.0, "--horizon", help="seconds of traffic the gain is counted over"),
 ) -> None:
-    """Relayout a replica when a better expert placement pays for the move (one JSON line per poll)."""
+    """Relayout replicas when a better expert placement pays for the move (one JSON line per poll and replica).
+
+    --replica URL watches one replica; --agents/--agent watch every replica of every agent, and the
+    replica's own agent launches the new layout and migrates onto it."""
+    import os
     import signal
     import threading
 
-    from relayout.migrate.controller import Controller, SubprocessLauncher
+    from relayout.engine.tracing import setup_tracing
     from relayout.migrate.policy import PolicyConfig, RelayoutPolicy
 
+    agent_urls = [u for u in ([agents] if agents else []) + list(agent or []) if u.strip()]
+    if replica and agent_urls:
+        _fail("give either --replica URL (one replica) or --agents/--agent URL (every replica of the agents), not both")
+    if not replica and not agent_urls and os.environ.get("RELAYOUT_AGENTS", "").strip():
+        agent_urls = [os.environ["RELAYOUT_AGENTS"]]
+    if not replica and not agent_urls:
+        _fail("give --replica URL (one replica) or --agents URL[,URL...] (or RELAYOUT_AGENTS) for the fleet")
     if interval <= 0 or consecutive < 1 or margin <= 0:
         _fail("--interval and --margin must be positive, --consecutive at least 1")
-    pol = RelayoutPolicy(PolicyConfig(margin=margin, consecutive=consecutive, cooldown_s=cooldown, horizon_s=horizon))
-    ctl = Controller(replica, SubprocessLauncher(), pol, interval, dry_run=dry_run,
-                     log=lambda line: print(line, flush=True))
+    if topology is not None:
+        from relayout.migrate.topology import Topology, TopologyError
+
+        try:
+            topo = Topology.load(topology)
+        except TopologyError as e:
+            _fail(f"--topology: {e}")
+        # the policy keeps the attention split and world size, so the topology changes no decision yet
+        err.print(f"topology {topology}: {len(topo.nodes)} nodes, {len(topo.devices())} devices "
+                  f"({sum(d.free for d in topo.devices())} free); checked, not used by the policy")
+    setup_tracing("relayout-controller")  # each re-layout is a trace when OTEL_* configure an exporter
+    cfg = PolicyConfig(margin=margin, consecutive=consecutive, cooldown_s=cooldown, horizon_s=horizon)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    err.print(f"relayout controller watching {replica} every {interval:g}s" + (" (dry run)" if dry_run else ""))
+    line = lambda s: print(s, flush=True)  # noqa: E731
+    if replica:
+        from relayout.migrate.controller import Controller, SubprocessLauncher
+
+        ctl = Controller(replica, SubprocessLauncher(), RelayoutPolicy(cfg), interval, dry_run=dry_run, log=line)
+        watching = replica
+    else:
+        from relayout.agent.fleet import FleetController
+
+        ctl = FleetController(agent_urls, cfg, interval, dry_run=dry_run, log=line)
+        watching = "the replicas of " + ", ".join(ctl.agents)
+    err.print(f"relayout controller watching {watching} every {interval:g}s" + (" (dry run)" if dry_run else ""))
     try:
         ctl.run_forever(stop)
     except KeyboardInterrupt:
         pass
-    err.print(f"controller stopped; replica now at {ctl.replica_url}")
+    err.print(f"controller stopped; replica now at {ctl.replica_url}" if replica else "controller stopped")
 
 
 # ---- plugin sub-commands -------------------------------------------------------------------------

@@ -9,7 +9,9 @@ from typing import Any
 
 import httpx
 from relayout.agent.node import Agent
-from relayout.agent.schema import OP_TIMEOUT, AgentError
+from relayout.agent.schema import OP_TIMEOUT
+from relayout.engine import tracing, web
+from relayout.engine.web import HTTPError
 
 DRAIN_PASSES = 8  # re-list and retry: sessions that finish or arrive while a replica is moved
 
@@ -25,7 +27,7 @@ async def drain_node(ag: Agent, op: dict, target: str, layouts: dict[str, str | 
     rids = [rid for rid in list(ag.reg.replicas) if ag.refresh(rid).get("status") == "running"]
     entries = {rid: {"replica": rid, "state": "pending", "target_replica": None, "target_url": None,
                      "sessions_moved": [], "sessions_finished_here": [], "sessions_not_moved": [], "error": None,
-                     "bytes_done": 0, "launch_s": None, "move_s": None}
+                     "bytes_done": 0, "launch_s": None, "move_s": None, "sessions_at_start": None}
                for rid in rids}
     live_at_start: dict[str, set[str]] = {rid: set() for rid in rids}
     res["replicas"] = list(entries.values())
@@ -34,13 +36,13 @@ async def drain_node(ag: Agent, op: dict, target: str, layouts: dict[str, str | 
             res["replicas"].append({"replica": rid, "state": "skipped", "error": f"replica is {r.get('status')}"})
 
     async def sessions_of(url: str) -> list[str]:
-        async with httpx.AsyncClient(timeout=30.0) as c:
+        async with ag.client(30.0) as c:
             info = (await c.get(f"{url}/v1/replica", headers=ag.headers())).json()
         return [s["id"] for s in info.get("sessions", [])]
 
     async def session_state(url: str, sid: str) -> str:
         try:
-            async with httpx.AsyncClient(timeout=10.0) as c:
+            async with ag.client(10.0) as c:
                 return (await c.get(f"{url}/v1/sessions/{sid}", headers=ag.headers())).json().get("state", "unknown")
         except (httpx.HTTPError, ValueError):
             return "unknown"
@@ -50,16 +52,16 @@ async def drain_node(ag: Agent, op: dict, target: str, layouts: dict[str, str | 
         while rid in ag.busy and time.monotonic() < end:
             await asyncio.sleep(0.2)
         if rid in ag.busy:
-            raise AgentError(409, f"replica {rid} stayed busy with operation {ag.busy[rid]}")
+            raise HTTPError(409, f"replica {rid} stayed busy with operation {ag.busy[rid]}")
 
     async def launch_target(rid: str) -> None:
         e, r = entries[rid], ag.reg.replicas[rid]
         e["state"] = "launching"
-        async with httpx.AsyncClient(timeout=OP_TIMEOUT) as c:
+        async with ag.client(OP_TIMEOUT) as c:
             resp = await c.post(f"{target}/v1/replicas", headers=ag.headers(),
                                 json={"model": r["model"], "layout": (layouts or {}).get(rid, r.get("layout"))})
         if resp.status_code >= 400:
-            raise AgentError(502, f"target agent refused the replica ({resp.status_code}): {resp.text[:300]}")
+            raise HTTPError(502, f"target agent refused the replica ({resp.status_code}): {web.error_message(resp)[:300]}")
         tr = resp.json()
         e.update(target_replica=tr["id"], target_url=tr["url"], state="launched")
 
@@ -101,6 +103,7 @@ async def drain_node(ag: Agent, op: dict, target: str, layouts: dict[str, str | 
                     else:
                         strikes += 1
                     continue
+                ag.m.observe_migration(mr)
                 e["bytes_done"] = base + mr.bytes_total
                 op["bytes_done"] = sum(x["bytes_done"] for x in entries.values())
                 op["stall_ms"] = max(op.get("stall_ms") or 0.0, mr.stall_ms)
@@ -128,13 +131,21 @@ async def drain_node(ag: Agent, op: dict, target: str, layouts: dict[str, str | 
     async def drain_replica(rid: str) -> None:
         # each replica moves as soon as its own target is up: sessions keep decoding on the source
         # meanwhile, and a later replica's sessions do not wait behind an earlier one's move
+        with tracing.span("drain-replica", replica=rid) as sp:  # its launch and migrations below it
+            await drain_one(rid)
+            e = entries[rid]
+            sp.set_attributes(tracing.attributes({"state": e["state"], "bytes": e.get("bytes_done"),
+                                                  "sessions_moved": len(e.get("sessions_moved", []))}))
+
+    async def drain_one(rid: str) -> None:
         e = entries[rid]
         t0 = time.monotonic()
         try:
-            await launch_target(rid)
+            with tracing.span("launching", replica=rid):
+                await launch_target(rid)
             e["launch_s"] = round(time.monotonic() - t0, 2)
             await wait_not_busy(rid)
-        except AgentError as err:
+        except HTTPError as err:
             e.update(state="failed", error=err.message)
             return
         except (httpx.HTTPError, ValueError, KeyError) as err:
@@ -154,6 +165,7 @@ async def drain_node(ag: Agent, op: dict, target: str, layouts: dict[str, str | 
         for rid in rids:  # what was live when the drain began: every one of these ends up named in the result
             try:
                 live_at_start[rid] = set(await sessions_of(ag.reg.replicas[rid]["url"]))
+                entries[rid]["sessions_at_start"] = len(live_at_start[rid])  # what progress counts against
             except (httpx.HTTPError, ValueError):
                 pass  # move() lists again; an unreachable replica fails there with the reason
         op["phase"] = "launching target replicas"
@@ -174,7 +186,7 @@ async def drain_node(ag: Agent, op: dict, target: str, layouts: dict[str, str | 
         ag.reg.save()
     bad = [e for e in entries.values() if e["state"] == "failed"]
     if bad:
-        raise AgentError(502, f"drain incomplete: {len(res['sessions_not_moved'])} session(s) not moved, "
+        raise HTTPError(502, f"drain incomplete: {len(res['sessions_not_moved'])} session(s) not moved, "
                               f"replica(s) {', '.join(e['replica'] for e in bad)} failed; see result")
     op["phase"] = "drained"
     return res

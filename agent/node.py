@@ -5,40 +5,33 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import secrets
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from relayout.agent.metrics import AgentMetrics
 from relayout.agent.registry import Registry
-from relayout.agent.schema import OP_TIMEOUT, AgentError, check_id
+from relayout.agent.schema import OP_TIMEOUT
+from relayout.engine import tracing, web
+from relayout.engine.web import HTTPError
+from relayout.migrate import procs
 from relayout.migrate.procs import stop_process
 
-URL_RE = re.compile(r"relayout serving .* on (http://\S+)")
 LAUNCH_TIMEOUT = float(os.environ.get("RELAYOUT_LAUNCH_TIMEOUT", "180"))
 
 
 def check_dtypes(dtype: str | None, kv_dtype: str | None) -> None:
-    """A replica's dtype and KV dtype names, or AgentError 400 naming the allowed values."""
+    """A replica's dtype and KV dtype names, or HTTPError 400 naming the allowed values."""
     from relayout.engine.config import check_dtype, parse_kv_dtype
 
     try:
         check_dtype(dtype)
         parse_kv_dtype(kv_dtype)
     except ValueError as e:
-        raise AgentError(400, str(e)) from None
-
-
-def relayout_cmd() -> list[str]:
-    exe = Path(sys.executable).with_name("relayout")
-    if exe.exists():
-        return [str(exe)]
-    return [sys.executable, "-c", "from agent.cli import app; app()"]
+        raise HTTPError(400, str(e)) from None
 
 
 def _pid_alive(pid: int | None) -> bool:
@@ -73,18 +66,17 @@ class Agent:
         self.draining = False
         self.drain_op: str | None = None
         self.agent_id = secrets.token_hex(8)  # tells a drain that its target is this very agent
-        self.metrics = CollectorRegistry(auto_describe=True)
-        self.m_ops = Counter("relayout_agent_operations", "Operations by kind and outcome", ["kind", "outcome"],
-                             registry=self.metrics)
-        self.m_bytes = Counter("relayout_agent_bytes_moved", "Checkpoint/transfer bytes moved", registry=self.metrics)
-        self.m_replicas = Gauge("relayout_agent_replicas", "Replicas by status", ["status"], registry=self.metrics)
-        self.m_sessions = Gauge("relayout_agent_sessions", "Live sessions on this node's replicas (last seen)",
-                                registry=self.metrics)
+        self.m = AgentMetrics()
         self.sessions_seen: dict[str, int] = {}
 
     # ---- helpers -----------------------------------------------------------------------------
     def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        return web.bearer_headers(self.token)
+
+    @staticmethod
+    def client(timeout: float | httpx.Timeout) -> httpx.AsyncClient:
+        """An HTTP client whose requests carry the current trace context (`traceparent`)."""
+        return httpx.AsyncClient(timeout=timeout, event_hooks=tracing.async_inject_hooks())
 
     def file_roots(self) -> list[str]:
         roots = [str(self.data_dir)]
@@ -123,9 +115,9 @@ class Agent:
         return r
 
     def get_replica(self, rid: str) -> dict:
-        check_id(rid, "replica")
+        web.check_id(rid, "replica", 404)
         if rid not in self.reg.replicas:
-            raise AgentError(404, f"no replica {rid!r}")
+            raise HTTPError(404, f"no replica {rid!r}")
         return self.refresh(rid)
 
     # ---- replicas ---------------------------------------------------------------------------
@@ -134,50 +126,30 @@ class Agent:
         check_dtypes(dtype, kv_dtype)  # before any process starts
         rid = name or f"r-{secrets.token_hex(4)}"
         if rid in self.reg.replicas:
-            raise AgentError(409, f"replica {rid!r} already exists")
+            raise HTTPError(409, f"replica {rid!r} already exists")
         log = self.data_dir / "replicas" / f"{rid}.log"
-        cmd = relayout_cmd() + ["serve", "--model", model, "--host", self.host, "--port", "0"]
-        if layout:
-            cmd += ["--layout", layout]
-        if dtype:
-            cmd += ["--dtype", dtype]
-        if kv_dtype:
-            cmd += ["--kv-dtype", kv_dtype]
-        env = dict(os.environ, RELAYOUT_DATA_DIR=str(self.data_dir), RELAYOUT_FILE_ROOTS=os.pathsep.join(self.file_roots()))
-        if self.token:
-            env["RELAYOUT_TOKEN"] = self.token
-        else:
-            env.pop("RELAYOUT_TOKEN", None)
+        env = {"RELAYOUT_DATA_DIR": str(self.data_dir), "RELAYOUT_FILE_ROOTS": os.pathsep.join(self.file_roots()),
+               "RELAYOUT_TOKEN": self.token}  # None: the replica runs without one, whatever this env says
+        args = [*(["--dtype", dtype] if dtype else []), *(["--kv-dtype", kv_dtype] if kv_dtype else [])]
         self.reg.replicas[rid] = {"id": rid, "model": model, "layout": layout, "status": "starting", "pid": None,
                                   "url": None, "created_at": time.time()}
-        with open(log, "wb") as out:
-            p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                 start_new_session=True)
+        # its own session and a log file: the replica outlives an agent restart, which adopts it again
+        proc = procs.replica(layout, env, model, args, host=self.host, log=log, new_session=True, wait=False)
+        p = proc.p
         self.procs[rid] = p
         self.reg.replicas[rid]["pid"] = p.pid
-        deadline = time.monotonic() + LAUNCH_TIMEOUT
-        url = None
-        while time.monotonic() < deadline:
-            m = URL_RE.search(log.read_text(errors="replace"))
-            if m:
-                url = m.group(1)
-                break
-            if p.poll() is not None:
-                break
-            await asyncio.sleep(0.1)
-        if url is None:
-            tail = log.read_text(errors="replace")[-800:]
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        try:
+            url = await asyncio.to_thread(proc.wait_ready, LAUNCH_TIMEOUT)
+        except procs.LaunchError as e:
             self.reg.replicas.pop(rid, None)
             self.procs.pop(rid, None)
             self.reg.save()
-            raise AgentError(400 if p.returncode not in (None, -9) else 504,
-                             f"replica did not start (exit {p.returncode}): {tail.strip()[-400:]}", "launch_failed")
+            raise HTTPError(504 if e.timed_out or p.returncode == -9 else 400,
+                            f"replica did not start (exit {p.returncode}): {e.output.strip()[-400:]}",
+                            code="launch_failed") from None
         lay = None
         try:
-            async with httpx.AsyncClient(timeout=10.0) as c:
+            async with self.client(10.0) as c:
                 info = (await c.get(f"{url}/v1/replica", headers=self.headers())).json()
             lay = info.get("layout")
         except (httpx.HTTPError, ValueError):
@@ -186,17 +158,19 @@ class Agent:
         self.reg.save()
         return {"id": rid, "url": url, "layout": lay or layout}
 
-    async def describe(self, rid: str) -> dict:
+    async def describe(self, rid: str, timeout: float = 5.0) -> dict:
         r = dict(self.get_replica(rid))
         if r["status"] == "running":
             try:
-                async with httpx.AsyncClient(timeout=5.0) as c:
+                async with self.client(timeout) as c:
                     resp = await c.get(f"{r['url']}/v1/replica", headers=self.headers())
                 if resp.status_code == 200:
                     info = resp.json()
                     r.update(layout=info.get("layout"), sessions=info.get("sessions", []),
-                             kv_blocks_used=info.get("kv_blocks_used"), num_blocks=info.get("num_blocks"))
+                             kv_blocks_used=info.get("kv_blocks_used"), num_blocks=info.get("num_blocks"),
+                             expert_balance=expert_balance(info.get("expert_counts")))
                     self.sessions_seen[rid] = len(r["sessions"])
+                    self.m.observe_replica(rid, r.get("model", ""), info)
                 else:
                     r["replica_error"] = f"replica answered {resp.status_code}"
             except (httpx.HTTPError, ValueError) as e:
@@ -223,6 +197,7 @@ class Agent:
                 pass
         r["status"] = "stopped"
         self.sessions_seen.pop(rid, None)
+        self.m.forget_replica(rid, r.get("model", ""))
 
     def stop_all(self) -> None:
         for rid, r in list(self.reg.replicas.items()):
@@ -234,7 +209,7 @@ class Agent:
     def new_op(self, kind: str, replica: str | None, work) -> str:
         if replica is not None:
             if replica in self.busy:
-                raise AgentError(409, f"replica {replica!r} is busy with operation {self.busy[replica]}")
+                raise HTTPError(409, f"replica {replica!r} is busy with operation {self.busy[replica]}")
         oid = f"op-{secrets.token_hex(6)}"
         op = {"id": oid, "kind": kind, "replica": replica, "state": "pending", "phase": "queued", "bytes_done": 0,
               "bytes_total": None, "stall_ms": None, "error": None, "result": None, "created_at": time.time()}
@@ -245,25 +220,32 @@ class Agent:
 
         async def run():
             op.update(state="running")
-            try:
-                op["result"] = await work(op)
-                op["state"] = "succeeded"
-            except AgentError as e:
-                op.update(state="failed", error=e.message)
-            except asyncio.CancelledError:
-                op.update(state="aborted", error="cancelled")
-                raise
-            except Exception as e:  # reported, never raised into the server
-                op.update(state="failed", error=f"{type(e).__name__}: {e}")
-            finally:
-                op["finished_at"] = time.time()
-                op["phase"] = "done"
-                self.m_ops.labels(kind, op["state"]).inc()
-                if op.get("bytes_done"):
-                    self.m_bytes.inc(op["bytes_done"])
-                if replica is not None:
-                    self.busy.pop(replica, None)
-                self.reg.save()
+            self.m.running.labels(kind).inc()
+            # the operation's trace: every request it makes carries it on (traceparent)
+            with tracing.span(kind, operation=oid, replica=replica) as sp:
+                try:
+                    op["result"] = await work(op)
+                    op["state"] = "succeeded"
+                except HTTPError as e:
+                    op.update(state="failed", error=e.message)
+                except asyncio.CancelledError:
+                    op.update(state="aborted", error="cancelled")
+                    raise
+                except Exception as e:  # reported, never raised into the server
+                    op.update(state="failed", error=f"{type(e).__name__}: {e}")
+                finally:
+                    op["finished_at"] = time.time()
+                    self.m.running.labels(kind).dec()
+                    self.m.finished(kind, op["state"], op.get("phase") or "", op["finished_at"] - op["created_at"],
+                                    op.get("bytes_done") or 0)
+                    sp.set_attributes(tracing.attributes({"state": op["state"], "bytes": op.get("bytes_done"),
+                                                          "failed_phase": op.get("phase") if op["error"] else None}))
+                    if op["error"]:
+                        tracing.mark_error(sp, str(op["error"]))
+                    op["phase"] = "done"
+                    if replica is not None:
+                        self.busy.pop(replica, None)
+                    self.reg.save()
 
         t = asyncio.get_running_loop().create_task(run())
         self.tasks.add(t)
@@ -271,14 +253,23 @@ class Agent:
         return oid
 
     async def replica_post(self, url: str, path: str, body: dict) -> dict:
-        async with httpx.AsyncClient(timeout=OP_TIMEOUT) as c:
+        async with self.client(OP_TIMEOUT) as c:
             resp = await c.post(f"{url}{path}", json=body, headers=self.headers())
-        try:
-            data = resp.json()
-        except ValueError:
-            data = {}
         if resp.status_code >= 400:
-            msg = (data.get("error") or {}).get("message") if isinstance(data, dict) else None
-            raise AgentError(resp.status_code if resp.status_code < 500 else 502,
-                             f"replica {path} failed ({resp.status_code}): {msg or resp.text[:300]}")
-        return data
+            raise HTTPError(resp.status_code if resp.status_code < 500 else 502,
+                            f"replica {path} failed ({resp.status_code}): {web.error_message(resp)[:300]}")
+        try:
+            return resp.json()
+        except ValueError:
+            return {}
+
+
+def expert_balance(counts: list[list[int]] | None) -> float | None:
+    """How evenly a replica's tokens reach its experts: mean over max expert load in the most skewed
+    layer (1.0: even; 0.25: one expert takes 4x its share). None before any token was routed."""
+    worst = None
+    for row in counts or []:
+        if row and max(row) > 0:
+            b = (sum(row) / len(row)) / max(row)
+            worst = b if worst is None else min(worst, b)
+    return None if worst is None else round(worst, 4)

@@ -1,49 +1,26 @@
 """What callers may send the node agent: request bodies, ids and layouts checked before any
-work starts, and the errors the routes answer with."""
+work starts. Ids, errors and their shape come from relayout.engine.web."""
 
 from __future__ import annotations
 
-import re
 from typing import Any, Literal
 
 import httpx
-from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
+from relayout.engine import web
 
-ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-MAX_BODY = 1 << 20
 OP_TIMEOUT = httpx.Timeout(600.0, connect=10.0)
-
-
-class AgentError(Exception):
-    def __init__(self, status: int, message: str, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message = status, message
-        self.code = code or {400: "invalid_request", 401: "unauthorized", 404: "not_found", 409: "conflict",
-                             413: "too_large", 422: "invalid_request", 501: "not_implemented",
-                             502: "bad_gateway", 503: "unavailable"}.get(status, "error")
-
-
-def error_response(status: int, code: str, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"code": code, "message": message}}, status_code=status)
-
-
-def check_id(value: str, what: str) -> str:
-    if not isinstance(value, str) or not ID_RE.fullmatch(value):
-        raise AgentError(404, f"no {what} {value!r}")
-    return value
 
 
 # ---- request bodies ---------------------------------------------------------------------------
 _STRICT = ConfigDict(extra="forbid")
-IdStr = Field(pattern=ID_RE.pattern, max_length=128)
 
 
 class ReplicaBody(BaseModel):
     model_config = _STRICT
     model: str = Field(..., min_length=1, max_length=1024)
     layout: str | dict[str, Any] | None = None
-    name: str | None = Field(None, pattern=ID_RE.pattern, max_length=128)
+    name: str | None = Field(None, pattern=web.ID_PATTERN, max_length=128)
     # checked by the agent (400 naming the allowed values), not here
     dtype: str | None = Field(None, max_length=32)  # float32, bfloat16, float16 (default: by device)
     kv_dtype: str | None = Field(None, max_length=32)  # auto, fp8_e4m3
@@ -75,7 +52,7 @@ class RestoreBody(BaseModel):
 class MigrateTarget(BaseModel):
     model_config = _STRICT
     agent: str = Field(..., pattern=r"^https?://[^\s]+$", max_length=2048)
-    replica: str | None = Field(None, pattern=ID_RE.pattern, max_length=128)
+    replica: str | None = Field(None, pattern=web.ID_PATTERN, max_length=128)
     layout: str | dict[str, Any] | None = None
     model: str | None = Field(None, max_length=1024)
 
@@ -94,12 +71,6 @@ class DrainBody(BaseModel):
     layouts: dict[str, str | dict] | None = Field(None, max_length=1024)
 
 
-def check_session_ids(ids: list[str] | None) -> None:
-    for s in ids or []:
-        if not ID_RE.fullmatch(s):
-            raise AgentError(400, f"invalid session id {s!r}")
-
-
 def validate_layout(model: str, layout: str | dict | None) -> str | None:
     """Parse and check a layout against the model before anything is launched; 400 naming the field."""
     import json
@@ -111,15 +82,15 @@ def validate_layout(model: str, layout: str | dict | None) -> str | None:
     try:
         path = resolve_model(model)
     except (ModelNotFoundError, ValueError, OSError) as e:
-        raise AgentError(400, f"model: {e}") from None
+        raise web.HTTPError(400, f"model: {e}") from None
     try:
         cfg = ModelConfig.from_dir(path)
     except (ModelConfigError, ValueError, OSError) as e:
-        raise AgentError(400, f"model: {e}") from None
+        raise web.HTTPError(400, f"model: {e}") from None
     try:
         lay = Layout.parse(layout).validate(cfg)
     except (LayoutError, ValueError, TypeError) as e:
-        raise AgentError(400, f"layout: {e}") from None
+        raise web.HTTPError(400, f"layout: {e}") from None
     if layout is None:
         return None
     return json.dumps(lay.to_dict()) if isinstance(layout, dict) else layout

@@ -70,6 +70,25 @@ def bench_migration(
         print(json.dumps(res), flush=True)
 
 
+@bench_app.command("replication")
+def bench_replication(
+    model: str = typer.Option("builtin:tiny", "--model", "-m"),
+    every_tokens: int = typer.Option(16, "--every-tokens", help="the protection's sync interval in tokens"),
+    sessions: int = typer.Option(8, "--sessions", help="concurrent sessions"),
+    max_tokens: int = typer.Option(256, "--max-tokens", help="tokens per session in the decode measurement"),
+    reps: int = typer.Option(2, "--reps", help="best of this many runs per figure"),
+    device: str = typer.Option(None, "--device", help="the replicas' device (default: cuda when present)"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object on the last line"),
+) -> None:
+    """Decode tokens/s protected vs unprotected, replication lag, and a kill -9 failover (lost/repeated/changed)."""
+    from relayout.bench import replication as br
+
+    res = br.run(model, every_tokens, max(1, sessions), max(16, max_tokens), max(1, reps), device, log=err.print)
+    br.print_table(res, Console(stderr=as_json))
+    if as_json:
+        print(json.dumps(res), flush=True)
+
+
 @bench_app.command("overlap")
 def bench_overlap(
     model: str = typer.Option("builtin:bench", "--model", "-m"),

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
-from relayout.bench.replica_client import BenchError, Replica, TokenStream, gaps, median_gap_ms
+from relayout.bench.replica_client import BenchError, Replica, TokenStream, gaps, link_gbps, median_gap_ms
 
 SOURCE_LAYOUT = "attn_dp=1"
 TARGET_LAYOUT = "attn_tp=2"
@@ -34,6 +34,9 @@ QUICK_CONTEXTS = (256, 1024)
 MAX_ROUNDS = 64  # migrate_live's default, passed explicitly: the bench predicts its last pre-copy round
 SMALL_BYTES = 1 << 20
 MAX_TOKENS = 1024  # "large": sessions are stopped by the bench, never by max_tokens
+# recompute (a full re-prefill on the target) is measured up to this context; longer ones are estimated
+# from the prefill tokens/s measured at the longest measured context (a lower bound: attention grows with L)
+RECOMPUTE_MEASURED_MAX = 4096
 
 Log = Callable[[str], None]
 
@@ -244,24 +247,42 @@ def reference(c: Ctx) -> list[int]:
     return r.json()["choices"][0]["token_ids"]
 
 
+def precopy_transport(live: dict) -> tuple[int, float]:
+    """(bytes, seconds) of a live move's pre-copy rounds (the final one excluded: it is the stall)."""
+    pre = [r for r in live["rounds"] if not r["final"]]
+    return sum(r["bytes"] for r in pre), sum(r["ms"] for r in pre) / 1000
+
+
 def run_context(src: str, dst: str, L: int, *, warm: int, after: int, timeout: float, log: Log,
-                second: bool = True) -> dict:
+                second: bool = True, prefill_tps: float | None = None) -> dict:
     c = Ctx(src, dst, L, prompt(L), warm, after, timeout, log)
     log(f"context {L}: live move")
     live = measure_move(c, "live", with_second=second)
     log(f"context {L}: live stall {live['stall_ms']:.1f} ms; cold move")
     cold = measure_move(c, "cold", with_second=False)
-    log(f"context {L}: cold stall {cold['stall_ms']:.1f} ms; recompute")
-    rec = measure_recompute(c)
+    if prefill_tps is None:
+        log(f"context {L}: cold stall {cold['stall_ms']:.1f} ms; recompute")
+        rec = measure_recompute(c)
+        rec["estimated"] = False
+    else:
+        rec = {"recompute_ms": round(L / prefill_tps * 1000, 2), "estimated": True,
+               "note": f"estimated: {L} tokens at the {prefill_tps:.1f} prefill tokens/s measured at a shorter context"}
     log(f"context {L}: recompute {rec['recompute_ms']:.1f} ms; undisturbed reference on the target")
     ref = reference(c)
     match = {m: toks == ref[: len(toks)] for m, toks in c.sessions.items()}
+    moved, secs = precopy_transport(live)
+    step = live["target_itl_ms"]
     out = {
         "live_stall_ms": live["stall_ms"],
         "cold_stall_ms": cold["stall_ms"],
         "live_stall_attached_ms": live["stall_attached_ms"],
         "cold_stall_attached_ms": cold["stall_attached_ms"],
         "recompute_ms": rec["recompute_ms"],
+        "recompute_estimated": rec["estimated"],
+        "target_step_ms": step,  # the target's decode step at this context (median gap after the move)
+        "live_stall_steps": round(live["stall_ms"] / step, 2) if step else None,
+        "precopy_bytes": moved,
+        "transport_gbps": round(moved / secs / 1e9, 3) if secs > 0 else None,
         "live_rounds": len(live["rounds"]),
         "live_bytes": live["bytes"],
         "cold_bytes": cold["bytes"],
@@ -289,20 +310,35 @@ def run(model: str | None = None, contexts: list[int] | None = None, quick: bool
     reps = [Replica(model, SOURCE_LAYOUT, kv_mb, device), Replica(model, TARGET_LAYOUT, kv_mb, device)]
     try:
         src, dst = (r.wait_ready() for r in reps)
-        results = {}
+        links = [link_gbps()]
+        log(f"link (plain TCP between two processes): {links[0]:.2f} GB/s")
+        results: dict = {}
+        prefill_tps = None
         for L in contexts:
             try:
-                results[str(L)] = run_context(src, dst, L, warm=warm, after=after, timeout=timeout, log=log)
+                results[str(L)] = run_context(src, dst, L, warm=warm, after=after, timeout=timeout, log=log,
+                                              prefill_tps=prefill_tps if L > RECOMPUTE_MEASURED_MAX else None)
+                if not results[str(L)]["recompute_estimated"]:
+                    prefill_tps = L / (results[str(L)]["recompute_ms"] / 1000)
             except Exception as e:  # noqa: BLE001 - with what the replicas said
                 time.sleep(0.5)
                 tails = "".join(f"--- {r.layout} replica:\n{''.join(r.tail[-15:])}" for r in reps)
                 raise BenchError(f"context {L}: {type(e).__name__}: {e}\n{tails}") from e
+        links.append(link_gbps())  # once more at the end: the machine's load drifts during the run
     finally:
         for r in reps:
             r.stop()
     lo, hi = results[str(contexts[0])], results[str(contexts[-1])]
     ratio = hi["decode_ratio"]
+    link = statistics.median(links)
+    moved = sum(r["precopy_bytes"] for r in results.values())
+    secs = sum(precopy_transport(r["live"])[1] for r in results.values())
+    transport = moved / secs / 1e9 if secs > 0 else None
     out = {
+        "link_gbps": round(link, 3),
+        "link_gbps_samples": [round(x, 3) for x in links],
+        "transport_gbps": round(transport, 3) if transport else None,
+        "transport_vs_link": round(transport / link, 3) if transport else None,
         "contexts": results,
         "decode_during_precopy_ratio": ratio,
         "model": model,
@@ -314,6 +350,9 @@ def run(model: str | None = None, contexts: list[int] | None = None, quick: bool
             f"live_stall_{contexts[-1]}_le_1.5x_{contexts[0]}": hi["live_stall_ms"] <= 1.5 * lo["live_stall_ms"],
             f"live_stall_{contexts[-1]}_le_recompute_div_10": hi["live_stall_ms"] <= hi["recompute_ms"] / 10,
             "decode_during_precopy_ge_0.9": ratio is not None and ratio >= 0.9,
+            "transport_vs_link_ge_0.5": transport is not None and transport / link >= 0.5,
+            "live_stall_le_1_step_plus_50ms": all(r["target_step_ms"] is not None and r["live_stall_ms"] <= r[
+                "target_step_ms"] + 50 for r in results.values()),
         },
     }
     return out
@@ -324,13 +363,18 @@ def print_table(res: dict, console) -> None:
 
     t = Table(title=f"migration stall, {res['model']} {res['layouts']['source']} -> {res['layouts']['target']}")
     for col in ("context", "live ms", "live attached ms", "cold ms", "recompute ms", "rounds", "live MiB", "final round ms",
-                "commit ms", "target ITL ms", "tokens match"):
+                "commit ms", "target step ms", "stall steps", "transport GB/s", "tokens match"):
         t.add_column(col, justify="right")
     for L, r in res["contexts"].items():
         t.add_row(L, f"{r['live_stall_ms']:.1f}", str(r["live_stall_attached_ms"]), f"{r['cold_stall_ms']:.1f}", f"{r['recompute_ms']:.1f}",
                   str(r["live_rounds"]), f"{r['live_bytes'] / 2**20:.1f}", f"{r['live']['final_round_ms']:.1f}",
-                  f"{r['live']['commit_ms']:.1f}", str(r["live"]["target_itl_ms"]), str(r["tokens_match"]))
+                  f"{r['live']['commit_ms']:.1f}", str(r["target_step_ms"]), str(r["live_stall_steps"]),
+                  str(r["transport_gbps"]), str(r["tokens_match"]))
     console.print(t)
+    if any(r["recompute_estimated"] for r in res["contexts"].values()):
+        console.print(f"recompute beyond {RECOMPUTE_MEASURED_MAX} tokens is estimated from measured prefill tokens/s")
+    console.print(f"link {res['link_gbps']} GB/s (plain TCP); pre-copy transport {res['transport_gbps']} GB/s "
+                  f"= {res['transport_vs_link']} of the link")
     ratio = res["decode_during_precopy_ratio"]
     console.print(f"decode during pre-copy: {ratio if ratio is not None else 'n/a'} of normal tokens/s")
     for goal, ok in res["goals"].items():

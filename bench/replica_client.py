@@ -166,3 +166,43 @@ def gaps(times: list[float]) -> list[tuple[float, float]]:
 def median_gap_ms(times: list[float]) -> float | None:
     g = [b - a for a, b in gaps(times)]
     return round(statistics.median(g) * 1000, 2) if g else None
+
+
+# ---- the link ------------------------------------------------------------------------------------------
+_SENDER = """
+import socket, sys
+n, port = int(sys.argv[1]), int(sys.argv[2])
+buf = memoryview(bytearray(4 << 20))
+with socket.create_connection(("127.0.0.1", port)) as s:
+    while n > 0:
+        k = min(n, len(buf))
+        s.sendall(buf[:k])
+        n -= k
+"""
+
+
+def link_gbps(nbytes: int = 512 << 20) -> float:
+    """A plain TCP socket copy of `nbytes` from another process to this one, over loopback (where the
+    bench's replicas talk): what the link itself moves, in GB/s (1e9 bytes/s)."""
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        port = srv.getsockname()[1]
+        p = subprocess.Popen([sys.executable, "-c", _SENDER, str(nbytes), str(port)])
+        try:
+            conn, _ = srv.accept()
+            with conn:
+                buf = bytearray(4 << 20)
+                view = memoryview(buf)
+                got, t0 = 0, time.perf_counter()
+                while got < nbytes:
+                    k = conn.recv_into(view)
+                    if k == 0:
+                        break
+                    got += k
+                dt = time.perf_counter() - t0
+        finally:
+            p.wait(60)
+    if got < nbytes:
+        raise BenchError(f"link probe: {got} of {nbytes} bytes arrived")
+    return nbytes / dt / 1e9

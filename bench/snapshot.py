@@ -6,7 +6,8 @@ One process, one run: prefill a few sessions on a world-1 engine, then time
   (copy out of the KV pool, safetensors pack, xxh3 hash) — the full path, fresh store per try;
 - restore: restore() of that checkpoint into a second engine, chunk verification included.
 Each figure is the best of `reps` (on a shared machine the fastest try is the least disturbed).
-Codec ratios are measured on (up to 32 MiB of) the prefilled KV, in float32 and rounded to bf16.
+Codec ratios and per-core speeds are measured on (up to 32 MiB of) the prefilled KV, chunk by chunk as a
+checkpoint stores it, in float32 and rounded to bf16.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from relayout.engine.config import ModelConfig
 from relayout.engine.engine import LLMEngine
 from relayout.engine.session import SamplingParams
 from relayout.engine.snapshot import (
+    CHUNK_TOKENS,
     checkpoint,
     geometry,
     model_ref,
@@ -53,14 +55,15 @@ def _memcpy_s(nbytes: int, reps: int) -> float:
     return _best(once, reps)
 
 
-def _fill(eng: LLMEngine, sessions: int, tokens: int, prefill: int) -> tuple[list[str], torch.Tensor]:
+def _fill(eng: LLMEngine, sessions: int, tokens: int, prefill: int) -> tuple[list[str], list[torch.Tensor]]:
     """`sessions` live sessions of `tokens` tokens of KV each.
 
     Prefilling 8k+ tokens of builtin:bench takes minutes on 2 shared cores, so each session
     prefills `prefill` real tokens (not a divisor of the chunk size, so chunks stay distinct) and is grown to `tokens` by restoring it (through the
     public checkpoint path) with that real KV tiled along the tokens: real values for the
     codecs, the exact sizes and block layout for the copies. Also returns the prefilled (untiled)
-    KV, flat: codecs are measured on that, as tiles would flatter zstd."""
+    KV as the chunks a checkpoint of it holds (one per session, layer and head range): codecs are
+    measured on those, as tiles would flatter zstd."""
     g = torch.Generator().manual_seed(0)
     seeds = []
     for i in range(sessions):
@@ -69,7 +72,8 @@ def _fill(eng: LLMEngine, sessions: int, tokens: int, prefill: int) -> tuple[lis
     while any(not eng.sessions[s].output_token_ids for s in seeds):  # prefill done once each has sampled
         eng.step()
     snaps = take_snapshot(eng, seeds)
-    real = torch.cat([t.reshape(-1) for sn in snaps for _, _, t in sn.kv])
+    real = [t[layer, :, :, a : a + CHUNK_TOKENS].contiguous()
+            for sn in snaps for _, _, t in sn.kv for layer in range(t.shape[0]) for a in range(0, t.shape[3], CHUNK_TOKENS)]
     release(eng, seeds)
     store = MemoryStore()
     w = CheckpointWriter(store, new_checkpoint_id())
@@ -84,10 +88,10 @@ def _fill(eng: LLMEngine, sessions: int, tokens: int, prefill: int) -> tuple[lis
     return restore(eng, CheckpointReader(store, w.checkpoint_id)), real
 
 
-def _codecs(t: torch.Tensor) -> dict[str, dict[str, float]]:
-    raw = t.view(torch.uint8).numpy().tobytes()
-    res = measure_codecs(raw, t.element_size())
-    return {k: {"ratio": _sig(v["ratio"]), "gbps": _sig(v["gbps"])} for k, v in res.items()}
+def _codecs(chunks: list[torch.Tensor], reps: int) -> dict[str, dict[str, float]]:
+    raw = [t.view(torch.uint8).numpy().tobytes() for t in chunks]
+    res = measure_codecs(raw, chunks[0].element_size(), reps)  # one thread: per-core figures
+    return {k: {m: round(x, 3) for m, x in v.items()} for k, v in res.items()}
 
 
 def _sig(x: float) -> float:
@@ -149,10 +153,14 @@ def run(model: str = "builtin:bench", sessions: int = 4, tokens: int = 2048, pre
         res["snapshot_vs_memcpy"] = _sig(t_mem / t_snap)
         res["restore_vs_memcpy"] = _sig(t_mem / t_rest)
         log("codecs…")
-        sample = real[: CODEC_SAMPLE_BYTES // real.element_size()].contiguous()
-        res["codec_sample_bytes"] = sample.numel() * sample.element_size()
-        res["codecs"] = _codecs(sample)
-        res["codecs_bf16"] = _codecs(sample.to(torch.bfloat16))  # what a bf16 engine's KV would compress to
+        sample, res["codec_sample_bytes"] = [], 0
+        for t in real:  # whole chunks, up to CODEC_SAMPLE_BYTES
+            if res["codec_sample_bytes"] < CODEC_SAMPLE_BYTES:
+                sample.append(t)
+                res["codec_sample_bytes"] += t.nbytes
+        res["codec_chunks"] = len(sample)
+        res["codecs"] = _codecs(sample, reps)
+        res["codecs_bf16"] = _codecs([t.to(torch.bfloat16) for t in sample], reps)  # a bf16 engine's KV
     finally:
         src.shutdown()
         dst.shutdown()
@@ -171,10 +179,12 @@ def print_table(res: dict, console) -> None:
     t.add_row("snapshot (codec none)", f"{res['snapshot_gbps']:.2f}", f"{res['snapshot_vs_memcpy']:.2f}x")
     t.add_row("restore (verify incl.)", f"{res['restore_gbps']:.2f}", f"{res['restore_vs_memcpy']:.2f}x")
     console.print(t)
-    c = Table(title=f"codecs on {res['codec_sample_bytes'] / 2**20:.0f} MiB of this KV (encode+decode GB/s)")
-    for col in ("codec", "ratio fp32", "GB/s fp32", "ratio bf16", "GB/s bf16"):
+    c = Table(title=f"codecs on {res['codec_sample_bytes'] / 2**20:.0f} MiB of this KV in {res['codec_chunks']} "
+                    "chunks (GB/s per core: encode+decode, encode, decode)")
+    for col in ("codec", "ratio fp32", "GB/s fp32", "enc / dec fp32", "ratio bf16", "GB/s bf16", "enc / dec bf16"):
         c.add_column(col, justify="right")
     for name in CODECS:
         a, b = res["codecs"][name], res["codecs_bf16"][name]
-        c.add_row(name, f"{a['ratio']:.3f}", f"{a['gbps']:.2f}", f"{b['ratio']:.3f}", f"{b['gbps']:.2f}")
+        c.add_row(name, f"{a['ratio']:.3f}", f"{a['gbps']:.2f}", f"{a['encode_gbps']:.2f} / {a['decode_gbps']:.2f}",
+                  f"{b['ratio']:.3f}", f"{b['gbps']:.2f}", f"{b['encode_gbps']:.2f} / {b['decode_gbps']:.2f}")
     console.print(c)

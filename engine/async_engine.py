@@ -44,12 +44,16 @@ class _Snap:
 
     @property
     def done(self) -> bool:
-        return self.status in (SessionStatus.FINISHED, SessionStatus.MIGRATED)
+        return self.status in (SessionStatus.FINISHED, SessionStatus.MIGRATED, SessionStatus.CHECKPOINTED)
 
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine):
         self.migrated_to: dict[str, str] = {}  # session id -> replica URL it moved to
+        self.checkpointed_to: dict[str, str] = {}  # session id -> checkpoint URI it was stopped into
+        # client streams reading each session, and the aborts pending for detached ones (asyncio side only)
+        self._readers: dict[str, int] = {}
+        self._detached: dict[str, asyncio.TimerHandle] = {}
         self.engine = engine
         self._lock = threading.Lock()  # guards _snaps, _calls, _aborts, _stopping
         self._wake = threading.Condition(self._lock)
@@ -101,6 +105,43 @@ class AsyncEngine:
         """Remember where sessions went, so a client that asks here is sent on."""
         for sid in session_ids:
             self.migrated_to[sid] = url
+
+    def note_checkpointed(self, session_ids: list[str], uri: str) -> None:
+        """Remember the checkpoint that sessions released by a checkpoint with stop went to."""
+        for sid in session_ids:
+            self.checkpointed_to[sid] = uri
+
+    # ---- client streams: attach, detach (asyncio side) -------------------------------
+    def attach(self, session_id: str) -> None:
+        """A client stream reads the session: an abort pending after a bare disconnect is called off."""
+        self._readers[session_id] = self._readers.get(session_id, 0) + 1
+        pending = self._detached.pop(session_id, None)
+        if pending is not None:
+            pending.cancel()
+
+    def detach(self, session_id: str, grace_s: float | None) -> None:
+        """A client stream stopped reading. `grace_s` None: it ended normally. Else it was cut
+        (a bare disconnect): once no stream reads the session for `grace_s` seconds it is aborted
+        (it keeps generating meanwhile, so a reattach finds it where it would have been)."""
+        left = self._readers.get(session_id, 1) - 1
+        if left > 0:
+            self._readers[session_id] = left
+            return
+        self._readers.pop(session_id, None)
+        if grace_s is None:
+            return
+        if grace_s <= 0:
+            self.abort(session_id)
+            return
+        pending = self._detached.pop(session_id, None)
+        if pending is not None:
+            pending.cancel()
+        self._detached[session_id] = asyncio.get_running_loop().call_later(grace_s, self._grace_over, session_id)
+
+    def _grace_over(self, session_id: str) -> None:
+        self._detached.pop(session_id, None)
+        if not self._readers.get(session_id):
+            self.abort(session_id)  # a finished or moved session: a no-op
 
     @property
     def healthy(self) -> bool:

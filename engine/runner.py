@@ -83,14 +83,19 @@ class ModelRunner:
             return self.stager.export(self.kv, blocks, tok_lo, tok_hi).wait()
         return self.kv.export_tokens(blocks, tok_lo, tok_hi).cpu()
 
-    def import_kv(self, blocks: list[int], tok_lo: int, kv_all_heads: torch.Tensor) -> None:
+    def import_kv(self, blocks: list[int], tok_lo: int, kv: torch.Tensor, heads: list[int] | None = None) -> None:
+        """`kv` holds KV heads `heads` [lo, hi) (default: all heads); this rank keeps its own range."""
         self.kv.refuse_quantised()
         lo, hi = self.kv_range
+        base = heads[0] if heads is not None else 0
+        if heads is not None and not (heads[0] <= lo and hi <= heads[1]):
+            raise ValueError(f"import of KV heads {heads} does not cover this rank's heads [{lo}, {hi})")
+        mine = kv[:, :, lo - base:hi - base]
         if self.stager is not None:
             # returns at once: the compute stream waits for the copy before the next step
-            self.stager.import_(self.kv, blocks, tok_lo, kv_all_heads[:, :, lo:hi])
+            self.stager.import_(self.kv, blocks, tok_lo, mine)
             return
-        self.kv.import_tokens(blocks, tok_lo, kv_all_heads[:, :, lo:hi])
+        self.kv.import_tokens(blocks, tok_lo, mine)
 
     # ---- measurements --------------------------------------------------
     def moe_stats(self) -> dict:

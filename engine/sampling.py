@@ -35,3 +35,18 @@ def sample(logits: torch.Tensor, s: SessionState) -> int:
     tok = int(torch.multinomial(probs, 1, generator=g).item())
     s.rng_state = bytes(g.get_state().tolist())
     return tok
+
+
+def advance_rng(s: SessionState, vocab_size: int, n: int) -> None:
+    """Move a sampled session's generator past `n` tokens it sampled elsewhere (a promoted standby
+    recomputing a tail it was told, not sampled): `sample` draws one multinomial over the whole
+    vocabulary per token, and what that consumes from the generator depends on the shape, not the
+    values (tests/test_protect.py checks it), so drawing over a uniform row advances it exactly."""
+    if s.sampling.greedy or n <= 0 or s.rng_state is None:
+        return
+    g = torch.Generator(device="cpu")
+    g.set_state(torch.tensor(list(s.rng_state), dtype=torch.uint8))
+    row = torch.ones(vocab_size, dtype=torch.float32)
+    for _ in range(n):
+        torch.multinomial(row, 1, generator=g)
+    s.rng_state = bytes(g.get_state().tolist())

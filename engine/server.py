@@ -5,6 +5,7 @@ replica, are migrate's (migrate.replica_routes, migrate.serve)."""
 
 from __future__ import annotations
 
+import re
 import time
 from contextlib import asynccontextmanager
 from typing import Any
@@ -25,17 +26,26 @@ from relayout.engine.streaming import (
     StreamSpec,
     admit,
     collect,
-    migrated_message,
     session_events,
     spec_of,
     streaming_response,
 )
 from relayout.engine.streaming import usage as _usage
 from relayout.engine.tokenizer import Tokenizer
-from relayout.engine.web import BodyLimit, HTTPError, error_response, install_error_handlers
+from relayout.engine.web import (
+    BodyLimit,
+    ClientKeyAuth,
+    HTTPError,
+    env_api_keys,
+    env_token,
+    error_response,
+    install_error_handlers,
+)
 
 MAX_COMPLETION_BODY = 8 << 20  # a 32k-token prompt as token ids is well under 1 MiB
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
+CLIENT_SESSION_PATH = re.compile(r"/v1/sessions/[A-Za-z0-9][A-Za-z0-9._-]{0,127}(/stream)?")
+CLIENT_ABORT_PATH = re.compile(r"/v1/sessions/[A-Za-z0-9][A-Za-z0-9._-]{0,127}/abort")
 
 _LIVE = {"waiting": "running", "running": "running", "paused": "running"}  # the replica API's names
 
@@ -141,7 +151,15 @@ class _Snapshot:
 
 
 # ---- app ------------------------------------------------------------------------------------------
-def create_app(aengine: AsyncEngine, model_name: str) -> FastAPI:
+def replica_client_route(method: str, path: str) -> bool:
+    """The routes a client key opens on a replica (the session-moving ones need the replica token)."""
+    if method == "GET":
+        return path == "/v1/models" or CLIENT_SESSION_PATH.fullmatch(path) is not None
+    return method == "POST" and (path in COMPLETION_PATHS or CLIENT_ABORT_PATH.fullmatch(path) is not None)
+
+
+def create_app(aengine: AsyncEngine, model_name: str, api_keys: list[str] | None = None) -> FastAPI:
+    """`api_keys`: the client keys (default RELAYOUT_API_KEYS; none: the client routes are open)."""
     eng = aengine.engine  # read-only facts (tokenizer, config, layout): never its mutable state
     tok = eng.tokenizer
 
@@ -158,6 +176,8 @@ def create_app(aengine: AsyncEngine, model_name: str) -> FastAPI:
     # a completion body is a prompt and a few fields: refuse megabytes before parsing them
     app.add_middleware(BodyLimit, limit=lambda path: MAX_COMPLETION_BODY if path in COMPLETION_PATHS else None)
     install_error_handlers(app)
+    keys = env_api_keys() if api_keys is None else api_keys
+    app.add_middleware(ClientKeyAuth, keys=keys, protects=replica_client_route, token=env_token())
 
     @app.exception_handler(RequestError)
     async def _request_error(_: Request, e: RequestError):
@@ -230,7 +250,16 @@ def create_app(aengine: AsyncEngine, model_name: str) -> FastAPI:
         out = {**s, "state": _LIVE.get(s["state"], s["state"])}
         if sid in aengine.migrated_to:
             out["migrated_to"] = aengine.migrated_to[sid]
+        if out["state"] == "checkpointed" and sid in aengine.checkpointed_to:
+            out["checkpoint"] = aengine.checkpointed_to[sid]
         return out
+
+    @app.post("/v1/sessions/{sid}/abort")
+    async def session_abort(sid: str):
+        """What a live gateway sends when its client hangs up: free the session now (no detach grace)."""
+        snapshot(sid)
+        aengine.abort(sid)  # a finished, migrated or checkpointed session: a no-op
+        return {"id": sid, "aborted": True}
 
     @app.get("/v1/sessions/{sid}/stream")
     async def session_stream(sid: str, request: Request, from_token: int = 0, return_token_ids: bool = False):
@@ -255,9 +284,7 @@ def create_app(aengine: AsyncEngine, model_name: str) -> FastAPI:
                 aengine, request, sid, model=model_name, created=int(time.time()),
                 shape=CompletionShape(tok, params.logprobs is not None), spec=StreamSpec.of(s),
                 from_token=0, with_ids=req.return_token_ids, prompt_len=len(ids)))
-        out, records, snap = await collect(aengine, request, sid)
-        if snap.get("state") == "migrated":
-            raise HTTPError(409, migrated_message(sid), "session_migrated")
+        out, records, snap = await collect(aengine, request, sid)  # 409 if it moved away meanwhile
         ts = StopTextStream(tok, params.stop)
         text = ts.add(out) + ts.finish()
         lp = CompletionLogprobs(tok).add(out, records) if params.logprobs is not None else None

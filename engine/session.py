@@ -18,6 +18,7 @@ class SessionStatus(str, Enum):
     PAUSED = "paused"  # held at a step boundary (being checkpointed or migrated)
     FINISHED = "finished"
     MIGRATED = "migrated"  # moved to another replica; this one no longer owns it
+    CHECKPOINTED = "checkpointed"  # released by a checkpoint with stop; continues where it is restored
 
 
 @dataclass
@@ -48,7 +49,7 @@ class SessionState:
     # owns it, so its tokens never depend on what else is batched with it.
     rng_state: bytes | None = None
     status: SessionStatus = SessionStatus.WAITING
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" (a released session keeps None)
     num_sent: int = 0  # generated tokens already delivered to the client
     num_computed: int = 0  # tokens whose K/V are in the cache
     dp_group: int = 0  # attention data-parallel group that holds its KV
@@ -71,7 +72,7 @@ class SessionState:
 
     @property
     def is_finished(self) -> bool:
-        return self.status in (SessionStatus.FINISHED, SessionStatus.MIGRATED)
+        return self.status in (SessionStatus.FINISHED, SessionStatus.MIGRATED, SessionStatus.CHECKPOINTED)
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
@@ -21,6 +22,7 @@ from relayout.engine.async_engine import AsyncEngine, EngineDeadError
 from relayout.engine.logprobs import CompletionLogprobs, LogprobRecord
 from relayout.engine.session import SamplingParams, SessionState
 from relayout.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from relayout.engine.web import HTTPError
 
 
 class StopTextStream:
@@ -146,10 +148,36 @@ class CompletionShape:
         return {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}
 
 
-async def abort_on_disconnect(aengine: AsyncEngine, request: Request, sid: str) -> None:
-    while not await request.is_disconnected():
-        await asyncio.sleep(0.5)
-    aengine.abort(sid)
+DEFAULT_DETACH_GRACE_S = 60.0
+
+
+def detach_grace_s() -> float:
+    """How long a session whose client vanished (a bare disconnect) waits to be reattached before it is
+    aborted: RELAYOUT_DETACH_GRACE_S, default 60 s. An explicit abort (POST /v1/sessions/{id}/abort,
+    what a live gateway sends when its client hangs up) frees it at once."""
+    try:
+        return max(0.0, float(os.environ.get("RELAYOUT_DETACH_GRACE_S", DEFAULT_DETACH_GRACE_S)))
+    except ValueError:
+        return DEFAULT_DETACH_GRACE_S
+
+
+class _Reader:
+    """One client's hold on a session (AsyncEngine.attach/detach), let go exactly once."""
+
+    def __init__(self, aengine: AsyncEngine, sid: str):
+        self.aengine, self.sid, self.held = aengine, sid, True
+        aengine.attach(sid)
+
+    def let_go(self, cut: bool) -> None:
+        if self.held:
+            self.held = False
+            self.aengine.detach(self.sid, detach_grace_s() if cut else None)
+
+    async def watch(self, request: Request) -> None:
+        """Notices a disconnect even while no token flows (e.g. the session is paused)."""
+        while not await request.is_disconnected():
+            await asyncio.sleep(0.5)
+        self.let_go(cut=True)
 
 
 def streaming_response(events: AsyncIterator[bytes]) -> SSEResponse:
@@ -160,8 +188,9 @@ def streaming_response(events: AsyncIterator[bytes]) -> SSEResponse:
 async def session_events(aengine: AsyncEngine, request: Request, sid: str, *, model: str, created: int,
                          shape: Shape, spec: StreamSpec, from_token: int, with_ids: bool,
                          prompt_len: int) -> AsyncIterator[bytes]:
-    """SSE bytes of session `sid` from generated token `from_token` on; `[DONE]` only when it
-    finished here (a migrated session's stream just ends: reattach where it went)."""
+    """SSE bytes of session `sid` from generated token `from_token` on. `[DONE]` when it finished
+    here, or was checkpointed with stop (then the last chunk's finish_reason is "checkpointed":
+    reattach where it is restored); a migrated session's stream just ends (reattach where it went)."""
     tok = aengine.engine.tokenizer
     ts = StopTextStream(tok, list(spec.stop))
     want_lp = spec.logprobs is not None
@@ -171,8 +200,8 @@ async def session_events(aengine: AsyncEngine, request: Request, sid: str, *, mo
 
     complete = False
     n = 0
-    # notices a disconnect even while no token flows (e.g. the session is paused)
-    watcher = asyncio.create_task(abort_on_disconnect(aengine, request, sid))
+    reader = _Reader(aengine, sid)
+    watcher = asyncio.create_task(reader.watch(request))
     try:
         if from_token == 0 and (c := shape.opening()) is not None:
             yield chunk(c)
@@ -201,6 +230,13 @@ async def session_events(aengine: AsyncEngine, request: Request, sid: str, *, mo
         complete = True
         if snap.get("state") == "migrated":
             return  # no [DONE]: the session continues elsewhere (reattach with /stream there)
+        if snap.get("state") == "checkpointed":  # text held back is not flushed: the restored stream sends it
+            c = shape.choice("", [], None, "checkpointed")
+            if with_ids:
+                c["token_ids"] = []
+            yield chunk(c)
+            yield sse("[DONE]")
+            return
         c = shape.choice(ts.finish(), [], None, snap.get("finish_reason"))
         if with_ids:
             c["token_ids"] = []
@@ -211,21 +247,30 @@ async def session_events(aengine: AsyncEngine, request: Request, sid: str, *, mo
         yield sse("[DONE]")
     finally:
         watcher.cancel()
-        if not complete:  # client went away mid-stream: free the session (a migrated one is a no-op)
-            aengine.abort(sid)
+        # cut mid-stream (a bare disconnect): detached, aborted after the grace unless reattached
+        reader.let_go(cut=not complete)
 
 
 async def collect(aengine: AsyncEngine, request: Request, sid: str) -> tuple[list[int], list[LogprobRecord], dict]:
     """A non-streamed request: every generated id and logprob record, and the final snapshot.
-    Raises 409 (via `migrated`) when the session moved away mid-request."""
-    watcher = asyncio.create_task(abort_on_disconnect(aengine, request, sid))
+    Raises 409 when the session moved away mid-request (migrated, or checkpointed with stop)."""
+    reader = _Reader(aengine, sid)
+    watcher = asyncio.create_task(reader.watch(request))
     try:
         out: list[int] = []
         async for batch in aengine.stream(sid):
             out += batch
     finally:
         watcher.cancel()
-    return out, aengine.logprobs(sid, 0, len(out)), aengine.get(sid) or {}
+        reader.let_go(cut=False)
+    snap = aengine.get(sid) or {}
+    if snap.get("state") == "migrated":
+        raise HTTPError(409, migrated_message(sid), "session_migrated")
+    if snap.get("state") == "checkpointed":
+        raise HTTPError(409, f"session {sid} was checkpointed with stop mid-request to "
+                             f"{aengine.checkpointed_to.get(sid, '?')}; restore it and reattach with "
+                             f"GET /v1/sessions/{sid}/stream there", "session_checkpointed")
+    return out, aengine.logprobs(sid, 0, len(out)), snap
 
 
 def migrated_message(sid: str) -> str:

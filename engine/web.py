@@ -30,7 +30,8 @@ ID_RE = re.compile(ID_PATTERN)
 URL_RE = re.compile(r"^https?://[A-Za-z0-9.\-\[\]:]+(/[A-Za-z0-9._~/\-]*)?$")
 MAX_JSON_BODY = 1 << 20  # control-plane JSON bodies: ids, layouts, URIs
 
-SLUGS = {400: "invalid_request", 401: "unauthorized", 404: "not_found", 409: "conflict", 413: "too_large",
+SLUGS = {400: "invalid_request", 401: "unauthorized", 404: "not_found", 405: "invalid_request", 409: "conflict",
+         413: "too_large",
          422: "invalid_request", 429: "too_many_requests", 500: "internal", 501: "not_implemented",
          502: "bad_gateway", 503: "unavailable"}
 
@@ -127,6 +128,43 @@ def bearer_auth(token: str | Callable[[], str | None] | None) -> Callable[[Reque
             raise HTTPError(401, "missing or wrong bearer token", "authentication_error")
 
     return auth
+
+
+def env_api_keys() -> list[str]:
+    """Client API keys from RELAYOUT_API_KEYS (comma-separated); none: the client routes are open."""
+    return [k.strip() for k in os.environ.get("RELAYOUT_API_KEYS", "").split(",") if k.strip()]
+
+
+class ClientKeyAuth:
+    """ASGI middleware: the client routes (`protects(method, path)`) need `Authorization: Bearer <key>`
+    with one of `keys` (OpenAI's and vLLM's `--api-key`), else 401 in OpenAI's error shape. `token`
+    (the agent/replica token, RELAYOUT_TOKEN) is also accepted there, so relayout's own callers (the
+    gateway, the agent) need no client key; a client key never opens a token-only route. No keys: open."""
+
+    def __init__(self, app, keys: Iterable[str], protects: Callable[[str, str], bool], token: str | None = None):
+        self.app, self.protects = app, protects
+        self.accepted = [f"Bearer {k}".encode() for k in keys] + ([f"Bearer {token}".encode()] if token else [])
+        self.open = not keys
+
+    def allowed(self, got: bytes) -> bool:
+        ok = False
+        for want in self.accepted:  # every key compared, in constant time each
+            ok |= hmac.compare_digest(got, want)
+        return ok
+
+    async def __call__(self, scope, receive, send):
+        if self.open or scope["type"] != "http" or not self.protects(scope.get("method", ""), scope.get("path", "")):
+            return await self.app(scope, receive, send)
+        got = next((v for k, v in scope.get("headers", []) if k == b"authorization"), b"")
+        if self.allowed(got):
+            return await self.app(scope, receive, send)
+        body = json.dumps({"error": {"message": "Incorrect or missing API key: pass it as `Authorization: Bearer "
+                                                "<key>`", "type": "invalid_request_error", "param": None,
+                                     "code": "invalid_api_key"}}).encode()
+        await send({"type": "http.response.start", "status": 401,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"www-authenticate", b"Bearer")]})
+        await send({"type": "http.response.body", "body": body})
 
 
 # ---- body limits ------------------------------------------------------------------------------

@@ -162,7 +162,7 @@ def _serve(ch: RankChannel, runner: ModelRunner, first_tp: bool) -> None:
             kv = runner.export_kv(a["blocks"], a["tok_lo"], a["tok_hi"])
             ch.send("ok", {"kv_range": list(runner.kv_range)}, [kv])
         elif m.op == "import":
-            runner.import_kv(a["blocks"], a["tok_lo"], m.tensors[0])
+            runner.import_kv(a["blocks"], a["tok_lo"], m.tensors[0], a.get("heads"))
             ch.send("ok")
         elif m.op == "stats":
             ch.send("ok", runner.moe_stats())
@@ -187,7 +187,7 @@ class RankExecutor:
                  dtype: torch.dtype, placement: RankPlacement | None = None, kv_dtype: torch.dtype | None = None):
         pl = placement or RankPlacement()
         world = layout.world_size
-        self.layout = layout
+        self.layout, self.num_kv_heads = layout, cfg.num_kv_heads
         self.local = list(range(world)) if pl.local_ranks is None else sorted(set(pl.local_ranks))
         if any(not 0 <= r < world for r in self.local):
             raise ValueError(f"local ranks {self.local} are outside the layout's {world} ranks")
@@ -357,9 +357,15 @@ class RankExecutor:
 
     def import_kv(self, group: int, blocks: list[int], tok_lo: int, kv: torch.Tensor) -> None:
         ranks = self._group_ranks(group)
-        msg = encode("import", {"blocks": blocks, "tok_lo": tok_lo}, [kv])  # every TP rank gets all heads
+        sent: dict[tuple[int, int], bytes] = {}  # ranks holding the same (replicated) heads share one message
         for r in ranks:
-            self._send_encoded(r, msg)
+            lo, hi = self.layout.kv_head_range(r, self.num_kv_heads)
+            if (lo, hi) not in sent:
+                # each TP rank gets only the KV heads it holds: 1/attn_tp of the bytes, not all of them
+                part = kv[:, :, lo:hi] if hi - lo < kv.shape[2] else kv
+                sent[(lo, hi)] = encode("import", {"blocks": blocks, "tok_lo": tok_lo, "heads": [lo, hi]},
+                                        [part.contiguous()])
+            self._send_encoded(r, sent[(lo, hi)])
         self._gather(ranks)
 
     def moe_stats(self) -> list[dict]:

@@ -4,17 +4,19 @@ On "relayout": launch a replica with the new layout through `launcher(model, lay
 live-migrate every session onto it (`migrate_live`, swept again for sessions that arrived
 meanwhile), switch the controlled URL to it and stop the old replica (`launcher.stop(url)`,
 after `stop_grace_s` so clients following `migrated_to` can still ask the old replica where
-their session went). The default launcher starts `relayout serve` subprocesses on this host;
+their session went). The default launcher starts replica servers (`procs.replica`) on this host;
 the node agent plugs its own.
+
+The per-replica decision loop (`ReplicaWatch`: policy state, model facts, dry run, feedback to the
+policy) is shared with the fleet controller (relayout.agent.fleet), which plugs in another relayout
+step: the replica's own agent launches the new replica and migrates onto it.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -22,23 +24,20 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
+from relayout.engine import web
 from relayout.engine.layout import Layout
+from relayout.engine.tracing import traced
+from relayout.migrate import procs
 from relayout.migrate.live import MigrationError, MigrationResult, migrate_live
 from relayout.migrate.policy import Decision, RelayoutPolicy
-from relayout.migrate.procs import stop_process
+from relayout.migrate.procs import LaunchError, stop_process
 
-__all__ = ["Controller", "LaunchError", "Step", "SubprocessLauncher"]
-
-_URL_RE = re.compile(r"serving .* on (http://\S+)")
-
-
-class LaunchError(RuntimeError):
-    pass
+__all__ = ["Controller", "LaunchError", "Relayout", "ReplicaWatch", "Step", "SubprocessLauncher"]
 
 
 class SubprocessLauncher:
-    """`relayout serve --model M --layout <JSON> --port 0` on this host; the replica's output goes
-    to a log file (so it outlives the controller); `stop(url)` sends SIGTERM."""
+    """A replica server (`procs.replica`: --model M --layout <JSON> --port 0) on this host; its output
+    goes to a log file (so it outlives the controller); `stop(url)` sends SIGTERM."""
 
     def __init__(self, host: str = "127.0.0.1", startup_timeout_s: float = 180.0, log_dir: str | None = None,
                  extra_args: tuple[str, ...] = ()):
@@ -51,27 +50,13 @@ class SubprocessLauncher:
 
     def __call__(self, model: str, layout: Layout) -> str:
         fd, log = tempfile.mkstemp(prefix="replica-", suffix=".log", dir=self.log_dir)
-        with os.fdopen(fd, "w") as out:
-            p = subprocess.Popen(
-                [sys.executable, "-m", "relayout.agent.cli", "serve", "--model", model, "--layout", json.dumps(layout.to_dict()),
-                 "--host", self.host, "--port", "0", *self.extra_args],
-                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < self.startup_timeout_s:
-            with open(log) as f:
-                m = _URL_RE.search(f.read())
-            if m:
-                url = m.group(1).rstrip("/")
-                self.procs[url], self.logs[url] = p, log
-                return url
-            if p.poll() is not None:
-                with open(log) as f:
-                    tail = f.read()[-2000:]
-                raise LaunchError(f"replica exited with {p.returncode}: {tail}")
-            time.sleep(0.1)
-        stop_process(p)
-        raise LaunchError(f"replica did not print its URL within {self.startup_timeout_s:g}s (log: {log})")
+        os.close(fd)
+        # its own session and a log file: the replica outlives the controller
+        proc = procs.replica(json.dumps(layout.to_dict()), None, model, self.extra_args, host=self.host, log=log,
+                             new_session=True, timeout=self.startup_timeout_s)
+        url = proc.url.rstrip("/")
+        self.procs[url], self.logs[url] = proc.p, log
+        return url
 
     def stop(self, url: str) -> bool:
         """Stop a replica this launcher started (False for any other URL)."""
@@ -90,8 +75,9 @@ class SubprocessLauncher:
 @dataclass
 class Step:
     """What one poll did."""
-    replica: str
+    replica: str  # the single-replica controller: its URL; the fleet controller: its id on `agent`
     decision: Decision
+    agent: str | None = None  # the fleet controller: the agent serving the replica
     acted: bool = False
     new_replica: str | None = None
     migrations: list[MigrationResult] = field(default_factory=list)
@@ -99,41 +85,34 @@ class Step:
     error: str | None = None
 
     def to_dict(self) -> dict:
-        return {"replica": self.replica, "decision": self.decision.to_dict(), "acted": self.acted,
+        where = {"agent": self.agent} if self.agent is not None else {}
+        return {**where, "replica": self.replica, "decision": self.decision.to_dict(), "acted": self.acted,
                 "new_replica": self.new_replica, "launch_s": round(self.launch_s, 2),
                 "migrated_sessions": [s for m in self.migrations for s in m.sessions],
                 "bytes": sum(m.bytes_total for m in self.migrations),
                 "stall_ms": round(max((m.stall_ms for m in self.migrations), default=0.0), 2), "error": self.error}
 
 
-class Controller:
-    def __init__(self, replica_url: str, launcher: Callable[[str, Layout], str] | None = None,
-                 policy: RelayoutPolicy | None = None, interval: float = 10.0, *, dry_run: bool = False,
-                 token: str | None = None, mode: str = "live", stop_grace_s: float = 5.0, sweeps: int = 3,
+Relayout = Callable[[Step, str, Layout], None]
+"""The "do the relayout" step: (step, model, new layout) -> None. It moves the replica's sessions onto a
+replica with the new layout and records the outcome on the step: `acted` (sessions now live on the new
+replica, `new_replica`), `migrations`, `launch_s`, `error`."""
+
+
+class ReplicaWatch:
+    """One replica's decision loop, shared by the single-replica controller and the fleet controller
+    (relayout.agent.fleet): its policy state, the model facts the policy needs, the dry-run switch.
+    `poll` feeds one observation to the policy and, on "relayout", runs the pluggable relayout step
+    and tells the policy how it went (committed, or aborted: the cooldown still applies)."""
+
+    def __init__(self, policy: RelayoutPolicy | None = None, *, dry_run: bool = False,
                  log: Callable[[str], None] | None = None):
-        self.replica_url = replica_url.rstrip("/")
-        self.launcher = launcher if launcher is not None else SubprocessLauncher()
         self.policy = policy if policy is not None else RelayoutPolicy()
-        self.interval = interval
         self.dry_run = dry_run
-        self.token = token if token is not None else os.environ.get("RELAYOUT_TOKEN")
-        self.mode = mode
-        self.stop_grace_s = stop_grace_s
-        self.sweeps = sweeps
         self.log = log or (lambda s: None)
-        self.history: list[Step] = []
         self._model_filled = False
-        self._stopping: list[threading.Thread] = []
 
-    def _headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
-
-    def _get_replica(self, url: str) -> dict:
-        r = httpx.get(f"{url}/v1/replica", headers=self._headers(), timeout=30)
-        r.raise_for_status()
-        return r.json()
-
-    def _fill_model_facts(self, model: str) -> None:
+    def fill_model_facts(self, model: str) -> None:
         """top_k and KV bytes per token from the model's config, unless configured."""
         if self._model_filled:
             return
@@ -151,6 +130,60 @@ class Controller:
         if not pc.kv_bytes_per_token:
             pc.kv_bytes_per_token = cfg.kv_bytes_per_token
 
+    def poll(self, name: str, rep: dict, relayout: Relayout) -> Step:
+        """One observation (`GET /v1/replica`'s answer) of the replica called `name`."""
+        model = rep.get("model", "")
+        self.fill_model_facts(model)
+        decision = self.policy.observe(rep)
+        step = Step(name, decision)
+        if decision.action == "relayout" and decision.new_layout is not None and not self.dry_run:
+            relayout(step, model, decision.new_layout)
+            if step.acted:
+                moved = sum(len(m.sessions) for m in step.migrations)
+                self.policy.committed(decision.new_layout, launch_s=step.launch_s,
+                                      stall_ms=max((m.stall_ms for m in step.migrations), default=None),
+                                      sessions=moved)
+            else:
+                self.policy.aborted()
+        return step
+
+
+class Controller:
+    """Watch one replica reached directly; relayout by launching the new replica here (`launcher`) and
+    live-migrating onto it."""
+
+    def __init__(self, replica_url: str, launcher: Callable[[str, Layout], str] | None = None,
+                 policy: RelayoutPolicy | None = None, interval: float = 10.0, *, dry_run: bool = False,
+                 token: str | None = None, mode: str = "live", stop_grace_s: float = 5.0, sweeps: int = 3,
+                 log: Callable[[str], None] | None = None):
+        self.replica_url = replica_url.rstrip("/")
+        self.launcher = launcher if launcher is not None else SubprocessLauncher()
+        self.interval = interval
+        self.token = token if token is not None else web.env_token()
+        self.mode = mode
+        self.stop_grace_s = stop_grace_s
+        self.sweeps = sweeps
+        self.log = log or (lambda s: None)
+        self.watch = ReplicaWatch(policy, dry_run=dry_run, log=self.log)
+        self.history: list[Step] = []
+        self._stopping: list[threading.Thread] = []
+
+    @property
+    def policy(self) -> RelayoutPolicy:
+        return self.watch.policy
+
+    @property
+    def dry_run(self) -> bool:
+        return self.watch.dry_run
+
+    def _headers(self) -> dict[str, str]:
+        return web.bearer_headers(self.token)
+
+    def _get_replica(self, url: str) -> dict:
+        r = httpx.get(f"{url}/v1/replica", headers=self._headers(), timeout=30)
+        r.raise_for_status()
+        return r.json()
+
     # ---- one poll ------------------------------------------------------------------------------
     def run_once(self) -> Step:
         url = self.replica_url
@@ -160,12 +193,7 @@ class Controller:
             step = Step(url, Decision("stay", None, 0.0, 0.0, f"replica unreachable: {e}"), error=str(e))
             self._record(step)
             return step
-        model = rep.get("model", "")
-        self._fill_model_facts(model)
-        decision = self.policy.observe(rep)
-        step = Step(url, decision)
-        if decision.action == "relayout" and decision.new_layout is not None and not self.dry_run:
-            self._relayout(step, model, decision.new_layout)
+        step = self.watch.poll(url, rep, self._relayout)
         self._record(step)
         return step
 
@@ -173,6 +201,7 @@ class Controller:
         self.history.append(step)
         self.log(json.dumps(step.to_dict()))
 
+    @traced("relayout")  # the re-layout's trace: the launch, then the migrations (their own spans)
     def _relayout(self, step: Step, model: str, layout: Layout) -> None:
         old = self.replica_url
         t0 = time.monotonic()
@@ -180,7 +209,6 @@ class Controller:
             new = self.launcher(model, layout)
         except Exception as e:  # noqa: BLE001 - any launcher failure leaves the old replica serving
             step.error = f"launch failed: {e}"
-            self.policy.aborted()
             return
         step.launch_s = time.monotonic() - t0
         step.new_replica = new = new.rstrip("/")
@@ -196,14 +224,10 @@ class Controller:
             if not step.migrations:
                 # nothing moved: the old replica keeps serving everything; drop the new one
                 self._stop(new, 0.0)
-                self.policy.aborted()
                 return
             # some sessions already live on the new replica: keep both running, switch over
         step.acted = True
         self.replica_url = new
-        moved = sum(len(m.sessions) for m in step.migrations)
-        self.policy.committed(layout, launch_s=step.launch_s,
-                              stall_ms=max((m.stall_ms for m in step.migrations), default=None), sessions=moved)
         if step.error is None:
             self._stop(old, self.stop_grace_s)
 

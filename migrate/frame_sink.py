@@ -5,21 +5,9 @@ from __future__ import annotations
 
 import threading
 
-import zstandard
 from relayout.storage.manifest import ChunkRef
 from relayout.storage.store_base import Store, check_hash
 from relayout.storage.stream import encode_chunk_frame, encode_raw_manifest_frame
-
-
-def raw_size(codec: str, data: bytes) -> int:
-    """A stored chunk's decoded size: the bytes themselves for "none"; the zstd frame's content
-    size otherwise (our encoder always writes it)."""
-    if codec == "none":
-        return memoryview(data).nbytes
-    n = zstandard.frame_content_size(data)
-    if n < 0:
-        raise ValueError("zstd chunk without a content size")
-    return n
 
 
 class FrameSink(Store):
@@ -36,10 +24,11 @@ class FrameSink(Store):
     def has_chunk(self, h: str) -> bool:
         return h in self.sent
 
-    def put_chunk(self, h: str, data: bytes, *, hashed: bool = False) -> None:
+    def put_chunk(self, h: str, data: bytes, *, hashed: bool = False, ref: ChunkRef | None = None) -> None:
         check_hash(h)
-        ref = ChunkRef(hash=h, size=memoryview(data).nbytes, raw_size=raw_size(self.codec, data),
-                       codec=self.codec)  # type: ignore[arg-type]
+        if ref is None or ref.hash != h:
+            # a frame names the chunk's decoded size and codec: only the writer knows them
+            raise ValueError(f"chunk {h}: a frame sink needs the chunk's reference (CheckpointWriter passes it)")
         with self._lock:
             if h in self.sent:
                 return

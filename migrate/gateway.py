@@ -1,191 +1,113 @@
-"""The clients' `/v1/completions` in front of replicas (docs/gateway.md).
+"""The clients' OpenAI front door in front of replicas (docs/gateway.md): `/v1/completions`,
+`/v1/chat/completions`, `/v1/models`, and `GET /v1/sessions/{id}[/stream]` for any session of any
+replica of its agents.
 
-Every request is streamed from a replica with token ids; when the replica's stream ends
-because the session was migrated (no `[DONE]`), the gateway asks where it went and
-reattaches at the next token (`/v1/sessions/{id}/stream?from_token=K`), so the client sees
-one unbroken stream: no token lost, repeated or changed, no error.
+Every request is streamed from a replica with token ids; when the session leaves its replica
+(migrated, checkpointed with stop, or the replica died) the gateway holds the stream, finds where
+it runs again and reattaches at the next token (migrate.gateway_sessions), so the client sees one
+unbroken stream: no token lost, repeated or changed. The gateway keeps no state a restart would
+lose: a client reattaches on any gateway with `GET /v1/sessions/{id}/stream?from_token=K`.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import time
-from collections.abc import AsyncIterator
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
-
-MAX_HOPS = 16
-
-
-class Upstreams:
-    """Replica URLs, from agents (`GET /v1/replicas`) and/or given directly."""
-
-    def __init__(self, agents: list[str], replicas: list[str], token: str | None):
-        self.agents = [a.rstrip("/") for a in agents]
-        self.static = [r.rstrip("/") for r in replicas]
-        self.token = token
-        self.active: dict[str, int] = {}
-        self._cache: tuple[float, list[str]] = (0.0, [])
-
-    def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
-
-    async def candidates(self, client: httpx.AsyncClient) -> list[str]:
-        if not self.agents:
-            return list(self.static)
-        at, cached = self._cache
-        if time.monotonic() - at < 2.0 and cached:
-            return cached
-        urls = list(self.static)
-        for a in self.agents:
-            try:
-                r = await client.get(f"{a}/v1/replicas", headers=self.headers(), timeout=5)
-                body = r.json()
-                items = body if isinstance(body, list) else body.get("replicas", [])
-                for rep in items:
-                    if rep.get("status", "running") == "running" and not rep.get("draining") and rep.get("url"):
-                        urls.append(rep["url"].rstrip("/"))
-            except (httpx.HTTPError, ValueError):
-                continue  # an unreachable agent's replicas are not offered
-        self._cache = (time.monotonic(), urls)
-        return urls
-
-    async def pick(self, client: httpx.AsyncClient) -> str:
-        urls = await self.candidates(client)
-        if not urls:
-            raise LookupError("no replica is available")
-        return min(urls, key=lambda u: (self.active.get(u, 0), urls.index(u)))
+from fastapi.responses import JSONResponse
+from relayout.engine.tracing import async_inject_hooks, install_tracing, setup_tracing
+from relayout.engine.web import (
+    ClientKeyAuth,
+    HTTPError,
+    check_id,
+    env_api_keys,
+    env_token,
+    error_response,
+    install_error_handlers,
+)
+from relayout.migrate.gateway_chat import install_chat_gateway_route, join_completion_logprobs
+from relayout.migrate.gateway_sessions import SessionStream, Upstreams, open_upstream, relay_sse
 
 
-def create_gateway_app(agents: list[str], replicas: list[str] | None = None, token: str | None = None) -> FastAPI:
-    ups = Upstreams(agents, replicas or [], token if token is not None else os.environ.get("RELAYOUT_TOKEN"))
+def gateway_client_route(method: str, path: str) -> bool:
+    """Every /v1 route of the gateway is a client route (client keys, when configured)."""
+    return path.startswith("/v1/")
+
+
+def create_gateway_app(agents: list[str], replicas: list[str] | None = None, token: str | None = None,
+                       api_keys: list[str] | None = None) -> FastAPI:
+    """`token`: the agents'/replicas' bearer token (default RELAYOUT_TOKEN); `api_keys`: the clients'
+    keys (default RELAYOUT_API_KEYS; none: open)."""
+    ups = Upstreams(agents, replicas or [], token if token is not None else env_token())
     app = FastAPI(title="relayout gateway")
-    client = httpx.AsyncClient(timeout=httpx.Timeout(600, connect=10))
-
-    def err(status: int, msg: str, type_: str = "invalid_request_error") -> JSONResponse:
-        return JSONResponse({"error": {"message": msg, "type": type_, "code": status}}, status_code=status)
+    install_error_handlers(app)
+    install_tracing(app)  # traces (when OTEL_* configure them) continue into the replicas: traceparent
+    keys = env_api_keys() if api_keys is None else api_keys
+    app.add_middleware(ClientKeyAuth, keys=keys, protects=gateway_client_route)
+    client = httpx.AsyncClient(timeout=httpx.Timeout(600, connect=10), event_hooks=async_inject_hooks())
 
     @app.get("/health")
     async def health():
         return {"status": "ok", "replicas": await ups.candidates(client)}
 
     @app.get("/v1/models")
-    async def models():
+    async def models(request: Request):
         try:
             url = await ups.pick(client)
+            r = await client.get(f"{url}/v1/models", headers=ups.headers(request.headers.get("authorization")))
         except LookupError as e:
-            return err(503, str(e), "unavailable")
-        r = await client.get(f"{url}/v1/models")
+            return error_response(503, str(e), "unavailable")
+        except httpx.HTTPError as e:
+            return error_response(502, f"replica did not answer: {type(e).__name__}", "upstream_error")
         return JSONResponse(r.json(), status_code=r.status_code)
 
-    async def follow(url: str, first: httpx.Response) -> AsyncIterator[dict]:
-        """Upstream SSE events of one session across migrations; ends after the final chunk."""
-        resp: httpx.Response | None = first
-        n = 0
-        sid = ""
-        for _ in range(MAX_HOPS):
-            assert resp is not None
-            done = False
-            try:
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data: "):
-                        continue
-                    data = line[6:]
-                    if data == "[DONE]":
-                        done = True
-                        break
-                    ev = json.loads(data)
-                    if "error" in ev:
-                        yield ev
-                        return
-                    sid = ev.get("id", sid)
-                    for c in ev.get("choices", []):
-                        n += len(c.get("token_ids") or [])
-                    yield ev
-            finally:
-                await resp.aclose()
-            if done:
-                return
-            if not sid:
-                yield {"error": {"message": "upstream stream ended before its first event", "type": "upstream_error"}}
-                return
-            # the stream ended without [DONE]: the session moved; find it and reattach at token n
-            info = (await client.get(f"{url}/v1/sessions/{sid}", headers=ups.headers())).json()
-            nxt = info.get("migrated_to")
-            if info.get("state") != "migrated" or not nxt:
-                yield {"error": {"message": f"session {sid} stream ended unexpectedly", "type": "upstream_error"}}
-                return
-            url = nxt.rstrip("/")
-            req = client.build_request("GET", f"{url}/v1/sessions/{sid}/stream",
-                                       params={"from_token": n, "return_token_ids": "true"}, headers=ups.headers())
-            resp = await client.send(req, stream=True)
-        yield {"error": {"message": f"session {sid} moved more than {MAX_HOPS} times", "type": "upstream_error"}}
+    @app.get("/v1/sessions/{sid}")
+    async def session(sid: str, request: Request):
+        """The session as the replica that has it says (running, else finished, checkpointed, migrated)."""
+        found = await ups.locate(client, check_id(sid, "session", 404), request.headers.get("authorization"))
+        if found is None:
+            raise HTTPError(404, f"no session {sid!r} on any replica", "not_found_error")
+        url, info = found
+        return {**info, "replica": url}
 
-    from relayout.migrate.gateway_chat import (
-        install_chat_gateway_route,
-        join_completion_logprobs,
-        unwanted_usage,
-    )
+    @app.get("/v1/sessions/{sid}/stream")
+    async def session_stream(sid: str, request: Request, from_token: int = 0, return_token_ids: bool = False):
+        """Reattach: the session's stream from generated token `from_token`, wherever it runs (held while
+        it is checkpointed, moving or failing over, as a live stream is)."""
+        if from_token < 0:
+            raise HTTPError(400, "from_token must be >= 0")
+        auth = request.headers.get("authorization")
+        if await ups.locate(client, check_id(sid, "session", 404), auth) is None:
+            raise HTTPError(404, f"no session {sid!r} on any replica", "not_found_error")
+        stream = SessionStream(ups, client, sid=sid, n=from_token, auth=auth)
+        return relay_sse(stream, stream.events(None), {"stream_options": {"include_usage": True}}, return_token_ids)
 
-    install_chat_gateway_route(app, ups, client, follow)  # chat streams reattach the same way
+    install_chat_gateway_route(app, ups, client)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         try:
             body = await request.json()
         except ValueError:
-            return err(400, "request body is not valid JSON")
+            return error_response(400, "request body is not valid JSON")
         if not isinstance(body, dict):
-            return err(400, "request body must be a JSON object")
+            return error_response(400, "request body must be a JSON object")
         want_stream = bool(body.get("stream"))
         want_ids = bool(body.get("return_token_ids"))
         up = {**body, "stream": True, "return_token_ids": True}
         up["stream_options"] = {"include_usage": True}  # passed on to the client only if it asked
-        try:
-            url = await ups.pick(client)
-        except LookupError as e:
-            return err(503, str(e), "unavailable")
-        # counted from the pick on: concurrent requests must see each other before the first token arrives
-        ups.active[url] = ups.active.get(url, 0) + 1
-        req = client.build_request("POST", f"{url}/v1/completions", json=up)
-        try:
-            first = await client.send(req, stream=True)
-        except BaseException:
-            ups.active[url] -= 1
-            raise
-        if first.status_code >= 400:
-            ups.active[url] -= 1
-            await first.aread()
-            await first.aclose()
-            return JSONResponse(first.json(), status_code=first.status_code)
-
-        async def events() -> AsyncIterator[dict]:
-            try:
-                async for ev in follow(url, first):
-                    yield ev
-            finally:
-                ups.active[url] -= 1
-
+        opened = await open_upstream(ups, client, "/v1/completions", up, request.headers.get("authorization"))
+        if isinstance(opened, JSONResponse):
+            return opened
+        stream, events = opened
         if want_stream:
-            async def sse() -> AsyncIterator[bytes]:
-                async for ev in events():
-                    if unwanted_usage(ev, body):
-                        continue
-                    if not want_ids:
-                        for c in ev.get("choices", []):
-                            c.pop("token_ids", None)
-                    yield f"data: {json.dumps(ev)}\n\n".encode()
-                yield b"data: [DONE]\n\n"
-
-            return StreamingResponse(sse(), media_type="text/event-stream")
+            return relay_sse(stream, events, body, want_ids)
         text, ids, finish, sid, created, model = [], [], None, None, int(time.time()), body.get("model")
         logprobs, usage = None, {"completion_tokens": 0}
-        async for ev in events():
+        async for ev in events:
             if "error" in ev:
-                return err(502, ev["error"].get("message", "upstream error"), "upstream_error")
+                return error_response(502, ev["error"].get("message", "upstream error"), "upstream_error")
             sid = ev.get("id", sid)
             model = ev.get("model", model)
             usage = ev.get("usage") or usage
@@ -207,10 +129,12 @@ def create_gateway_app(agents: list[str], replicas: list[str] | None = None, tok
     return app
 
 
-def run_gateway(agents: list[str], replicas: list[str], host: str, port: int) -> None:
+def run_gateway(agents: list[str], replicas: list[str], host: str, port: int,
+                api_keys: list[str] | None = None) -> None:
     import uvicorn
 
-    app = create_gateway_app(agents, replicas)
+    setup_tracing("relayout-gateway")
+    app = create_gateway_app(agents, replicas, api_keys=api_keys or None)
 
     class _Server(uvicorn.Server):
         async def startup(self, sockets=None):
@@ -219,4 +143,25 @@ def run_gateway(agents: list[str], replicas: list[str], host: str, port: int) ->
                 bound = self.servers[0].sockets[0].getsockname()[1] if self.servers else port
                 print(f"relayout gateway on http://{host}:{bound}", flush=True)
 
-    _Server(uvicorn.Config(app, host=host, port=port, log_level="warning")).run()
+    _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)).run()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m relayout.migrate.gateway`: the same flags as `relayout gateway`."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="relayout gateway", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--agent", action="append", default=[], help="agent URL whose replicas to serve (repeatable)")
+    ap.add_argument("--replica", action="append", default=[], help="a replica URL to serve directly (repeatable)")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--api-key", action="append", default=[],
+                    help="a client API key (repeatable; default RELAYOUT_API_KEYS, comma-separated; none: open)")
+    a = ap.parse_args(argv)
+    if not a.agent and not a.replica:
+        ap.error("give at least one --agent or --replica")
+    run_gateway(a.agent, a.replica, a.host, a.port, a.api_key)
+
+
+if __name__ == "__main__":
+    main()

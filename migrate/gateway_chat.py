@@ -1,5 +1,5 @@
 """The gateway's `/v1/chat/completions` (and the completions route's usage and logprobs helpers): streamed from a replica like completions, and kept
-alive across migrations by the same reattach logic (the gateway's `follow`).
+alive across migrations, checkpoints and failovers by the same reattach logic (migrate.gateway_sessions).
 
 A chat session remembers that it is one (engine/streaming.py), so the replica's
 `/v1/sessions/{id}/stream` resumes it as chat chunks, with logprobs if they were asked for and
@@ -8,22 +8,18 @@ the usage chunk (always asked for upstream: the gateway needs it for a non-strea
 
 from __future__ import annotations
 
-import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from relayout.engine.web import error_response
+from relayout.migrate.gateway_sessions import Upstreams, open_upstream, relay_sse
 
-Follow = Callable[[str, httpx.Response], AsyncIterator[dict]]
 
-
-def install_chat_gateway_route(app: FastAPI, ups: Any, client: httpx.AsyncClient, follow: Follow) -> None:
-    """`ups` is the gateway's Upstreams (pick, active, headers)."""
-
+def install_chat_gateway_route(app: FastAPI, ups: Upstreams, client: httpx.AsyncClient) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         try:
@@ -35,43 +31,13 @@ def install_chat_gateway_route(app: FastAPI, ups: Any, client: httpx.AsyncClient
         want_stream = bool(body.get("stream"))
         want_ids = bool(body.get("return_token_ids"))
         up = {**body, "stream": True, "return_token_ids": True, "stream_options": {"include_usage": True}}
-        try:
-            url = await ups.pick(client)
-        except LookupError as e:
-            return error_response(503, str(e), "unavailable")
-        ups.active[url] = ups.active.get(url, 0) + 1  # from the pick on, as for completions
-        req = client.build_request("POST", f"{url}/v1/chat/completions", json=up)
-        try:
-            first = await client.send(req, stream=True)
-        except BaseException:
-            ups.active[url] -= 1
-            raise
-        if first.status_code >= 400:
-            ups.active[url] -= 1
-            await first.aread()
-            await first.aclose()
-            return JSONResponse(first.json(), status_code=first.status_code)
-
-        async def events() -> AsyncIterator[dict]:
-            try:
-                async for ev in follow(url, first):
-                    yield ev
-            finally:
-                ups.active[url] -= 1
-
+        opened = await open_upstream(ups, client, "/v1/chat/completions", up, request.headers.get("authorization"))
+        if isinstance(opened, JSONResponse):
+            return opened
+        stream, events = opened
         if want_stream:
-            async def sse() -> AsyncIterator[bytes]:
-                async for ev in events():
-                    if unwanted_usage(ev, body):
-                        continue
-                    if not want_ids:
-                        for c in ev.get("choices", []):
-                            c.pop("token_ids", None)
-                    yield f"data: {json.dumps(ev)}\n\n".encode()
-                yield b"data: [DONE]\n\n"
-
-            return StreamingResponse(sse(), media_type="text/event-stream")
-        return await _collect(events(), body, want_ids)
+            return relay_sse(stream, events, body, want_ids)
+        return await _collect(events, body, want_ids)
 
 
 async def _collect(events: AsyncIterator[dict], body: dict, want_ids: bool) -> Any:
@@ -102,11 +68,6 @@ async def _collect(events: AsyncIterator[dict], body: dict, want_ids: bool) -> A
         choice["token_ids"] = ids
     return {"id": sid, "object": "chat.completion", "created": created, "model": model, "choices": [choice],
             "usage": usage or {"completion_tokens": len(ids)}}
-
-
-def unwanted_usage(ev: dict, body: dict) -> bool:
-    """The usage chunk (always asked for upstream) of a stream whose client did not ask for it."""
-    return "usage" in ev and not ev.get("choices") and not (body.get("stream_options") or {}).get("include_usage")
 
 
 def join_completion_logprobs(acc: dict | None, lp: dict | None) -> dict | None:

@@ -2,7 +2,9 @@
 
 Pre-copy rounds stream every KV chunk the target lacks while the source keeps decoding;
 once a round is small (or after `max_rounds`), the source pauses the sessions at a step
-boundary and the final round carries the remainder and their state. The target imports
+boundary and the final round carries the remainder and their state. The source pushes each
+round straight to the target (migrate.transport): this process coordinates and sees only small
+control messages, never the KV. The target imports
 and acknowledges (sessions held paused); then the source releases them (the commit) and
 the target resumes them. Before the commit the source owns the sessions: any failure
 aborts the target's reservations and resumes the sessions on the source.
@@ -20,13 +22,16 @@ transfer ended (released → it resumes them, otherwise it drops them).
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
+from relayout.engine.tracing import inject_hooks
 from relayout.engine.web import bearer_headers, check_response
+from relayout.migrate.observe import phase_boundary, round_bytes, traced_migration
 
 
 class MigrationError(RuntimeError):
@@ -60,43 +65,47 @@ Progress = Callable[[str, int], None]  # (phase, bytes so far)
 OnPhase = Callable[[str], None]
 
 
+class RoundNotDelivered(RuntimeError):
+    """The source could not push a round to the target because the link failed (a cut, a refused
+    connection, a timeout): the round may be resumed from the chunks the target acknowledges."""
+
+
 def _round(client: httpx.Client, src: str, dst: str, transfer: str, sessions: list[str] | None, final: bool,
            codec: str, token: str | None, source_for_target: str | None = None,
-           slice_tokens: int | None = None, have: list[str] | None = None) -> tuple[dict, int]:
-    """Stream one round source → target without holding it in memory; returns (target reply, bytes)."""
-    body: dict = {"transfer": transfer, "sessions": sessions, "pause": final, "codec": codec}
+           slice_tokens: int | None = None, have: list[str] | None = None, timeout_s: float = 300.0) -> tuple[dict, int]:
+    """One round: the source pushes it to the target (`dst`, as the source reaches it) and answers
+    with the target's reply; only that small answer comes here. Returns (target reply, bytes moved)."""
+    body: dict = {"transfer": transfer, "sessions": sessions, "pause": final, "codec": codec, "target": dst,
+                  "timeout_s": timeout_s}
+    if source_for_target:
+        body["source"] = source_for_target  # whom the target asks if this migrator disappears
     if slice_tokens and not final:
         body["max_tokens"] = slice_tokens
     if have is not None:
         body["have"] = have  # a retried round: chunks the target already holds are not resent
-    moved = 0
-
-    with client.stream("POST", f"{src}/v1/sessions/export", json=body, headers=bearer_headers(token)) as resp:
-        if resp.status_code >= 400:
-            resp.read()
-            check_response(resp, "source export")
-
-        def pieces():
-            nonlocal moved
-            for piece in resp.iter_bytes():
-                moved += len(piece)
-                yield piece
-
-        params = {"transfer": transfer, "final": final}
-        if source_for_target:
-            params["source"] = source_for_target  # whom the target asks if this migrator disappears
-        reply = client.post(f"{dst}/v1/sessions/import", params=params, content=pieces(), headers=bearer_headers(token))
-    return check_response(reply, "target import"), moved
+    # the source sends a space every second while it pushes: the read timeout measures its silence
+    resp = client.post(f"{src}/v1/sessions/export", json=body, headers=bearer_headers(token))
+    check_response(resp, "source export")
+    try:
+        doc = json.loads(resp.content)
+    except ValueError:
+        raise RuntimeError("source export: the answer is not JSON") from None
+    if not isinstance(doc, dict):
+        raise RuntimeError("source export: the answer is not a JSON object")
+    if "error" in doc:
+        msg = f"source push: {(doc.get('error') or {}).get('message', 'failed')}"
+        raise RoundNotDelivered(msg) if doc.get("retryable") else RuntimeError(msg)
+    return doc["reply"], int(doc.get("bytes", 0))
 
 
 def _precopy_round(client: httpx.Client, src: str, dst: str, t: str, ids: list[str], codec: str,
                    token: str | None, back: str, slice_tokens: int | None, retries: int,
-                   res: MigrationResult) -> tuple[dict, int]:
+                   res: MigrationResult, push_to: str, timeout_s: float) -> tuple[dict, int]:
     have: list[str] | None = None
     for attempt in range(retries + 1):
         try:
-            return _round(client, src, dst, t, ids, False, codec, token, back, slice_tokens, have)
-        except httpx.TransportError:
+            return _round(client, src, push_to, t, ids, False, codec, token, back, slice_tokens, have, timeout_s)
+        except (httpx.TransportError, RoundNotDelivered):
             if attempt == retries:
                 raise
             time.sleep(0.2 * (attempt + 1))
@@ -121,18 +130,21 @@ def _commit_target(client: httpx.Client, dst: str, t: str, token: str | None, tr
             time.sleep(0.2 * (attempt + 1))
 
 
+@traced_migration  # the migration's trace: a span per phase (migrate.observe)
 def migrate_live(source_url: str, target_url: str, sessions: list[str] | None = None, *, token: str | None = None,
                  mode: str = "live", max_rounds: int = 64, small_bytes: int = 1 << 20, codec: str = "none",
                  precopy_slice_tokens: int | None = 1024, retries: int = 3,
                  progress: Progress | None = None, timeout_s: float = 300.0, on_phase: OnPhase | None = None,
-                 source_for_target: str | None = None) -> MigrationResult:
+                 source_for_target: str | None = None, target_for_source: str | None = None) -> MigrationResult:
     """Move `sessions` (default: all) from the source replica to the target replica.
 
     Pre-copy rounds send at most `precopy_slice_tokens` tokens per session each, until a round
     is at most `small_bytes` (caught up) or `max_rounds` ran; then the stop-and-copy round.
     A pre-copy round cut by a network error is retried (`retries` times) from the chunks the
     target acknowledges holding; the final round is not retried (the sessions are paused).
-    `source_for_target`: the source's URL as the target can reach it (default `source_url`)."""
+    The source pushes each round to the target itself; this process sees only control messages.
+    `source_for_target`: the source's URL as the target can reach it (default `source_url`);
+    `target_for_source`: the target's URL as the source can reach it (default `target_url`)."""
     if mode not in ("live", "cold"):
         raise ValueError("mode must be 'live' or 'cold'")
     src, dst = source_url.rstrip("/"), target_url.rstrip("/")
@@ -142,11 +154,13 @@ def migrate_live(source_url: str, target_url: str, sessions: list[str] | None = 
     paused: list[str] = []
     committed = False
     back = source_for_target or src
+    push_to = (target_for_source or dst).rstrip("/")
 
     def at(name: str) -> None:
+        phase_boundary(name)
         if on_phase:
             on_phase(name)
-    with httpx.Client(timeout=timeout_s) as client:
+    with httpx.Client(timeout=timeout_s, event_hooks=inject_hooks()) as client:
         try:
             ids = sessions
             if ids is None:  # name them now, so an abort knows exactly what to resume
@@ -158,8 +172,9 @@ def migrate_live(source_url: str, target_url: str, sessions: list[str] | None = 
                     t0 = time.perf_counter()
                     # bounded slices per round: the source's decoding never waits on a long copy
                     reply, n = _precopy_round(client, src, dst, t, ids, codec, token, back, precopy_slice_tokens,
-                                              retries, res)
+                                              retries, res, push_to, timeout_s)
                     res.rounds.append(PreCopyRound(i, n, time.perf_counter() - t0, False))
+                    round_bytes(n, res.rounds[-1].seconds)
                     res.bytes_total += n
                     if progress:
                         progress(phase, res.bytes_total)
@@ -169,9 +184,10 @@ def migrate_live(source_url: str, target_url: str, sessions: list[str] | None = 
             at(phase)
             t_hold = time.perf_counter()
             paused = list(ids)
-            reply, n = _round(client, src, dst, t, ids, True, codec, token, back)
+            reply, n = _round(client, src, push_to, t, ids, True, codec, token, back, timeout_s=timeout_s)
             res.sessions = paused = list(reply.get("placed", reply["sessions"]))
             res.rounds.append(PreCopyRound(len(res.rounds), n, time.perf_counter() - t_hold, True))
+            round_bytes(n, res.rounds[-1].seconds)
             res.bytes_total += n
             phase = "commit"
             # the target must still hold them right before the commit (narrows the window in which
@@ -181,7 +197,7 @@ def migrate_live(source_url: str, target_url: str, sessions: list[str] | None = 
                 raise RuntimeError(f"target no longer holds the transfer ({st.get('incoming')})")
             at("prepared")
             check_response(client.post(f"{src}/v1/sessions/release",
-                               json={"sessions": res.sessions, "migrated_to": dst, "transfer": t},
+                               json={"sessions": res.sessions, "migrated_to": push_to, "transfer": t},
                                headers=bearer_headers(token)), "source release")
             committed = True
             at("committed")

@@ -19,7 +19,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from relayout.engine.async_engine import AsyncEngine
 from relayout.engine.engine import LLMEngine
-from relayout.engine.session import SessionState
+from relayout.engine.session import SessionState, SessionStatus
 from relayout.engine.snapshot import (
     RestoreError,
     check_compatible,
@@ -46,6 +46,7 @@ from relayout.engine.web import (
     error_response,
 )
 from relayout.migrate.engine_ops import EngineThreadOps, import_limits
+from relayout.migrate.frame_link import LINK_PATH, FrameLinkServer, TcpTransport
 from relayout.migrate.transfers import (
     ImportTooLarge,
     RoundCut,
@@ -56,12 +57,21 @@ from relayout.migrate.transfers import (
     UnknownSession,
     UnknownTransfer,
 )
+from relayout.migrate.transport import (
+    IMPORT_PATH,
+    HttpTransport,
+    PushFailed,
+    Transport,
+    precopy_mbps,
+    progress_stream,
+    pump,
+)
 from relayout.storage.checkpoint import CheckpointReader, CheckpointWriter
 from relayout.storage.errors import CorruptCheckpoint, StorageError
 from relayout.storage.stores import open_store
 from starlette.requests import ClientDisconnect
 
-IMPORT_PATH = "/v1/sessions/import"  # streams its body: bounded by the transfer's import limit instead
+# IMPORT_PATH streams its body: bounded by the transfer's import limit instead
 STATUS = {TransferConflict: 409, UnknownTransfer: 404, UnknownSession: 404, TooManyTransfers: 429, ImportTooLarge: 413}
 
 
@@ -113,6 +123,11 @@ class ExportBody(BaseModel):
     max_tokens: int | None = Field(None, ge=16, le=1 << 24)
     # retry of an interrupted round: chunks the target acknowledged (holds); only the rest are sent
     have: list[str] | None = Field(None, max_length=1 << 20)
+    # push mode: this replica sends the round to the target replica at this URL itself (with its own
+    # token) and answers with the target's reply; without it, the frames are this request's response
+    target: str | None = Field(None, max_length=2048)
+    source: str | None = Field(None, max_length=2048)  # this replica's URL as the target can reach it
+    timeout_s: float = Field(300.0, gt=0, le=3600)  # the push's network timeout
 
 
 class SessionsBody(BaseModel):
@@ -157,6 +172,19 @@ async def _cut_pieces(request: Request) -> AsyncIterator[bytes]:
         raise RoundCut() from None
 
 
+def _classify(e: BaseException) -> tuple[int, str]:
+    """An import refused over the frame link: the status and message the HTTP route would answer."""
+    if isinstance(e, TransferError):
+        return STATUS.get(type(e), 409), str(e)
+    if isinstance(e, HTTPError):
+        return e.status, e.message
+    if isinstance(e, RestoreError):
+        return 409, str(e)
+    if isinstance(e, StorageError):
+        return 400, f"{type(e).__name__}: {e}"
+    return 500, f"{type(e).__name__}: {e}"
+
+
 def install_replica_routes(app: FastAPI, aengine: AsyncEngine, token: str | None = None) -> TransferTable:
     """Mount the session-moving routes on a replica's app; returns the replica's TransferTable."""
     token = token if token is not None else env_token()
@@ -164,6 +192,10 @@ def install_replica_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
     table = TransferTable(EngineThreadOps.of(aengine), source_asker(token), import_limit=import_limit,
                           frame_limit=frame_limit)
     r = APIRouter(dependencies=[Depends(bearer_auth(token))])
+    transport: Transport = HttpTransport(token)
+    if os.environ.get("RELAYOUT_TRANSPORT", "http") == "tcp":
+        transport = TcpTransport(token, transport, PushFailed)
+    link = FrameLinkServer(token, table.import_round, _classify, lambda tid: check_id(tid, "transfer id"), RoundCut)
 
     @r.post("/v1/sessions/checkpoint")
     async def checkpoint_route(body: CheckpointBody):
@@ -207,9 +239,11 @@ def install_replica_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
             raise HTTPError(502, f"checkpoint {cid} was not written to {dest}: {type(e).__name__}: {e}; "
                                  f"nothing was committed" + ("; the sessions continue here" if body.stop else "")
                             ) from None
-        if body.stop:
-            await aengine.call(lambda e: e.release(ids))
-        return {"checkpoint": f"{dest.rstrip('/')}/{cid}", "checkpoint_id": cid, "sessions": ids, "bytes": nbytes}
+        uri = f"{dest.rstrip('/')}/{cid}"
+        if body.stop:  # their streams end with finish_reason "checkpointed"; GET /v1/sessions/{id} names the URI
+            aengine.note_checkpointed(ids, uri)
+            await aengine.call(lambda e: e.release(ids, SessionStatus.CHECKPOINTED))
+        return {"checkpoint": uri, "checkpoint_id": cid, "sessions": ids, "bytes": nbytes}
 
     @r.post("/v1/sessions/restore")
     async def restore_route(body: RestoreBody):
@@ -229,8 +263,20 @@ def install_replica_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
     async def export_route(body: ExportBody):
         check_id(body.transfer, "transfer id")
         check_ids(body.sessions)
-        frames = await table.export(body.transfer, body.sessions, body.pause, body.codec, body.max_tokens, body.have)
-        return StreamingResponse(frames, media_type="application/x-relayout-frames")
+        for url in (body.target, body.source):
+            if url is not None and not URL_RE.fullmatch(url):
+                raise HTTPError(400, "target and source must be replica http(s) URLs")
+        frames = await table.export(body.transfer, body.sessions, body.pause, body.codec, body.max_tokens, body.have,
+                                    confirm_on_delivery=body.target is not None)
+        if body.target is None:
+            return StreamingResponse(frames, media_type="application/x-relayout-frames")
+        # push: only this transfer's frames, only to the import route of a URL an authenticated caller gave
+        counter = [0]
+        send = transport.push(body.target, body.transfer, pump(frames, None if body.pause else precopy_mbps(),
+                                                               counter=counter),
+                              final=body.pause, source=body.source, timeout_s=body.timeout_s)
+        return StreamingResponse(progress_stream(table.push(body.transfer, send), counter,
+                                                 min(1.0, body.timeout_s / 4)), media_type="application/json")
 
     @r.post(IMPORT_PATH)
     async def import_route(request: Request, transfer: str, final: bool = False, source: str | None = None):
@@ -243,6 +289,13 @@ def install_replica_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
             return await table.import_round(transfer, _cut_pieces(request), final, source, declared)
         except RoundCut:
             raise ClientDisconnect() from None
+
+    @r.get(LINK_PATH)
+    async def link_route(request: Request):
+        """The port of this replica's raw frame link (migrate.frame_link), listening on the address
+        this request arrived on."""
+        host = (request.scope.get("server") or ("127.0.0.1", 0))[0]
+        return {"port": await link.ensure(host)}
 
     @r.post("/v1/sessions/transfers/{transfer}/commit")
     async def commit_incoming(transfer: str):

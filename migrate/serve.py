@@ -2,7 +2,7 @@
 (migrate.replica_routes), served until SIGTERM/SIGINT. `relayout serve` runs this; so does
 
     python -m relayout.migrate.serve --model M --layout L --host H --port P [--kv-cache-mb N]
-        [--device D] [--local-ranks 0,1] [--rank-endpoint HOST:PORT]
+        [--device D] [--local-ranks 0,1] [--rank-endpoint HOST:PORT] [--api-key KEY ...]
 
 Once listening it prints `relayout serving MODEL on http://HOST:PORT`."""
 
@@ -16,15 +16,28 @@ import sys
 from fastapi import FastAPI
 from relayout.engine.async_engine import AsyncEngine
 from relayout.engine.server import create_app
+from relayout.engine.tracing import install_tracing, setup_tracing
 from relayout.engine.workers import RankPlacement
+from relayout.migrate.protect_routes import install_protect_routes
 from relayout.migrate.replica_routes import install_replica_routes
 
 
-def create_replica_app(aengine: AsyncEngine, model_name: str) -> FastAPI:
-    """The replica's app: serving, checkpoint/restore and live transfers."""
-    app = create_app(aengine, model_name)
+def create_replica_app(aengine: AsyncEngine, model_name: str, api_keys: list[str] | None = None) -> FastAPI:
+    """The replica's app: serving, checkpoint/restore, live transfers and protection. `api_keys`: the
+    client keys (default RELAYOUT_API_KEYS)."""
+    app = create_app(aengine, model_name, api_keys)
     install_replica_routes(app, aengine)
+    install_protect_routes(app, aengine)
+    install_tracing(app)  # continues the migrator's trace (traceparent) in a span per request
     return app
+
+
+def protect_from_start(app: FastAPI, aengine: AsyncEngine, standby: str, own_url: str) -> None:
+    from relayout.engine.web import env_token
+    from relayout.migrate.protect_routes import start_protection
+    from relayout.migrate.replication import ProtectConfig
+
+    start_protection(app, aengine, ProtectConfig(standby.rstrip("/"), own_url), env_token())
 
 
 def rank_placement(local_ranks: list[int] | None, rank_endpoint: str | None) -> RankPlacement | None:
@@ -40,24 +53,29 @@ def rank_placement(local_ranks: list[int] | None, rank_endpoint: str | None) -> 
 
 def serve(model: str = "builtin:tiny", layout: str | None = None, host: str = "127.0.0.1", port: int = 8000,
           kv_cache_mb: int | None = None, device: str | None = None, placement: RankPlacement | None = None,
-          dtype: str | None = None, kv_dtype: str | None = None) -> None:
-    """Load the model, serve it until SIGTERM/SIGINT, then shut the engine (and its ranks) down."""
+          dtype: str | None = None, kv_dtype: str | None = None, standby: str | None = None,
+          api_keys: list[str] | None = None) -> None:
+    """Load the model, serve it until SIGTERM/SIGINT, then shut the engine (and its ranks) down.
+    `standby`: a replica URL to protect this one's sessions to from the start (migrate.replication)."""
     import uvicorn
     from relayout.engine.engine import LLMEngine
 
     # uvicorn re-raises the signal it caught once it has shut down; make that a clean exit 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    setup_tracing("relayout-replica")  # a no-op unless OTEL_* variables configure an exporter
     engine = LLMEngine(model, layout, kv_cache_bytes=kv_cache_mb * 2**20 if kv_cache_mb else None, device=device,
                        placement=placement, dtype=dtype, kv_dtype=kv_dtype)
     aengine = AsyncEngine(engine)
     try:
-        app = create_replica_app(aengine, model)
+        app = create_replica_app(aengine, model, api_keys)
 
         class _Server(uvicorn.Server):
             async def startup(self, sockets=None):
                 await super().startup(sockets)
                 if self.started:
                     bound = self.servers[0].sockets[0].getsockname()[1] if self.servers else port
+                    if standby:
+                        protect_from_start(app, aengine, standby, f"http://{host}:{bound}")
                     print(f"relayout serving {model} on http://{host}:{bound}", flush=True)
 
             async def shutdown(self, sockets=None):
@@ -89,6 +107,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kv-dtype", default="auto", help="KV cache: auto (the model dtype) or fp8_e4m3")
     ap.add_argument("--local-ranks", default=None, help="ranks to run on this host, e.g. 0,1 (default: all)")
     ap.add_argument("--rank-endpoint", default=None, help="HOST:PORT where ranks join this driver")
+    ap.add_argument("--standby", default=None, help="protect this replica's sessions to the standby replica at URL")
+    ap.add_argument("--api-key", action="append", default=[],
+                    help="a client API key (repeatable; default RELAYOUT_API_KEYS, comma-separated; none: open)")
     a = ap.parse_args(argv)
     if a.kv_cache_mb is not None and a.kv_cache_mb < 1:
         ap.error("--kv-cache-mb must be at least 1")
@@ -99,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--local-ranks/--rank-endpoint: {e}")
     try:
         serve(a.model, a.layout, a.host, a.port, kv_cache_mb=a.kv_cache_mb, device=a.device, placement=placement,
-              dtype=a.dtype, kv_dtype=a.kv_dtype)
+              dtype=a.dtype, kv_dtype=a.kv_dtype, standby=a.standby, api_keys=a.api_key or None)
     except (LayoutError, ModelNotFoundError, ModelConfigError, RankFailure, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

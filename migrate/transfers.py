@@ -2,9 +2,8 @@
 replica takes part in, as source (outgoing) or target (incoming), its lease, the two-phase
 commit and the sweeper that decides alone once the migrator is gone.
 
-No HTTP here: `TransferTable` is driven by migrate.replica_routes (or by a test) and reaches
-the engine through `EngineOps` and the source replica through an `AskSource` callable, so
-every transition can run in one process with a fake clock.
+No HTTP here: `TransferTable` is driven by migrate.replica_routes (or a test), reaches the engine
+through `EngineOps` and the source through `AskSource`: every transition runs in one process.
 
 Leases: a transfer idle for `ttl` seconds is ended by the sweeper. The source resumes what it
 paused (a late release is refused from then on); the target frees reservations of a transfer
@@ -34,7 +33,6 @@ from relayout.storage.stream import StreamReceiver, encode_abort_frame
 MAX_TRANSFERS = 64  # incoming transfers in flight at once
 DONE_KEEP = 1024  # finished transfers remembered (for a target that asks how one ended)
 DOUBT_GIVE_UP = 10  # ttls a target in doubt keeps asking a silent source before it drops its copy
-
 Clock = Callable[[], float]
 # (source replica URL, transfer id) -> the source's "outgoing" state of that transfer (None: it
 # does not know it); raises when the source cannot be asked
@@ -91,6 +89,16 @@ class Cut:
 
 
 @dataclass
+class SentRound:
+    """What one framed round sent: its cumulative manifest entries, chunk hashes, KV tokens per session."""
+
+    epoch: int
+    entries: list[KVEntry]
+    hashes: set[str]
+    upto: dict[str, int]
+
+
+@dataclass
 class Outgoing:
     """Source: one outgoing transfer — what earlier rounds sent, and its lease."""
 
@@ -101,6 +109,16 @@ class Outgoing:
     sent_hashes: set[str] = field(default_factory=set)
     rounds: int = 0
     paused: list[str] = field(default_factory=list)  # held by the final round, until release or resume
+    pushing: asyncio.Future | None = None  # the round being sent to the target (push mode), if any
+    epoch: int = 0  # bumped by every export: a round framed under an older epoch is stale
+    framed: SentRound | None = None  # push mode: the round framed, counted as sent once delivered
+
+    def mark_sent(self, r: SentRound | None) -> None:
+        if r is self.framed:
+            self.framed = None
+        if r is not None and r.epoch == self.epoch:  # not overtaken by a retry (whose cut covers this one's)
+            self.entries, self.sent_hashes = r.entries, self.sent_hashes | r.hashes
+            self.sent_upto.update(r.upto)
 
 
 @dataclass
@@ -156,8 +174,7 @@ class TransferTable:
         self._sweeper: asyncio.Task | None = None
 
     # ---- what the replica reports -------------------------------------------------------------------
-    def migrating_out(self) -> str | None:
-        """The outgoing transfer in flight, if any (at most one)."""
+    def migrating_out(self) -> str | None:  # the outgoing transfer in flight, if any (at most one)
         return next(iter(self.outgoing), None)
 
     def state(self, tid: str) -> dict:
@@ -173,9 +190,11 @@ class TransferTable:
 
     # ---- source ---------------------------------------------------------------------------------------
     async def export(self, tid: str, sessions: list[str] | None, pause: bool = False, codec: str = "none",
-                     max_tokens: int | None = None, have: list[str] | None = None) -> Iterator[bytes]:
+                     max_tokens: int | None = None, have: list[str] | None = None,
+                     confirm_on_delivery: bool = False) -> Iterator[bytes]:
         """Cut one round (the final one with `pause`) and return its frames, to be streamed to the
-        target. `have`: a retry of a cut round — the chunks the target acknowledges holding."""
+        target. `have`: a retry of a cut round — the chunks the target acknowledges holding.
+        `confirm_on_delivery` (push): the round counts as sent once `push` delivered it, not once framed."""
         o = self.outgoing.get(tid)
         if o is None:
             if tid in self.out_done:
@@ -188,6 +207,8 @@ class TransferTable:
         if o.paused:
             raise TransferConflict(f"transfer {tid} already ran its final round")
         o.last = self.clock()
+        o.epoch += 1  # any round still being framed is superseded by this one
+        epoch = o.epoch
         sent = dict(o.sent_upto)
         if have is not None:
             # the previous round was cut: what it sent may not have arrived; resend all but the
@@ -204,12 +225,14 @@ class TransferTable:
             raise TransferConflict(f"transfer {tid} ended while its round was cut")
         o.paused = cut.paused
         o.rounds += 1
-        return self._frames(o, cut, sent, codec, pause)
+        return self._frames(o, cut, sent, codec, pause, epoch, confirm_on_delivery)
 
-    def _frames(self, o: Outgoing, cut: Cut, sent: dict[str, int], codec: str, final: bool) -> Iterator[bytes]:
+    def _frames(self, o: Outgoing, cut: Cut, sent: dict[str, int], codec: str, final: bool, epoch: int,
+                confirm_on_delivery: bool) -> Iterator[bytes]:
         rnd = o.rounds
         try:
-            sink = FrameSink(o.sent_hashes, codec)
+            # its own copy: a cut round's producer may still run when its retry starts (merged by mark_sent)
+            sink = FrameSink(set(o.sent_hashes), codec)
             w = CheckpointWriter(sink, f"{o.transfer_id}-r{rnd}", codec=codec)
             # earlier rounds' chunks, of the sessions still moving (one that finished since has no
             # entry in this manifest; the target frees its reservation)
@@ -224,11 +247,30 @@ class TransferTable:
         except Exception as e:  # noqa: BLE001 - tell the receiver why, in-band, instead of a torn stream
             yield encode_abort_frame(f"source failed to export round {rnd}: {type(e).__name__}: {e}")
             return
-        o.entries = list(m.kv_entries)
-        for snap in cut.snaps:
-            o.sent_upto[snap.state.session_id] = snap.num_kv_tokens
+        done = SentRound(epoch, list(m.kv_entries), sink.sent,
+                         {snap.state.session_id: snap.num_kv_tokens for snap in cut.snaps})
+        o.framed = done
+        if not confirm_on_delivery:
+            o.mark_sent(done)
         o.last = self.clock()
         yield from sink.take()
+
+    async def push(self, tid: str, send: Awaitable[dict]) -> dict:
+        """Source: deliver an exported round (`send`); the lease holds while it runs (bounded by its timeout)."""
+        task, o = asyncio.ensure_future(send), self.outgoing.get(tid)
+        if o is None:
+            task.cancel()
+            raise TransferConflict(f"transfer {tid} ended before its round was sent")
+        o.pushing = task  # ending the transfer cancels it
+        try:
+            while not (await asyncio.wait({task}, timeout=min(1.0, self.ttl() / 4)))[0]:
+                o.last = self.clock()  # a round on a slow link is not an idle transfer
+            reply, _ = task.result(), o.mark_sent(o.framed)  # delivered: the target holds these chunks now
+            return reply
+        finally:
+            task.cancel()  # a no-op once done; else whoever awaited this round is gone
+            if o.pushing is task:
+                o.pushing = None
 
     async def release(self, session_ids: list[str], tid: str | None = None, migrated_to: str | None = None) -> None:
         """The commit, on the source: the target holds the sessions; free them here. With `tid`,
@@ -247,6 +289,8 @@ class TransferTable:
         if o is None:
             return
         self._remember(self.out_done, tid, state)
+        if o.pushing is not None:  # its round is no longer wanted by anyone
+            o.pushing.cancel()
         await self._resume(o.paused)
 
     # ---- target ---------------------------------------------------------------------------------------

@@ -98,7 +98,7 @@ class CheckpointWriter:
                 )
             self.store.pin(ref.hash)  # before put: a concurrent delete must not drop a shared chunk
             self._pinned.append(ref.hash)
-        self.store.put_chunk(ref.hash, data, hashed=True)  # pack_kv just hashed these bytes
+        self.store.put_chunk(ref.hash, data, hashed=True, ref=ref)  # pack_kv just hashed these bytes
         with self._lock:
             self._entries.append(entry)
             self.bytes_written += ref.size

@@ -1,7 +1,11 @@
-"""Chunk codecs: none, zstd and zstd-planes (byte-plane shuffle, then zstd).
+"""Chunk codecs: none, zstd and zstd-planes (byte planes, each stored raw or as its own zstd frame).
 
 KV values are floats whose low mantissa bytes are noisy while sign/exponent bytes repeat;
-grouping byte i of every element together ("planes") lets zstd find that redundancy.
+grouping byte i of every element together ("planes") lets zstd find that redundancy, and
+keeping each plane apart lets the noisy ones be stored as they are instead of spending zstd
+time on them. Each chunk is encoded on one core; parallelism comes from the callers, which
+encode and decode many chunks at once (a chunk's planes, ~128-512 KiB, are below the job size
+at which zstd's own multi-threaded mode starts splitting work).
 
 Decoding is bounded by the declared ``raw_size``: output is produced incrementally and
 refused as soon as it would exceed it, so a chunk whose declared sizes lie cannot make
@@ -10,7 +14,9 @@ us allocate more than it honestly decodes to (zstd frames may claim any content 
 
 from __future__ import annotations
 
+import struct
 import time
+from collections.abc import Sequence
 
 import numpy as np
 import zstandard
@@ -20,19 +26,128 @@ CODECS: tuple[str, ...] = ("none", "zstd", "zstd-planes")
 ZSTD_LEVEL = 1  # ~2x faster than level 3 on KV data for a ratio within ~4%
 _READ_STEP = 8 * 1024 * 1024
 
+# zstd-planes layout (see docs/format.md): a header (PLANES_MARK, the element size k, the
+# elements per block B), one record (mode, stored length) per block and plane, then per block
+# of B elements its k planes (byte i of each element), then the raw_size % k bytes that fill
+# no element. Blocks bound the memory a plane is built in and let each part of a big chunk be
+# judged on its own. Chunks written before this layout are one zstd frame of the shuffled bytes;
+# a zstd frame starts with 0x28 (magic 0xFD2FB528, little-endian): the first byte tells them apart.
+PLANES_MARK = 0x01
+_MAX_PLANES = 16
+BLOCK_ELEMENTS = 512 * 1024  # a 2 MiB float32 chunk is one block; zstd level 1's window is 512 KiB
+_PLANE_RAW, _PLANE_ZSTD = 0, 1
+_HEADER = struct.Struct("<BBI")
+_RECORD = np.dtype([("mode", "u1"), ("size", "<u4")])  # packed: 5 bytes
+# Which zstd settings a plane gets is decided on a sample: an eighth of the plane, in windows
+# spread over it (at least four: a KV chunk's K half and V half differ). Sign/exponent planes compress by their skewed byte
+# histogram, not by repeats: zstd level 1 with its smallest match table finds few matches and
+# Huffman-codes the rest, which is both ~2x faster and a few % denser than plain level 1 there.
+# Plain level 1 is taken where the sample shows it finding repeats the other misses (rows of KV
+# repeat whole: layer-0 V of a repeated token, even in its noisy low mantissa bytes); a plane
+# that neither shrinks is stored raw: noise then costs a copy, not a zstd pass.
+_SAMPLE_MIN_WINDOWS, _SAMPLE_WINDOW_BYTES, _SAMPLE_FRACTION = 4, 16 * 1024, 8
+_SAMPLE_WHOLE_BELOW = 32 * 1024  # a plane this small is its own sample
+_HISTOGRAM_PARAMS = zstandard.ZstdCompressionParameters.from_level(ZSTD_LEVEL, min_match=7, hash_log=6)
+_MATCH_PARAMS = zstandard.ZstdCompressionParameters.from_level(ZSTD_LEVEL)
+_MIN_HISTOGRAM_RATIO = 1.1  # below this a sign/exponent-like plane is not worth the literal coder
+_MIN_MATCH_RATIO = 1.03  # below this a plane is stored raw
+_MATCH_BLOCK_BYTES = 32 * 1024
+_MATCH_PREMIUM = 1.05  # plain level 1 is taken over the histogram coder if its sample is this much smaller
 
-def _shuffle(raw: bytes, itemsize: int) -> bytes:
-    if itemsize <= 1 or len(raw) % itemsize:
-        return raw  # nothing to shuffle (or a tail that does not split: stay lossless)
-    arr = np.frombuffer(raw, dtype=np.uint8).reshape(-1, itemsize)
-    return arr.T.tobytes()
+
+def _fill_plane(src: np.ndarray, words: np.ndarray | None, tmp: np.ndarray | None, k: int, i: int,
+                dst: np.ndarray) -> None:
+    """dst = byte i (memory order) of each k-byte element of src (vectorised, no Python loop)."""
+    if k == 1:
+        np.copyto(dst, src)
+    elif words is None:  # an element size with no integer view: a strided gather
+        np.copyto(dst, src.reshape(-1, k)[:, i])
+    elif i == 0:
+        np.copyto(dst, words, casting="unsafe")  # truncating cast keeps the low byte
+    else:
+        assert tmp is not None
+        np.right_shift(words, 8 * i, out=tmp)
+        np.copyto(dst, tmp, casting="unsafe")
 
 
-def _unshuffle(data: bytes, itemsize: int) -> bytes:
-    if itemsize <= 1 or len(data) % itemsize:
-        return data
-    arr = np.frombuffer(data, dtype=np.uint8).reshape(itemsize, -1)
-    return arr.T.tobytes()
+def _word_view(a: np.ndarray, k: int) -> np.ndarray | None:
+    """`a` as little-endian k-byte unsigned ints (byte i of the memory = bits 8i..8i+7), if numpy has them."""
+    return a.view(f"<u{k}") if k in (2, 4, 8) else None
+
+
+def _compress_in_blocks(cctx: zstandard.ZstdCompressor, data: np.ndarray) -> bytes:
+    """One zstd frame of `data`, cut into blocks of _MATCH_BLOCK_BYTES. zstd's fast strategy skips
+    ever faster through input without matches and slows down only at a match or a block start:
+    in one 128 KiB block, a noisy K half would make it skip past the repeats of the V half after it."""
+    obj = cctx.compressobj(size=len(data))
+    parts = []
+    for lo in range(0, len(data), _MATCH_BLOCK_BYTES):
+        parts.append(obj.compress(data[lo : lo + _MATCH_BLOCK_BYTES]))
+        parts.append(obj.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK))
+    parts.append(obj.flush())
+    return b"".join(parts)
+
+
+def _plane_frame(plane: np.ndarray) -> bytes | None:
+    """`plane` as a zstd frame with the settings worth spending on it (judged on a sample of it),
+    or None: store it raw."""
+    m = len(plane)
+    whole = m <= _SAMPLE_WHOLE_BELOW
+    if whole:
+        sample = plane
+    else:
+        windows = max(_SAMPLE_MIN_WINDOWS, m // (_SAMPLE_FRACTION * _SAMPLE_WINDOW_BYTES))
+        step, w = m // windows, m // (_SAMPLE_FRACTION * windows)
+        sample = np.concatenate([plane[j * step : j * step + w] for j in range(windows)])
+    hist = zstandard.ZstdCompressor(compression_params=_HISTOGRAM_PARAMS)
+    match = zstandard.ZstdCompressor(compression_params=_MATCH_PARAMS)
+    hist_sample, match_sample = hist.compress(sample), _compress_in_blocks(match, sample)
+    # the faster histogram coder unless plain level 1 finds repeats it misses
+    if len(sample) >= _MIN_HISTOGRAM_RATIO * len(hist_sample) and len(hist_sample) <= _MATCH_PREMIUM * len(match_sample):
+        frame = hist_sample if whole else hist.compress(plane)
+    elif len(sample) >= _MIN_MATCH_RATIO * len(match_sample):
+        frame = match_sample if whole else _compress_in_blocks(match, plane)
+    else:
+        return None
+    return frame if len(frame) < m else None
+
+
+def _encode_planes_into(out: bytearray, raw: bytes, k: int) -> int:
+    """Write the zstd-planes layout of `raw` into `out` (room for every plane raw); return its length."""
+    m, tail = divmod(len(raw), k)
+    blocks = -(-m // BLOCK_ELEMENTS)
+    _HEADER.pack_into(out, 0, PLANES_MARK, k, BLOCK_ELEMENTS)
+    buf = np.frombuffer(out, dtype=np.uint8)
+    records = np.frombuffer(out, dtype=_RECORD, count=blocks * k, offset=_HEADER.size)
+    src = np.frombuffer(raw, dtype=np.uint8)
+    words = _word_view(src[: m * k], k)
+    tmp = np.empty(min(m, BLOCK_ELEMENTS), dtype=words.dtype) if words is not None else None
+    pos = _HEADER.size + records.nbytes
+    for b in range(blocks):
+        lo, hi = b * BLOCK_ELEMENTS, min(m, (b + 1) * BLOCK_ELEMENTS)
+        block_words = words[lo:hi] if words is not None else None
+        block_tmp = tmp[: hi - lo] if tmp is not None else None
+        for i in range(k):
+            plane = buf[pos : pos + hi - lo]  # built in place: a raw plane is never copied again
+            _fill_plane(src[lo * k : hi * k], block_words, block_tmp, k, i, plane)
+            frame = _plane_frame(plane)
+            if frame is None:
+                records[b * k + i] = (_PLANE_RAW, hi - lo)
+            else:
+                buf[pos : pos + len(frame)] = np.frombuffer(frame, dtype=np.uint8)
+                records[b * k + i] = (_PLANE_ZSTD, len(frame))
+            pos += int(records[b * k + i]["size"])
+    buf[pos : pos + tail] = src[m * k :]
+    return pos + tail
+
+
+def _encode_planes(raw: bytes, itemsize: int) -> bytearray:
+    k = itemsize if 1 <= itemsize <= _MAX_PLANES else 1
+    blocks = -(-(len(raw) // k) // BLOCK_ELEMENTS)
+    out = bytearray(_HEADER.size + blocks * k * _RECORD.itemsize + len(raw))  # the most it takes: all raw
+    end = _encode_planes_into(out, raw, k)  # its numpy views of `out` are gone once it returns
+    del out[end:]
+    return out
 
 
 def encode(codec: str, raw: bytes, itemsize: int) -> bytes:
@@ -41,7 +156,7 @@ def encode(codec: str, raw: bytes, itemsize: int) -> bytes:
     if codec == "zstd":
         return zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(raw)
     if codec == "zstd-planes":
-        return zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(_shuffle(raw, itemsize))
+        return _encode_planes(raw, itemsize)  # type: ignore[return-value]  # bytes-like, spared a copy
     raise ValueError(f"unknown codec {codec!r} (known: {', '.join(CODECS)})")
 
 
@@ -79,14 +194,79 @@ def _bounded_decompress(data: bytes, raw_size: int) -> bytes:
     return bytes(out)
 
 
+def _unshuffle(data: bytes, itemsize: int) -> bytes:
+    """Inverse of the shuffle chunks written before the per-plane layout got (one zstd frame)."""
+    if itemsize <= 1 or len(data) % itemsize:
+        return data  # such chunks were stored unshuffled
+    out = bytearray(len(data))
+    np.frombuffer(out, dtype=np.uint8).reshape(-1, itemsize)[:] = np.frombuffer(data, np.uint8).reshape(itemsize, -1).T
+    return out  # type: ignore[return-value]  # bytes-like
+
+
+def _plane_records(data: bytes, raw_size: int) -> tuple[int, int, np.ndarray]:
+    """Parse and check the zstd-planes header: element size, elements per block, the records."""
+    if len(data) < _HEADER.size:
+        raise CorruptCheckpoint("zstd-planes header is truncated")
+    _, k, per_block = _HEADER.unpack_from(data)
+    if not 1 <= k <= _MAX_PLANES or per_block < 1:
+        raise CorruptCheckpoint(f"zstd-planes header is corrupt ({k} planes, blocks of {per_block})")
+    m, tail = divmod(raw_size, k)
+    count = -(-m // per_block) * k
+    if _HEADER.size + count * _RECORD.itemsize > len(data):  # checked before anything is allocated
+        raise CorruptCheckpoint(f"zstd-planes header is truncated ({count} plane records for {raw_size} bytes)")
+    records = np.frombuffer(data, dtype=_RECORD, count=count, offset=_HEADER.size)
+    plane_len = np.minimum(per_block, m - np.arange(count) // k * per_block)
+    modes, sizes = records["mode"], records["size"].astype(np.int64)
+    if ((modes != _PLANE_RAW) & (modes != _PLANE_ZSTD)).any() or ((modes == _PLANE_RAW) & (sizes != plane_len)).any():
+        raise CorruptCheckpoint(f"zstd-planes plane records are corrupt for {raw_size} bytes")
+    if _HEADER.size + records.nbytes + int(sizes.sum()) + tail != len(data):
+        raise CorruptCheckpoint(f"zstd-planes lengths do not add up to the {len(data)} stored bytes")
+    return k, per_block, records
+
+
+def _decode_planes(data: bytes, raw_size: int) -> bytearray:
+    k, per_block, records = _plane_records(data, raw_size)
+    m = raw_size // k
+    out = bytearray(raw_size)
+    dst = np.frombuffer(out, dtype=np.uint8)
+    words = _word_view(dst[: m * k], k)
+    tmp = np.empty(min(m, per_block), dtype=words.dtype) if words is not None and k > 1 else None
+    view = memoryview(data)
+    pos = _HEADER.size + records.nbytes
+    for r, (mode, size) in enumerate(records.tolist()):
+        b, i = divmod(r, k)
+        lo, hi = b * per_block, min(m, (b + 1) * per_block)
+        piece = view[pos : pos + size]
+        pos += size
+        # a frame must decode to exactly its plane's length: never more is allocated
+        plane = np.frombuffer(piece if mode == _PLANE_RAW else _bounded_decompress(piece, hi - lo), dtype=np.uint8)
+        if k == 1:
+            dst[lo:hi] = plane
+        elif words is None:
+            dst[lo * k : hi * k].reshape(-1, k)[:, i] = plane
+        elif i == 0:
+            np.copyto(words[lo:hi], plane)
+        else:
+            assert tmp is not None
+            block_tmp = tmp[: hi - lo]
+            np.left_shift(plane, 8 * i, out=block_tmp, dtype=tmp.dtype)
+            np.bitwise_or(words[lo:hi], block_tmp, out=words[lo:hi])
+    dst[m * k :] = np.frombuffer(view[pos:], dtype=np.uint8)
+    return out
+
+
 def decode(codec: str, data: bytes, raw_size: int, itemsize: int) -> bytes:
-    """Decode ``data``; the result is exactly ``raw_size`` bytes or ``CorruptCheckpoint``."""
+    """Decode ``data``; the result is exactly ``raw_size`` bytes or ``CorruptCheckpoint``.
+    ``itemsize`` is only needed for zstd-planes chunks written before the per-plane layout."""
     if codec == "none":
         out = bytes(data)
     elif codec == "zstd":
         out = _bounded_decompress(data, raw_size)
     elif codec == "zstd-planes":
-        out = _unshuffle(_bounded_decompress(data, raw_size), itemsize)
+        if len(data) and data[0] == PLANES_MARK:
+            out = _decode_planes(data, raw_size)  # type: ignore[assignment]  # bytes-like
+        else:  # the earlier layout: one zstd frame of the shuffled bytes
+            out = _unshuffle(_bounded_decompress(data, raw_size), itemsize)
     else:
         raise CorruptCheckpoint(f"unknown codec {codec!r}")
     if len(out) != raw_size:
@@ -94,22 +274,29 @@ def decode(codec: str, data: bytes, raw_size: int, itemsize: int) -> bytes:
     return out
 
 
-def measure_codecs(raw: bytes, itemsize: int) -> dict[str, dict[str, float]]:
-    """Per codec: ratio (raw/stored), gbps (raw bytes through encode+decode), and each direction alone."""
+def measure_codecs(raw: bytes | Sequence[bytes], itemsize: int, reps: int = 1) -> dict[str, dict[str, float]]:
+    """Per codec: ratio (raw/stored), gbps (raw bytes through encode+decode), and each direction alone.
+    `raw` is one buffer or a list of chunks (each encoded on its own, as pack_kv does); speeds are of
+    one thread (per core), each direction the best of `reps` tries."""
+    chunks = [raw] if isinstance(raw, (bytes, bytearray, memoryview)) else list(raw)
+    n = sum(len(c) for c in chunks)
     results: dict[str, dict[str, float]] = {}
     for name in CODECS:
-        t0 = time.perf_counter()
-        enc = encode(name, raw, itemsize)
-        t1 = time.perf_counter()
-        dec = decode(name, enc, len(raw), itemsize)
-        t2 = time.perf_counter()
-        if dec != raw:
-            raise RuntimeError(f"codec {name} is not lossless")
-        n = len(raw) / 1e9
+        t_enc = t_dec = float("inf")
+        for _ in range(max(1, reps)):
+            t0 = time.perf_counter()
+            enc = [encode(name, c, itemsize) for c in chunks]
+            t1 = time.perf_counter()
+            dec = [decode(name, e, len(c), itemsize) for e, c in zip(enc, chunks, strict=True)]
+            t2 = time.perf_counter()
+            t_enc, t_dec = min(t_enc, t1 - t0), min(t_dec, t2 - t1)
+            if any(d != c for d, c in zip(dec, chunks, strict=True)):
+                raise RuntimeError(f"codec {name} is not lossless")
+        gb = n / 1e9
         results[name] = {
-            "ratio": len(raw) / max(len(enc), 1),
-            "gbps": n / max(t2 - t0, 1e-9),
-            "encode_gbps": n / max(t1 - t0, 1e-9),
-            "decode_gbps": n / max(t2 - t1, 1e-9),
+            "ratio": n / max(sum(len(e) for e in enc), 1),
+            "gbps": gb / max(t_enc + t_dec, 1e-9),
+            "encode_gbps": gb / max(t_enc, 1e-9),
+            "decode_gbps": gb / max(t_dec, 1e-9),
         }
     return results

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator
 
 from relayout.storage.chunks import chunk_hash
 from relayout.storage.errors import CheckpointNotFound, CorruptCheckpoint
-from relayout.storage.manifest import HASH_PATTERN, ID_PATTERN, Manifest
+from relayout.storage.manifest import HASH_PATTERN, ID_PATTERN, ChunkRef, Manifest
 
 ID_RE = re.compile(ID_PATTERN)
 HASH_RE = re.compile(HASH_PATTERN)
@@ -81,9 +81,10 @@ class Store:
         return 0
 
     # ---- shared behaviour ---------------------------------------------------------------
-    def put_chunk(self, h: str, data: bytes, *, hashed: bool = False) -> None:
+    def put_chunk(self, h: str, data: bytes, *, hashed: bool = False, ref: ChunkRef | None = None) -> None:
         """Store a chunk under its content hash; a no-op when already present. `hashed=True`: the
-        caller computed `h` from these very bytes a moment ago (pack_kv), so they are not hashed again."""
+        caller computed `h` from these very bytes a moment ago (pack_kv), so they are not hashed again.
+        `ref`: the chunk's full reference when the caller has it (stores that frame chunks need it)."""
         check_hash(h)
         actual = h if hashed else chunk_hash(data)
         if actual != h:

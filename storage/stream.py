@@ -43,7 +43,7 @@ class StreamAborted(StorageError):
 class Frame:
     kind: str  # "chunk" | "manifest" | "abort"
     header: dict[str, Any]
-    payload: bytes
+    payload: bytes  # a bytearray for chunk frames (the buffer it was received into)
     ref: ChunkRef | None = field(default=None)  # set for chunk frames
 
 
@@ -109,61 +109,88 @@ def encode_abort_frame(reason: str) -> bytes:
 
 
 class FrameDecoder:
-    """Incremental frame parser; ``feed`` returns the frames completed by each piece."""
+    """Incremental frame parser; ``feed`` returns the frames completed by each piece.
+
+    Each byte is copied once: a frame's prefix and header gather in a small buffer, its payload
+    goes straight into a buffer of the declared size (allocated once the prefix has been checked)."""
 
     def __init__(self, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
         self.max_frame_bytes = max_frame_bytes
-        self._buf = bytearray()
+        self._buf = bytearray()  # the current frame's prefix + header
+        self._payload: bytearray | None = None  # set once the header is complete
+        self._got = 0
+        self._magic = b""
+        self._hlen = self._plen = 0
+        self._hraw = b""
         self._error: CorruptCheckpoint | None = None
 
     @property
     def at_boundary(self) -> bool:
         """True when no partial frame is buffered (a clean place for the stream to end)."""
-        return not self._buf
+        return not self._buf and self._payload is None
 
-    def feed(self, data: bytes) -> list[Frame]:
+    def feed(self, data: bytes | bytearray | memoryview) -> list[Frame]:
         if self._error is not None:
             raise self._error  # a broken stream stays broken: framing cannot resynchronise
-        self._buf += data
+        mv = memoryview(data).cast("B")
         frames: list[Frame] = []
         try:
             while True:
-                frame = self._next()
-                if frame is None:
-                    return frames
-                frames.append(frame)
+                if self._payload is None:
+                    mv = self._head(mv)
+                    if self._payload is None:
+                        return frames
+                payload = self._payload
+                if self._got < len(payload):
+                    if not mv:
+                        return frames
+                    n = min(len(mv), len(payload) - self._got)
+                    payload[self._got : self._got + n] = mv[:n]
+                    self._got += n
+                    mv = mv[n:]
+                    if self._got < len(payload):
+                        return frames
+                self._payload = None
+                frames.append(self._build(_KINDS[self._magic], self._hraw, payload))
         except CorruptCheckpoint as exc:
             self._error = exc
-            self._buf = bytearray()
+            self._buf, self._payload = bytearray(), None
             raise
+
+    def _head(self, mv: memoryview) -> memoryview:
+        """Take from `mv` the bytes of the current frame's prefix and header (checking each field as
+        soon as it is complete); once complete, allocate its payload buffer. Returns the rest of `mv`."""
+        buf = self._buf
+        while mv:
+            # the magic, then the body length are checked as soon as they arrive, before the rest is awaited
+            marks = (4, _PREFIX.size, FRAME_PREFIX_BYTES)
+            need = next((m for m in marks if len(buf) < m), FRAME_PREFIX_BYTES + self._hlen)
+            take = min(len(mv), need - len(buf))
+            buf += mv[:take]
+            mv = mv[take:]
+            if len(buf) == 4 and bytes(buf) not in _KINDS:
+                raise CorruptCheckpoint(f"bad frame magic {bytes(buf[:4])!r}")
+            if len(buf) == _PREFIX.size:
+                _, body_len = _PREFIX.unpack_from(buf)
+                if body_len > self.max_frame_bytes:
+                    raise CorruptCheckpoint(f"frame of {body_len} bytes exceeds the {self.max_frame_bytes}-byte limit")
+            if len(buf) == FRAME_PREFIX_BYTES:
+                self._magic, self._hlen, self._plen = parse_frame_prefix(buf, _KINDS, self.max_frame_bytes)
+            if len(buf) >= FRAME_PREFIX_BYTES and len(buf) == FRAME_PREFIX_BYTES + self._hlen:
+                self._hraw = bytes(buf[FRAME_PREFIX_BYTES:])
+                self._payload, self._got = bytearray(self._plen), 0
+                self._buf = bytearray()
+                return mv
+        return mv
 
     def close(self) -> None:
         """Declare end of input; a partial frame left over is a truncated stream."""
-        if self._buf:
-            raise CorruptCheckpoint(f"stream truncated inside a frame ({len(self._buf)} bytes buffered)")
-
-    def _next(self) -> Frame | None:
-        buf = self._buf
-        if len(buf) >= 4 and bytes(buf[:4]) not in _KINDS:
-            raise CorruptCheckpoint(f"bad frame magic {bytes(buf[:4])!r}")
-        if len(buf) < _PREFIX.size:
-            return None
-        magic, body_len = _PREFIX.unpack_from(buf)
-        if body_len > self.max_frame_bytes:  # before waiting for the rest of the prefix
-            raise CorruptCheckpoint(f"frame of {body_len} bytes exceeds the {self.max_frame_bytes}-byte limit")
-        if len(buf) < FRAME_PREFIX_BYTES:
-            return None
-        _, hlen, _ = parse_frame_prefix(buf, _KINDS, self.max_frame_bytes)
-        end = _PREFIX.size + body_len
-        if len(buf) < end:
-            return None
-        hraw = bytes(buf[FRAME_PREFIX_BYTES : FRAME_PREFIX_BYTES + hlen])
-        payload = bytes(buf[FRAME_PREFIX_BYTES + hlen : end])
-        del buf[:end]
-        return self._build(_KINDS[magic], hraw, payload)
+        if not self.at_boundary:
+            n = len(self._buf) + (FRAME_PREFIX_BYTES + len(self._hraw) + self._got if self._payload is not None else 0)
+            raise CorruptCheckpoint(f"stream truncated inside a frame ({n} bytes buffered)")
 
     @staticmethod
-    def _build(kind: str, hraw: bytes, payload: bytes) -> Frame:
+    def _build(kind: str, hraw: bytes, payload: bytearray) -> Frame:
         header = parse_frame_header(kind, hraw)
         ref = None
         if kind == "chunk":
@@ -173,9 +200,11 @@ class FrameDecoder:
                 raise CorruptCheckpoint(f"chunk frame header is not a valid chunk reference: {exc.error_count()} errors") from None
             if ref.size != len(payload):
                 raise CorruptCheckpoint(f"chunk {ref.hash}: frame carries {len(payload)} bytes, header says {ref.size}")
+            # a chunk's payload stays the buffer it was received into: stores keep it without a copy
+            return Frame(kind=kind, header=header, payload=payload, ref=ref)  # type: ignore[arg-type]
         elif kind == "manifest" and len(payload) > MAX_MANIFEST_BYTES:
             raise CorruptCheckpoint(f"manifest frame of {len(payload)} bytes exceeds {MAX_MANIFEST_BYTES}")
-        return Frame(kind=kind, header=header, payload=payload, ref=ref)
+        return Frame(kind=kind, header=header, payload=bytes(payload), ref=ref)
 
 
 class StreamReceiver:

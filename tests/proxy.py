@@ -17,7 +17,8 @@ class Proxy:
       garble     flip bytes client→upstream from then on (one connection's worth)
       garbage    answer the next response with junk instead of the upstream's bytes
       slow       sleep `delay` seconds per forwarded piece (always, once armed)
-    `on_fire()` is called when the fault fires (e.g. to kill -9 a process there)."""
+    `on_fire()` is called when the fault fires (e.g. to kill -9 a process there).
+    `bytes_up` / `bytes_down` count every byte forwarded each way (a counting proxy)."""
 
     def __init__(self, upstream_port: int):
         self.upstream = upstream_port
@@ -27,6 +28,7 @@ class Proxy:
         self.on_fire = None
         self.fired = threading.Event()
         self._up_total = 0
+        self.bytes_down = 0
         self._fire_at: int | None = None
         self._partitioned = False
         self._garbage_pending = False
@@ -35,6 +37,10 @@ class Proxy:
         ready = threading.Event()
         threading.Thread(target=self._run, args=(ready,), daemon=True).start()
         ready.wait(10)
+
+    @property
+    def bytes_up(self) -> int:
+        return self._up_total
 
     @property
     def url(self) -> str:
@@ -146,6 +152,7 @@ class Proxy:
                     await writer.drain()
                     writer.transport.abort()
                     return
+                self.bytes_down += len(data)
                 writer.write(data)
                 await writer.drain()
 

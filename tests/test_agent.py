@@ -3,39 +3,25 @@ agents through S3 (moto) with a layout change, security checks, restart, and a s
 
 from __future__ import annotations
 
-import os
-import re
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
+from relayout.engine.web import bearer_headers
+from relayout.migrate import procs
 from relayout.migrate.procs import stop_process
 
 TOKEN = "agent-test-token"
-H = {"Authorization": f"Bearer {TOKEN}"}
+H = bearer_headers(TOKEN)
 PROMPTS = ["The quick brown fox", "Once upon a time in"]
 MAX_TOKENS = 160
 
 
 def _start_agent(data_dir: Path, log: Path) -> tuple[subprocess.Popen, str]:
-    env = dict(os.environ, RELAYOUT_TOKEN=TOKEN)
-    exe = Path(sys.executable).with_name("relayout")
-    out = open(log, "ab")
-    p = subprocess.Popen([str(exe), "agent", "--port", "0", "--data-dir", str(data_dir)], stdout=out,
-                         stderr=subprocess.STDOUT, env=env)
-    out.close()
-    end = time.monotonic() + 60
-    while time.monotonic() < end:
-        m = re.findall(r"relayout agent on (http://\S+)", log.read_text())
-        if m and p.poll() is None:
-            return p, m[-1]
-        assert p.poll() is None, log.read_text()
-        time.sleep(0.1)
-    p.kill()
-    raise AssertionError(f"agent did not start: {log.read_text()}")
+    ag = procs.agent("--port", "0", "--data-dir", str(data_dir), env={"RELAYOUT_TOKEN": TOKEN}, log=log, timeout=60)
+    return ag.p, ag.url
 
 
 def _stop(p: subprocess.Popen) -> None:
@@ -58,12 +44,12 @@ def _req(prompt: str) -> dict:
 
 
 def test_agent_checkpoint_restore_across_agents(tmp_path, s3_env):
-    procs = []
+    children = []
     try:
         pa, a = _start_agent(tmp_path / "a", tmp_path / "a.log")
-        procs.append(pa)
+        children.append(pa)
         pb, b = _start_agent(tmp_path / "b", tmp_path / "b.log")
-        procs.append(pb)
+        children.append(pb)
 
         # --- security and errors ------------------------------------------------------------
         assert httpx.get(f"{a}/healthz").status_code == 200
@@ -151,7 +137,7 @@ def test_agent_checkpoint_restore_across_agents(tmp_path, s3_env):
         pa.kill()
         pa.wait()
         pa2, a2 = _start_agent(tmp_path / "a", tmp_path / "a2.log")
-        procs.append(pa2)
+        children.append(pa2)
         listed = httpx.get(f"{a2}/v1/replicas", headers=H).json()["replicas"]
         assert [(x["id"], x["status"]) for x in listed] == [(src["id"], "running")]
         info = httpx.get(f"{a2}/v1/replicas/{src['id']}", headers=H).json()
@@ -162,7 +148,7 @@ def test_agent_checkpoint_restore_across_agents(tmp_path, s3_env):
         assert r.status_code == 200
         assert httpx.get(f"{a2}/v1/replicas/{src['id']}", headers=H).status_code == 404
     finally:
-        for p in procs:
+        for p in children:
             _stop(p)
 
 

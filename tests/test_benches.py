@@ -16,7 +16,9 @@ def test_bench_snapshot_quick():
         assert set(res[table]) == {"none", "zstd", "zstd-planes"}
         for v in res[table].values():
             assert v["ratio"] > 0 and v["gbps"] > 0
+            assert v["encode_gbps"] >= v["gbps"] and v["decode_gbps"] >= v["gbps"]
     assert res["codecs"]["none"]["ratio"] == 1.0
+    assert res["codec_chunks"] >= 1 and res["codec_sample_bytes"] > 0
 
 
 def test_bench_overlap_quick():

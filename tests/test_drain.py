@@ -11,9 +11,9 @@ import time
 import httpx
 import pytest
 from openai import OpenAI
+from relayout.migrate import procs
 
 from tests.test_agent import TOKEN, H, _start_agent, _stop, _wait_op
-from tests.test_migration import launch
 
 # long enough to outlive the targets' launch on a loaded 2-core machine (tiny decodes ~100 steps/s; its
 # context limit is 4096 tokens)
@@ -65,12 +65,12 @@ def two_agents(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("drain")
     mp = pytest.MonkeyPatch()
     mp.setenv("RELAYOUT_TOKEN", TOKEN)
-    procs = []
+    children = []
     try:
         pa, a = _start_agent(tmp / "a", tmp / "a.log")
-        procs.append(pa)
+        children.append(pa)
         pb, b = _start_agent(tmp / "b", tmp / "b.log")
-        procs.append(pb)
+        children.append(pb)
         reps = []
         for lay in ("attn_dp=1", "attn_dp=1,moe_ep=1"):  # world size 1: quick to relaunch on 2 CPU cores
             r = httpx.post(f"{a}/v1/replicas", headers=H, json={"model": "builtin:tiny", "layout": lay}, timeout=200)
@@ -80,11 +80,11 @@ def two_agents(tmp_path_factory):
             # targets on B, which real hosts run on their own CPUs. A's replicas yield the CPU to B, so
             # their sessions are still running when the targets are up.
             lower_priority(httpx.get(f"{a}/v1/replicas/{reps[-1]['id']}", headers=H).json()["pid"], 10)
-        gw_p, gw = launch("gateway", "--agent", a, "--agent", b, "--port", "0")
-        procs.append(gw_p)
-        yield {"a": a, "b": b, "gw": gw, "replicas": reps}
+        gw = procs.gateway("--agent", a, "--agent", b, "--port", "0")
+        children.append(gw.p)
+        yield {"a": a, "b": b, "gw": gw.url, "replicas": reps}
     finally:
-        for p in reversed(procs):
+        for p in reversed(children):
             _stop(p)
         mp.undo()
 

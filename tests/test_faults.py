@@ -1,4 +1,4 @@
-"""Fault matrix for live migration and checkpoints (docs/RELIABILITY.md). Every test asserts
+"""Fault matrix for live migration and checkpoints (README.md, Reliability). Every test asserts
 where the sessions finished (source or target) with output identical to an undisturbed run,
 that no KV blocks stay reserved, that no process is left behind, and that the error says
 what happened. Faults are real: a loopback TCP proxy cuts / stalls / garbles the link, kill -9
@@ -8,23 +8,17 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
 from relayout.migrate.live import MigrationError, migrate_live
-from relayout.migrate.procs import alive, children_of, launch, rank_processes, replica
+from relayout.migrate.procs import alive, children_of, launch, rank_processes
 
-from tests.conftest import _free_port
+from tests.fault_kit import fault_kit
 from tests.migration_helpers import (
     Moved,
     Stream,
@@ -59,48 +53,8 @@ class _Die(BaseException):
 
 @pytest.fixture(scope="module")
 def kit(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("faults")
-    full = Path(tempfile.mkdtemp(prefix="relayout-full-"))
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=192k", "tmpfs", str(full)],
-                             capture_output=True).returncode == 0
-    env = {"RELAYOUT_TRANSFER_TTL_S": str(TTL), "RELAYOUT_DATA_DIR": str(tmp),
-           "RELAYOUT_FILE_ROOTS": os.pathsep.join([str(tmp), str(full)])}
-    # moto S3 as its own process (so it can be killed), reached through a proxy that fires the kill
-    moto_port = _free_port()
-    moto = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(moto_port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    s3proxy = Proxy(moto_port)
-    s3env = {"AWS_ENDPOINT_URL": s3proxy.url, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-             "AWS_DEFAULT_REGION": "us-east-1", "AWS_MAX_ATTEMPTS": "2", "AWS_RETRY_MODE": "standard"}
-    pool = ThreadPoolExecutor(8)
-    specs = {
-        "a": (None, {**env, **s3env}),  # the source of most tests
-        "b": (None, env),  # the target of most tests
-        "t_pre": ("attn_tp=2", env),  # killed in pre-copy (two ranks: they must die with it)
-        "t_stop": (None, env),  # killed in stop-and-copy
-        "t_rank": ("attn_tp=2", env),  # loses a rank mid-transfer
-        "s_commit": (None, env),  # source killed right after the commit
-    }
-    futs = {k: pool.submit(replica, *v) for k, v in specs.items()}
-    procs = {}
-    try:
-        for k, f in futs.items():
-            procs[k] = f.result()
-        yield {"procs": procs, "tmp": tmp, "full": full if mounted else None, "moto": moto,
-               "moto_port": moto_port, "s3proxy": s3proxy, "s3env": s3env, "env": env}
-    finally:
-        for f in futs.values():
-            try:
-                f.result().stop()
-            except Exception:  # noqa: BLE001
-                pass
-        pool.shutdown()
-        s3proxy.close()
-        if moto.poll() is None:
-            moto.kill()
-        if mounted:
-            subprocess.run(["umount", str(full)], capture_output=True)
-        shutil.rmtree(full, ignore_errors=True)
+    with fault_kit(tmp_path_factory.mktemp("faults"), TTL) as k:
+        yield k
 
 
 @pytest.fixture(scope="module")

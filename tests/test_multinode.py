@@ -5,12 +5,9 @@ frames refused."""
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import struct
-import subprocess
-import sys
 import threading
 import time
 
@@ -19,9 +16,10 @@ import pytest
 import torch
 from relayout.engine.engine import LLMEngine
 from relayout.engine.rank_channel import ChannelClosed, ChannelError, RankChannel
+from relayout.engine.web import bearer_headers
 from relayout.engine.weights import resolve_model
 from relayout.engine.workers import RankFailure, RankJoinError, RankPlacement, free_port, rank_main
-from relayout.migrate.procs import ROOT, launch
+from relayout.migrate import procs
 
 from tests.test_layouts import run
 
@@ -29,14 +27,10 @@ TOKEN = "multinode-secret"
 
 
 def rank_launcher(rank: int, world: int, endpoint_port: int, model: str = "builtin:tiny",
-                  token: str | None = TOKEN) -> subprocess.Popen:
-    env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(endpoint_port), "PYTHONUNBUFFERED": "1"}
-    env.pop("RELAYOUT_TOKEN", None)
-    if token is not None:
-        env["RELAYOUT_TOKEN"] = token
-    return subprocess.Popen([sys.executable, "-m", "relayout.agent.cli", "rank", "--model", model, "--threads", "1"],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                  token: str | None = TOKEN) -> procs.Proc:
+    env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(endpoint_port), "RELAYOUT_TOKEN": token}
+    return procs.rank("--model", model, "--threads", "1", env=env)
 
 
 def driver_in_thread(layout: str, local: list[int], port: int, out: dict) -> threading.Thread:
@@ -127,7 +121,7 @@ def test_ranks_on_two_launchers_match_world1():
         assert sum(map(sum, eng.expert_stats()["expert_counts"])) > 0
 
         eng.shutdown()  # a clean stop: the remote rank is told to stop and exits 0
-        assert rk.wait(60) == 0, rk.stdout.read()
+        assert rk.wait(60) == 0, rk.output()
     finally:
         if rk.poll() is None:
             rk.kill()
@@ -165,20 +159,18 @@ def test_remote_rank_with_another_model_stops_the_launch():
         t.join(180)
         assert isinstance(out.get("error"), RankFailure) and "different model" in str(out["error"]), out
         assert rk.wait(60) == 1
-        assert "different model" in rk.stdout.read()
+        assert "different model" in rk.output()
     finally:
         if rk.poll() is None:
             rk.kill()
 
 
 def test_relayout_rank_needs_its_environment():
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "MASTER_ADDR", "MASTER_PORT")}
-    r = subprocess.run([sys.executable, "-m", "relayout.agent.cli", "rank"], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=60)
-    assert r.returncode == 2 and "RANK is not set" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "relayout.agent.cli", "rank"], cwd=ROOT, env={**env, "RANK": "1"},
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "MASTER_ADDR" in r.stderr
+    env: dict[str, str | None] = {"RANK": None, "MASTER_ADDR": None, "MASTER_PORT": None}
+    r = procs.rank(env=env)
+    assert r.wait(60) == 2 and "RANK is not set" in r.output()
+    r = procs.rank(env={**env, "RANK": "1"})
+    assert r.wait(60) == 2 and "MASTER_ADDR" in r.output()
 
 
 def test_serve_with_a_remote_rank_over_http():
@@ -187,16 +179,15 @@ def test_serve_with_a_remote_rank_over_http():
     port = free_port()
     env = {"RELAYOUT_TOKEN": TOKEN}
     rk = rank_launcher(1, 2, port)
-    procs = []
+    started: list[procs.Proc] = []
     try:
-        drv = launch("serve", "--layout", "attn_tp=2", "--port", "0", "--local-ranks", "0",
-                     "--rank-endpoint", f"127.0.0.1:{port}", env=env)
-        procs.append(drv)
-        one = launch("serve", "--port", "0", env=env)
-        procs.append(one)
+        drv = procs.replica("attn_tp=2", env, args=("--local-ranks", "0", "--rank-endpoint", f"127.0.0.1:{port}"))
+        started.append(drv)
+        one = procs.replica(None, env)
+        started.append(one)
         req = {"model": "builtin:tiny", "prompt": "ranks on two hosts", "max_tokens": 12, "temperature": 0.7,
                "seed": 3, "return_token_ids": True}
-        hdr = {"Authorization": f"Bearer {TOKEN}"}
+        hdr = bearer_headers(TOKEN)
         got = httpx.post(f"{drv.url}/v1/completions", json=req, headers=hdr, timeout=60).json()
         ref = httpx.post(f"{one.url}/v1/completions", json=req, headers=hdr, timeout=60).json()
         assert got["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"]
@@ -207,5 +198,5 @@ def test_serve_with_a_remote_rank_over_http():
     finally:
         if rk.poll() is None:
             rk.kill()
-        for p in procs:
+        for p in started:
             p.stop()

@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
-import sys
 import threading
-import time
 
 import httpx
 import numpy as np
@@ -17,6 +14,7 @@ import pytest
 from relayout.engine.config import ModelConfig
 from relayout.engine.layout import Layout
 from relayout.engine.weights import resolve_model
+from relayout.migrate import procs
 from relayout.migrate.controller import Controller, SubprocessLauncher
 from relayout.migrate.planner import Placement, balance
 from relayout.migrate.policy import Observation, PolicyConfig, RelayoutPolicy, current_placement
@@ -316,17 +314,8 @@ class YieldingLauncher(SubprocessLauncher):
 
 
 def _launch_gateway(replica_url: str, log_dir) -> tuple[subprocess.Popen, str]:
-    log = open(log_dir / "gateway.log", "w")
-    p = subprocess.Popen([sys.executable, "-m", "relayout.agent.cli", "gateway", "--replica", replica_url, "--port", "0"],
-                         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    t0 = time.time()
-    while time.time() - t0 < 60:
-        m = re.search(r"gateway on (http://\S+)", (log_dir / "gateway.log").read_text())
-        if m:
-            return p, m.group(1)
-        assert p.poll() is None, (log_dir / "gateway.log").read_text()
-        time.sleep(0.1)
-    raise RuntimeError("gateway did not start")
+    gw = procs.gateway("--replica", replica_url, "--port", "0", log=log_dir / "gateway.log", timeout=60)
+    return gw.p, gw.url
 
 
 @pytest.mark.timeout(170)

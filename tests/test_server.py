@@ -1,43 +1,28 @@
-"""The replica HTTP API end to end (a real `relayout serve` subprocess), plus AsyncEngine itself."""
+"""The replica HTTP API end to end (a real replica server subprocess), plus AsyncEngine itself."""
 
 import asyncio
 import json
-import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
 from relayout.engine.async_engine import AsyncEngine, EngineDeadError
 from relayout.engine.engine import LLMEngine, RequestError
 from relayout.engine.session import SamplingParams, SessionStatus
+from relayout.migrate import procs
 
-ROOT = Path(__file__).resolve().parent.parent
 KV_MB = 1  # builtin:tiny: 512 B/token → 2048 tokens, so an over-long request is cheap to make
 
 
 def start_server(*args: str) -> tuple[subprocess.Popen, str]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    p = subprocess.Popen([sys.executable, "-m", "relayout.agent.cli", "serve", "--port", "0", *args], cwd=ROOT, env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 60
-    lines = []
-    while time.time() < deadline:
-        line = p.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if line.startswith("relayout serving "):
-            # keep draining output so the child never blocks on a full pipe
-            threading.Thread(target=lambda: [None for _ in p.stdout], daemon=True).start()
-            return p, line.rsplit(" on ", 1)[1].strip()
-    p.kill()
-    raise AssertionError("server did not start:\n" + "".join(lines))
+    # a bare disconnect detaches a session for the grace, then aborts it: 1 s here (tests/test_reattach.py
+    # checks the reattach within the grace)
+    proc = procs.replica(env={"OMP_NUM_THREADS": "1", "RELAYOUT_DETACH_GRACE_S": "1"}, args=args, timeout=60)
+    return proc.p, proc.url
 
 
 @pytest.fixture(scope="module")

@@ -210,6 +210,25 @@ def test_retried_round_resends_only_chunks_the_target_lacks():
     run(go())
 
 
+def test_pushed_round_counts_as_sent_only_once_delivered():
+    """A round framed in full but not delivered is not taken as sent, nor undone by an overtaken one."""
+    async def go():
+        p = Pair()
+        framed = list(await p.src.export("t1", None, confirm_on_delivery=True))  # never delivered
+        chunks = [f for f in framed if f[:4] == b"RLC1"]
+        assert len(chunks) == 2
+        stale = await p.src.export("t1", None, have=[], confirm_on_delivery=True)
+        again = await p.src.export("t1", None, have=[], confirm_on_delivery=True)
+        list(stale)  # the overtaken round finishes framing after its retry started
+        sent = list(again)
+        assert [f for f in sent if f[:4] == b"RLC1"] == chunks
+        reply = await p.src.push("t1", p.dst.import_round("t1", _pieces(sent), False, "http://src:1"))
+        assert reply["sessions"] and len(p.src.outgoing["t1"].sent_hashes) == 2  # delivered: none sent again
+        assert not [f for f in await p.src.export("t1", None, confirm_on_delivery=True) if f[:4] == b"RLC1"]
+
+    run(go())
+
+
 # ---- target: receiving, commit, aborts ----------------------------------------------------------------
 def test_commit_is_idempotent():
     async def go():

@@ -1,0 +1,206 @@
+"""`relayout bench replication`: what protection (continuous replication to a standby) costs and
+what it saves (docs/benchmarks.md).
+
+- decode tokens/s of one replica serving 8 concurrent sessions, unprotected vs protected at
+  `every_tokens`, in the same run (best of `reps` each, interleaved): `decode_ratio_with_replication`;
+- the replication lag seen meanwhile (max over sessions, sampled);
+- a `kill -9` of the protected source (every process) mid-stream: the client tells the standby the
+  tokens it got, promotes, reattaches; `failover_ms` is kill -> first token from the standby,
+  client side; every output is compared with an undisturbed run: lost, repeated, changed tokens."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+
+import httpx
+from relayout.migrate import procs
+
+Log = Callable[[str], None]
+
+
+def _bodies(n: int, max_tokens: int) -> list[dict]:
+    """Greedy and seeded sessions of different prompt and output lengths."""
+    out = []
+    for i in range(n):
+        b = {"prompt": "the quick brown fox " * (2 + 3 * i), "max_tokens": max_tokens + 16 * i, "ignore_eos": True}
+        b.update({"temperature": 0} if i % 2 == 0 else {"temperature": 0.9, "seed": 7 + i})
+        out.append(b)
+    return out
+
+
+def _reference(url: str, body: dict) -> list[int]:
+    r = httpx.post(f"{url}/v1/completions", json={**body, "return_token_ids": True}, timeout=600)
+    r.raise_for_status()
+    return r.json()["choices"][0]["token_ids"]
+
+
+def _decode_rate(url: str, bodies: list[dict], lag: list[int] | None = None) -> float:
+    """Generated tokens/s of the bodies run concurrently (non-streamed); samples the lag meanwhile."""
+    counts: list[int] = []
+    stop = threading.Event()
+
+    def one(b: dict) -> None:
+        counts.append(len(_reference(url, b)))
+
+    def watch() -> None:
+        while lag is not None and not stop.is_set():
+            try:
+                lag.append(httpx.get(f"{url}/v1/protection", timeout=5).json()["max_lag_tokens"])
+            except (httpx.HTTPError, KeyError, ValueError):
+                pass
+            stop.wait(0.05)
+
+    threads = [threading.Thread(target=one, args=(b,)) for b in bodies]
+    w = threading.Thread(target=watch)
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    w.start()
+    for t in threads:
+        t.join()
+    dt = time.perf_counter() - t0
+    stop.set()
+    w.join()
+    return sum(counts) / dt
+
+
+class _Client(threading.Thread):
+    """A stream from the source; after it breaks: promote on the standby with the tokens got, reattach."""
+
+    def __init__(self, source: str, body: dict):
+        super().__init__(daemon=True)
+        self.source, self.body = source, body
+        self.tokens: list[int] = []
+        self.sid: str | None = None
+        self.target: tuple[str, str] | None = None  # (standby URL, protection id), once killed
+        self.go = threading.Event()
+        self.first_after: float | None = None
+        self.error: str | None = None
+        self.start()
+
+    def _consume(self, r: httpx.Response, after: bool) -> bool:
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line[6:] == "[DONE]":
+                return True
+            obj = json.loads(line[6:])
+            self.sid = self.sid or obj.get("id")
+            ids = obj.get("choices", [{}])[0].get("token_ids") or []
+            if ids and after and self.first_after is None:
+                self.first_after = time.monotonic()
+            self.tokens += ids
+        return False
+
+    def run(self) -> None:
+        try:
+            try:
+                with httpx.stream("POST", f"{self.source}/v1/completions", timeout=120,
+                                  json={**self.body, "stream": True, "return_token_ids": True}) as r:
+                    if self._consume(r, False):
+                        return
+            except httpx.HTTPError:
+                pass
+            if not self.go.wait(120) or self.target is None or self.sid is None:
+                raise RuntimeError("no failover target")
+            standby, pid = self.target
+            r = httpx.post(f"{standby}/v1/standby/{pid}/promote", json={"tokens": {self.sid: self.tokens}},
+                           timeout=60)
+            r.raise_for_status()
+            with httpx.stream("GET", f"{standby}/v1/sessions/{self.sid}/stream", timeout=120,
+                              params={"from_token": len(self.tokens), "return_token_ids": "true"}) as r:
+                r.raise_for_status()
+                self._consume(r, True)
+        except Exception as e:  # noqa: BLE001 - reported in the figures
+            self.error = f"{type(e).__name__}: {e}"
+
+
+def _kill_tree(p: procs.Proc) -> None:
+    for pid in procs.process_tree(p.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    p.kill()
+
+
+def _protect(source: str, standby: str, every_tokens: int) -> dict:
+    r = httpx.post(f"{source}/v1/protection", json={"standby": standby, "every_tokens": every_tokens}, timeout=30)
+    r.raise_for_status()
+    return r.json()
+
+
+def compare(got: list[int], ref: list[int]) -> dict[str, int]:
+    """Tokens lost (missing at the end), repeated (extra), changed (different at the same position)."""
+    n = min(len(got), len(ref))
+    return {"lost": max(0, len(ref) - len(got)), "repeated": max(0, len(got) - len(ref)),
+            "changed": sum(1 for a, b in zip(got[:n], ref[:n], strict=True) if a != b)}
+
+
+def run(model: str = "builtin:tiny", every_tokens: int = 16, sessions: int = 8, max_tokens: int = 256,
+        reps: int = 2, device: str | None = None, log: Log = print) -> dict:
+    args = ("--device", device) if device else ()
+    log(f"starting two {model} replicas")
+    src, sb = procs.replica(model=model, args=args), procs.replica(model=model, args=args)
+    try:
+        bodies = _bodies(sessions, max_tokens)
+        _decode_rate(src.url, bodies[:2])  # warm up
+        plain, protected, lag = [], [], []
+        for i in range(reps):
+            log(f"rep {i + 1}/{reps}: unprotected")
+            plain.append(_decode_rate(src.url, bodies))
+            _protect(src.url, sb.url, every_tokens)
+            log(f"rep {i + 1}/{reps}: protected (every {every_tokens} tokens)")
+            protected.append(_decode_rate(src.url, bodies, lag))
+            httpx.delete(f"{src.url}/v1/protection", timeout=30)
+        log("references for the failover")
+        long_bodies = _bodies(sessions, max_tokens * 4)
+        refs = [_reference(sb.url, b) for b in long_bodies]
+        pid = _protect(src.url, sb.url, every_tokens)["protection"]
+        clients = [_Client(src.url, b) for b in long_bodies]
+        end = time.monotonic() + 120
+        while time.monotonic() < end and not all(len(c.tokens) >= 24 for c in clients):
+            time.sleep(0.01)
+        while time.monotonic() < end and httpx.get(f"{src.url}/v1/protection", timeout=5).json()["rounds"] < 2:
+            time.sleep(0.01)
+        log("kill -9 of the source")
+        killed = time.monotonic()
+        _kill_tree(src)
+        for c in clients:
+            c.target = (sb.url, pid)
+            c.go.set()
+        for c in clients:
+            c.join(300)
+        diffs = [compare(c.tokens, r) for c, r in zip(clients, refs, strict=True)]
+        firsts = [c.first_after - killed for c in clients if c.first_after is not None]
+        return {
+            "model": model, "sessions": sessions, "every_tokens": every_tokens,
+            "decode_tok_s": round(max(plain), 1), "decode_tok_s_protected": round(max(protected), 1),
+            "decode_ratio_with_replication": round(max(protected) / max(plain), 3),
+            "replication_lag_tokens_max": max(lag, default=0),
+            "replication_lag_tokens_median": sorted(lag)[len(lag) // 2] if lag else 0,
+            "failover_ms": round(min(firsts) * 1000, 1) if firsts else None,
+            "failover_ms_max": round(max(firsts) * 1000, 1) if firsts else None,
+            "failed_over_sessions": len(firsts),
+            "lost_tokens": sum(d["lost"] for d in diffs), "repeated_tokens": sum(d["repeated"] for d in diffs),
+            "changed_tokens": sum(d["changed"] for d in diffs),
+            "client_errors": [c.error for c in clients if c.error],
+        }
+    finally:
+        _kill_tree(src)
+        sb.stop()
+
+
+def print_table(res: dict, console) -> None:
+    console.print(f"replication ({res['model']}, {res['sessions']} sessions, every {res['every_tokens']} tokens)")
+    console.print(f"  decode tok/s: {res['decode_tok_s']} unprotected, {res['decode_tok_s_protected']} protected "
+                  f"-> ratio {res['decode_ratio_with_replication']}")
+    console.print(f"  lag tokens: median {res['replication_lag_tokens_median']}, max {res['replication_lag_tokens_max']}")
+    console.print(f"  kill -9 failover: first token after {res['failover_ms']} ms (last session {res['failover_ms_max']} "
+                  f"ms), {res['failed_over_sessions']} sessions; lost {res['lost_tokens']}, repeated "
+                  f"{res['repeated_tokens']}, changed {res['changed_tokens']}")

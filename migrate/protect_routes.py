@@ -1,0 +1,169 @@
+"""The replica routes of protection (docs/replica-api.md): as a source, `POST/GET/DELETE
+/v1/protection` starts, shows (each session's replication lag) and stops the continuous
+replication of this replica's sessions to a standby; as a standby, `/v1/standby/{id}/...`
+takes the rounds, shows the copies and promotes them. They need the replica's bearer token
+when it has one (RELAYOUT_TOKEN)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import httpx
+from fastapi import APIRouter, Depends, FastAPI, Request
+from pydantic import BaseModel, ConfigDict, Field
+from relayout.engine.async_engine import AsyncEngine
+from relayout.engine.web import (
+    MAX_JSON_BODY,
+    URL_RE,
+    BodyLimit,
+    HTTPError,
+    bearer_auth,
+    bearer_headers,
+    check_id,
+    env_token,
+    error_response,
+)
+from relayout.migrate.engine_ops import EngineThreadOps, import_limits
+from relayout.migrate.replication import ProtectConfig, Replicator, engine_progress
+from relayout.migrate.standby import ProtectionError, StandbyTable
+
+
+class ProtectBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    standby: str = Field(..., max_length=2048)  # the standby replica's URL
+    every_tokens: int = Field(16, ge=1, le=1 << 20)
+    every_ms: int = Field(200, ge=10, le=600_000)
+    lease_s: float = Field(1.0, ge=0.2, le=600)
+    # this replica's URL as the standby reaches it (default: the URL this request came to)
+    source_url: str | None = Field(None, max_length=2048)
+    codec: str = Field("none", pattern="^(none|zstd|zstd-planes)$")
+
+
+class PromoteBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    # session -> every generated token id the caller saw (the gateway: every id it forwarded)
+    tokens: dict[str, list[int]] = Field(default_factory=dict, max_length=4096)
+    wait: bool = True  # wait for the lease to lapse (else 409 while it holds)
+
+
+def _url(u: str, what: str) -> str:
+    if len(u) > 2048 or not URL_RE.fullmatch(u):
+        raise HTTPError(400, f"{what} must be an http(s) URL")
+    return u.rstrip("/")
+
+
+def source_answer(token: str | None):
+    """How a standby asks a source about a protection (raises when the source does not answer)."""
+
+    async def ask(source: str, pid: str) -> str | None:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(1.0)) as c:
+            r = await c.get(f"{source}/v1/protection/{pid}", headers=bearer_headers(token))
+        if r.status_code == 404:
+            return None
+        if r.status_code != 200:
+            raise RuntimeError(f"source answered HTTP {r.status_code}")
+        return r.json().get("state")
+
+    return ask
+
+
+def start_protection(app: FastAPI, aengine: AsyncEngine, cfg: ProtectConfig, token: str | None) -> Replicator:
+    """Protect this replica's sessions to `cfg.standby` (on the server's event loop)."""
+    rep = Replicator(Replicator.new_id(), cfg, EngineThreadOps.of(aengine), engine_progress(aengine.engine), token)
+    rep.start()
+    app.state.protection = rep
+    return rep
+
+
+def install_protect_routes(app: FastAPI, aengine: AsyncEngine, token: str | None = None) -> StandbyTable:
+    """Mount protection's routes on a replica's app; returns its StandbyTable (the source side
+    lives in `app.state.protection`)."""
+    token = token if token is not None else env_token()
+    import_limit, frame_limit = import_limits(aengine.engine)
+    standby = StandbyTable(aengine.call, source_answer(token), frame_limit=frame_limit, round_limit=import_limit)
+    app.state.protection = None
+    app.state.standby = standby
+    ended: dict[str, str] = {}  # protections this replica was the source of: id -> stopped | lost
+    r = APIRouter(dependencies=[Depends(bearer_auth(token))])
+
+    def current() -> Replicator:
+        rep = app.state.protection
+        if rep is None:
+            raise HTTPError(404, "this replica's sessions are not protected", "not_found")
+        return rep
+
+    # ---- as the source ----------------------------------------------------------------------------------
+    @r.post("/v1/protection")
+    async def protect(body: ProtectBody, request: Request):
+        rep = app.state.protection
+        if rep is not None and rep.state in ("active", "fenced"):
+            raise HTTPError(409, f"this replica is already protected by {rep.cfg.standby} ({rep.pid})")
+        source = _url(body.source_url or str(request.base_url), "source_url")
+        cfg = ProtectConfig(_url(body.standby, "standby"), source, body.every_tokens, body.every_ms, body.lease_s,
+                            body.codec)
+        if cfg.standby == source:
+            raise HTTPError(400, "a replica cannot be its own standby")
+        return start_protection(app, aengine, cfg, token).view()
+
+    @r.get("/v1/protection")
+    async def protection():
+        return current().view()
+
+    @r.get("/v1/protection/{pid}")
+    async def protection_state(pid: str):
+        check_id(pid, "protection id")
+        rep = app.state.protection
+        if rep is not None and rep.pid == pid:
+            return {"protection": pid, "state": rep.state}
+        if pid in ended:
+            return {"protection": pid, "state": ended[pid]}
+        raise HTTPError(404, f"no protection {pid!r} here", "not_found")
+
+    @r.delete("/v1/protection")
+    async def unprotect():
+        rep = current()
+        out = await rep.stop()
+        ended[rep.pid] = rep.state
+        app.state.protection = None
+        return out
+
+    # ---- as the standby --------------------------------------------------------------------------------
+    @r.post("/v1/standby/{pid}/rounds")
+    async def standby_round(pid: str, request: Request, source: str, lease_s: float):
+        check_id(pid, "protection id")
+        if not 0.2 <= lease_s <= 600:
+            raise HTTPError(400, "lease_s must be in [0.2, 600]")
+
+        async def pieces() -> AsyncIterator[bytes]:
+            async for piece in request.stream():
+                yield piece
+
+        return await standby.receive(pid, _url(source, "source"), lease_s, pieces())
+
+    @r.get("/v1/standby")
+    async def standby_list():
+        now = standby.clock()
+        return {"protections": [h.view(now) for h in standby.held.values()]}
+
+    @r.get("/v1/standby/{pid}")
+    async def standby_view(pid: str):
+        return standby.get(check_id(pid, "protection id")).view(standby.clock())
+
+    @r.post("/v1/standby/{pid}/promote")
+    async def promote(pid: str, body: PromoteBody):
+        check_id(pid, "protection id")
+        return await standby.promote(pid, body.tokens, body.wait)
+
+    @r.delete("/v1/standby/{pid}")
+    async def drop(pid: str):
+        return await standby.drop(check_id(pid, "protection id"))
+
+    app.include_router(r)
+    app.add_middleware(BodyLimit, limit=lambda path: MAX_JSON_BODY if (
+        path.startswith("/v1/protection") or path.endswith("/promote")) else None)
+
+    @app.exception_handler(ProtectionError)
+    async def _protection_error(_: Request, e: ProtectionError):
+        return error_response(e.status, str(e), e.type)
+
+    return standby

@@ -1,0 +1,229 @@
+"""Protection, the source's half (docs/protocol.md, "Protection"): a `Replicator` sends every live
+session's new KV and state to a standby replica continuously, as rounds of one long-lived
+protection — the same frames as a live migration's pre-copy rounds (a cumulative manifest, only
+the chunks the standby lacks). A round goes when a session has `every_tokens` new tokens or
+`every_ms` passed since the last one, whichever first.
+
+Ownership is a lease: each round the standby accepts renews it for `lease_s` from the moment the
+round was cut. When the lease lapses (the standby unreachable: dead, or a partition), this
+replica stops serving the sessions the standby holds (pauses them: "fenced") before the standby
+may promote them (it waits longer: migrate.standby). A later round that gets through resumes
+them; a standby that answers "promoted" owns them: they are released here (migrated to it)."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx
+from relayout.engine.engine import LLMEngine
+from relayout.engine.snapshot import write_snapshot
+from relayout.engine.web import bearer_headers, error_message
+from relayout.migrate.engine_ops import EngineThreadOps
+from relayout.migrate.frame_sink import FrameSink
+from relayout.migrate.transfers import Cut
+from relayout.storage.checkpoint import CheckpointWriter
+from relayout.storage.manifest import KVEntry, Manifest
+
+PROMOTED = "protection_promoted"  # the error type a standby answers once it owns the sessions
+DROPPED = "protection_dropped"  # the error type for a protection the standby has dropped
+WATCH_S = 0.05  # how often the lease and the sessions' progress are looked at
+
+
+@dataclass
+class ProtectConfig:
+    standby: str  # the standby replica's URL, as this replica reaches it
+    source_url: str  # this replica's URL, as the standby reaches it (to ask whether it is alive)
+    every_tokens: int = 16
+    every_ms: int = 200
+    lease_s: float = 1.0
+    codec: str = "none"
+
+
+@dataclass
+class SyncedSession:
+    kv_tokens: int  # KV positions the standby holds
+    tokens: int  # prompt + generated tokens at the last sync (their ids travelled with it)
+
+
+@dataclass
+class Replicator:
+    """One protection of this replica's sessions to one standby. Runs as a task on the server's loop."""
+
+    pid: str
+    cfg: ProtectConfig
+    ops: EngineThreadOps
+    progress: Callable[[], dict[str, int]]  # live session -> tokens now (read without the engine thread)
+    token: str | None = None
+    clock: Callable[[], float] = time.monotonic
+    state: str = "active"  # active | fenced | lost (the standby promoted) | stopped
+    synced: dict[str, SyncedSession] = field(default_factory=dict)
+    entries: list[KVEntry] = field(default_factory=list)  # chunks the standby holds (last acknowledged round)
+    rounds: int = 0
+    round_bytes: int = 0
+    lease_until: float = 0.0
+    fenced: list[str] = field(default_factory=list)
+    last_error: str | None = None
+    last_round_at: float = 0.0
+    _tasks: list[asyncio.Task] = field(default_factory=list)
+
+    @staticmethod
+    def new_id() -> str:
+        return f"prot-{secrets.token_hex(6)}"
+
+    # ---- lifecycle ----------------------------------------------------------------------------------
+    def start(self) -> None:
+        self.lease_until = self.clock() + self.cfg.lease_s  # nothing is fenced before the first round
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._rounds()), loop.create_task(self._watch_lease())]
+
+    async def stop(self) -> dict:
+        """End the protection: the standby frees its copies; sessions this replica fenced run here
+        again unless the standby already owns them."""
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.state == "lost":
+            return {"protection": self.pid, "state": "lost"}
+        self.state = "stopped"
+        standby_state = None
+        try:
+            async with httpx.AsyncClient(timeout=5.0) as c:
+                r = await c.delete(f"{self.cfg.standby}/v1/standby/{self.pid}", headers=bearer_headers(self.token))
+            standby_state = r.json().get("state") if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            pass
+        if standby_state == "promoted":
+            await self._lose()
+        elif self.fenced and standby_state is not None:  # the standby confirmed it serves none of them
+            await self.ops.resume(self.fenced)
+            self.fenced = []
+        return {"protection": self.pid, "state": self.state, "standby": standby_state,
+                "still_fenced": list(self.fenced)}
+
+    def view(self) -> dict:
+        now = self.progress()
+        sessions = [{"id": sid, "tokens": n, "synced_tokens": self.synced[sid].tokens if sid in self.synced else 0,
+                     "lag_tokens": n - (self.synced[sid].tokens if sid in self.synced else 0)}
+                    for sid, n in sorted(now.items())]
+        return {"protection": self.pid, "standby": self.cfg.standby, "state": self.state, "rounds": self.rounds,
+                "bytes": self.round_bytes, "every_tokens": self.cfg.every_tokens, "every_ms": self.cfg.every_ms,
+                "lease_s": self.cfg.lease_s, "lease_left_s": round(max(0.0, self.lease_until - self.clock()), 3),
+                "fenced": list(self.fenced), "last_error": self.last_error, "sessions": sessions,
+                "max_lag_tokens": max((s["lag_tokens"] for s in sessions), default=0)}
+
+    # ---- the rounds ---------------------------------------------------------------------------------
+    def _due(self) -> bool:
+        if self.clock() - self.last_round_at >= self.cfg.every_ms / 1000:
+            return True
+        for sid, n in self.progress().items():
+            if n - (self.synced[sid].tokens if sid in self.synced else 0) >= self.cfg.every_tokens:
+                return True
+        return len(self.progress()) < len(self.synced)  # one finished: free its copy soon
+
+    async def _rounds(self) -> None:
+        limits = httpx.Timeout(60.0, connect=max(0.2, self.cfg.lease_s / 2))
+        async with httpx.AsyncClient(timeout=limits) as client:
+            while self.state in ("active", "fenced"):
+                while not self._due():
+                    await asyncio.sleep(WATCH_S / 2)
+                self.last_round_at = self.clock()
+                try:
+                    await self._round(client)
+                    self.last_error = None
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - keep trying; the lease decides when to fence
+                    self.last_error = f"{type(e).__name__}: {e}"
+                    await asyncio.sleep(min(0.2, self.cfg.every_ms / 1000))
+
+    async def _round(self, client: httpx.AsyncClient) -> None:
+        t0 = self.clock()  # the lease counts from before the cut: the standby stamps it later
+        sent = {sid: s.kv_tokens for sid, s in self.synced.items()}
+        cut = await self.ops.cut(None, False, sent, None)
+        for snap in cut.snaps:
+            # a session preempted here and still recomputing: its KV on the standby stays valid
+            snap.num_kv_tokens = max(snap.num_kv_tokens, sent.get(snap.state.session_id, 0))
+        rnd = self.rounds + 1
+        manifest, frames = await asyncio.to_thread(self._frames, cut, sent, rnd)
+        r = await client.post(f"{self.cfg.standby}/v1/standby/{self.pid}/rounds", content=b"".join(frames),
+                              params={"source": self.cfg.source_url, "lease_s": str(self.cfg.lease_s)},
+                              headers=bearer_headers(self.token))
+        if r.status_code == 409 and _error_type(r) in (PROMOTED, DROPPED):
+            await self._lose()
+            return
+        if r.status_code != 200:
+            if 400 <= r.status_code < 500:  # the standby lost what it held (restarted): send it all again
+                self.synced, self.entries = {}, []
+            raise RuntimeError(f"standby refused round {rnd}: HTTP {r.status_code}: {error_message(r)}")
+        self.lease_until = t0 + self.cfg.lease_s
+        self.rounds, self.round_bytes = rnd, self.round_bytes + sum(len(f) for f in frames)
+        self.entries = list(manifest.kv_entries)
+        self.synced = {e.session_id: SyncedSession(e.num_kv_tokens, len(e.state["prompt_token_ids"])
+                                                   + len(e.state["output_token_ids"])) for e in manifest.sessions}
+        if self.state == "fenced":
+            fenced, self.fenced, self.state = self.fenced, [], "active"
+            await self.ops.resume(fenced)
+
+    def _frames(self, cut: Cut, sent: dict[str, int], rnd: int) -> tuple[Manifest, list[bytes]]:
+        """One round's frames: chunks the standby lacks, then the cumulative manifest (any thread)."""
+        sink = FrameSink({e.chunk.hash for e in self.entries}, self.cfg.codec)
+        w = CheckpointWriter(sink, f"{self.pid}-r{rnd}", codec=self.cfg.codec)
+        live = {snap.state.session_id for snap in cut.snaps}
+        w.carry([e for e in self.entries if e.session_id in live])  # a finished session's copy is dropped
+        write_snapshot(cut.snaps, w, sent)
+        m = w.commit(cut.model, cut.layout, cut.geometry, {"protection": self.pid, "round": rnd})
+        return m, sink.take()
+
+    # ---- the lease ----------------------------------------------------------------------------------
+    async def _watch_lease(self) -> None:
+        while self.state in ("active", "fenced"):
+            if self.state == "active" and self.clock() > self.lease_until:
+                await self._fence()
+            await asyncio.sleep(WATCH_S)
+
+    async def _fence(self) -> None:
+        """The lease lapsed: stop serving what the standby holds before it may promote it."""
+        ids = list(self.synced)
+
+        def pause(e: LLMEngine) -> list[str]:
+            live = [sid for sid in ids if sid in e.sessions and not e.sessions[sid].is_finished]
+            e.pause(live)
+            return live
+
+        # paused first, then reported: whoever sees "fenced" sees them stopped (a round that renews
+        # the lease meanwhile leaves them paused until the next one resumes them)
+        self.fenced = await self.ops.call(pause)
+        self.state = "fenced"
+
+    async def _lose(self) -> None:
+        """The standby promoted: the sessions it holds are its own now; free them here."""
+        self.state = "lost"
+        ids = list(dict.fromkeys(self.fenced + list(self.synced)))
+        self.fenced = []
+        await self.ops.release(ids, self.cfg.standby)
+
+
+def _error_type(r: httpx.Response) -> str | None:
+    try:
+        return r.json()["error"]["type"]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def engine_progress(engine: LLMEngine) -> Callable[[], dict[str, int]]:
+    """Live session -> tokens, read from the event loop while the engine thread runs: a racy read of
+    ints, good enough to decide when a round is due (the round itself is cut on the engine thread)."""
+
+    def read() -> dict[str, int]:
+        for _ in range(5):
+            try:
+                return {sid: s.num_tokens for sid, s in list(engine.sessions.items()) if not s.is_finished}
+            except RuntimeError:  # the dict changed size under us: read again
+                continue
+        return {}
+
+    return read

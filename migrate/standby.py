@@ -1,0 +1,277 @@
+"""Protection, the standby's half: the copies of another replica's sessions, kept through the
+live-transfer import machinery (engine.receive: blocks reserved, KV imported round by round,
+nothing placed, so this replica's own traffic keeps running), the source's lease, and promotion.
+
+Promotion (idempotent) happens only when the lease has lapsed — the source stopped renewing it
+longer ago than the source itself waits before it stops serving (migrate.replication) — and the
+source does not answer, or answers that it no longer serves them. The promoted sessions continue
+from the last sync; tokens generated on the source after it (told by whoever triggers the
+promotion: the gateway, a client) are appended, their KV recomputed by a short prefill, and the
+sampler's generator advanced past them, so greedy and seeded sessions go on exactly."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+from relayout.engine.engine import LLMEngine
+from relayout.engine.receive import abort_incoming, free_reservations, receive_round
+from relayout.engine.sampling import advance_rng
+from relayout.engine.session import SessionState, SessionStatus
+from relayout.migrate.engine_ops import EngineCall
+from relayout.storage.manifest import Manifest
+from relayout.storage.store_base import Store
+from relayout.storage.stores import MemoryStore
+from relayout.storage.stream import StreamReceiver
+
+AUTO_GRACE_S = 0.5  # the standby's own promotion waits this much longer than one a caller triggers
+# (source) -> its answer about the protection: "active" | "fenced" | "lost" | "stopped" | None (unknown
+# there); raises when the source does not answer
+AskSource = Callable[[str, str], Awaitable[str | None]]
+
+
+class ProtectionError(Exception):
+    status = 409
+    type = "conflict"
+
+
+class Promoted(ProtectionError):
+    type = "protection_promoted"
+
+
+class Dropped(ProtectionError):
+    type = "protection_dropped"
+
+
+class NotLapsed(ProtectionError):
+    type = "lease_held"
+
+
+class Diverged(ProtectionError):
+    type = "tokens_diverged"
+
+
+class UnknownProtection(ProtectionError):
+    status = 404
+    type = "not_found"
+
+
+def promote_after(lease_s: float) -> float:
+    """How long the standby waits after the last round before it may promote: longer than the
+    source's lease plus the time the source needs to pause (one step)."""
+    return 1.5 * lease_s + 0.25
+
+
+@dataclass
+class Held:
+    """The copies of one protection (engine.receive.IncomingKV) and its lease."""
+
+    pid: str
+    source: str
+    lease_s: float
+    last: float
+    store: Store = field(default_factory=MemoryStore)
+    blocks: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
+    upto: dict[str, int] = field(default_factory=dict)
+    placed: list[str] = field(default_factory=list)
+    manifest: Manifest | None = None
+    state: str = "standby"  # standby | promoted | dropped
+    rounds: int = 0
+    promoted: dict[str, int] = field(default_factory=dict)  # session -> tail tokens recomputed at promotion
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def lapsed(self, now: float) -> bool:
+        return now - self.last > promote_after(self.lease_s)
+
+    def view(self, now: float) -> dict:
+        m = self.manifest
+        return {"protection": self.pid, "source": self.source, "state": self.state, "rounds": self.rounds,
+                "since_last_round_s": round(now - self.last, 3), "promote_after_s": promote_after(self.lease_s),
+                "sessions": [{"id": e.session_id, "kv_tokens": e.num_kv_tokens,
+                              "tokens": len(e.state["prompt_token_ids"]) + len(e.state["output_token_ids"])}
+                             for e in (m.sessions if m else [])],
+                "tail_tokens": dict(self.promoted)}
+
+
+def _finish_reason(e: LLMEngine, st: SessionState) -> str | None:
+    """Whether the tokens told at promotion already end the session (as engine._append decides)."""
+    p, tok = st.sampling, st.output_token_ids[-1]
+    if (not p.ignore_eos and tok in e.tokenizer.eos_token_ids) or tok in p.stop_token_ids:
+        return "stop"
+    return "length" if len(st.output_token_ids) >= p.max_tokens else None
+
+
+def tail_of(st: SessionState, told: list[int] | None) -> list[int]:
+    """The generated tokens told beyond the synced ones (Diverged if they disagree with them)."""
+    if not told:
+        return []
+    have = st.output_token_ids
+    if told[: len(have)] != have[: len(told)]:
+        raise Diverged(f"session {st.session_id}: the tokens told differ from the ones synced")
+    return list(told[len(have):])
+
+
+def place_promoted(e: LLMEngine, h: Held, told: dict[str, list[int]]) -> dict[str, int]:
+    """Engine thread: the held sessions become this replica's, running; returns the tail tokens
+    recomputed per session."""
+    assert h.manifest is not None
+    states = {x.session_id: (SessionState.from_dict(x.state), x.num_kv_tokens) for x in h.manifest.sessions}
+    tails = {sid: tail_of(st, told.get(sid)) for sid, (st, _) in states.items()}  # all checked first
+    out: dict[str, int] = {}
+    for sid, (st, n_kv) in states.items():
+        g, blocks = h.blocks.pop(sid)
+        tail = tails[sid] if st.sampling.logprobs is None else []  # logprobs: regenerate the tail instead
+        if tail:
+            advance_rng(st, e.cfg.vocab_size, len(tail))
+            st.output_token_ids += tail
+        st.num_computed = n_kv
+        if n_kv == 0:  # not admitted on the source yet: prefill here from scratch
+            e.allocators[g].free(blocks)
+            st.status = SessionStatus.WAITING
+            e.adopt(st, g, None)
+        else:
+            st.status = SessionStatus.RUNNING
+            e.adopt(st, g, blocks)
+        reason = _finish_reason(e, st) if tail else None
+        if reason is not None:
+            e.abort(sid, reason)
+        out[sid] = len(tail)
+    free_reservations(e, h)
+    return out
+
+
+class StandbyTable:
+    """Every protection this replica is the standby of. Methods run on one asyncio loop."""
+
+    def __init__(self, call: EngineCall, ask: AskSource, *, clock: Callable[[], float] = time.monotonic,
+                 frame_limit: int = 1 << 30, round_limit: int = 1 << 62, autopromote: bool = True):
+        self.call, self.ask, self.clock = call, ask, clock
+        self.frame_limit, self.round_limit, self.autopromote = frame_limit, round_limit, autopromote
+        self.held: dict[str, Held] = {}
+        self.ended: dict[str, str] = {}  # protection -> promoted | dropped (refuses later rounds)
+        self._watcher: asyncio.Task | None = None
+
+    def get(self, pid: str) -> Held:
+        h = self.held.get(pid)
+        if h is None:
+            raise UnknownProtection(f"no protection {pid!r} on this standby ({self.ended.get(pid, 'unknown')})")
+        return h
+
+    # ---- rounds ---------------------------------------------------------------------------------------
+    async def receive(self, pid: str, source: str, lease_s: float, pieces: AsyncIterator[bytes]) -> dict:
+        """One round from the source: import it and renew the lease."""
+        if self.ended.get(pid) == "promoted" or (pid in self.held and self.held[pid].state == "promoted"):
+            raise Promoted(f"protection {pid} was promoted: this replica owns its sessions")
+        if pid in self.ended:
+            raise Dropped(f"protection {pid} was dropped here")
+        h = self.held.get(pid)
+        if h is None:
+            h = self.held[pid] = Held(pid, source, lease_s, self.clock())
+            self._ensure_watcher()
+        recv = StreamReceiver(h.store, max_frame_bytes=self.frame_limit)
+        n = 0
+        async for piece in pieces:
+            n += len(piece)
+            if n > self.round_limit:
+                raise ProtectionError(f"round of protection {pid} exceeds this replica's import limit")
+            recv.feed(piece)
+        manifest = recv.close()
+        async with h.lock:
+            if h.state != "standby":
+                raise Promoted(f"protection {pid} was promoted while its round arrived")
+
+            def take(e: LLMEngine) -> dict:
+                res = receive_round(e, h, manifest, final=False)
+                gone = [sid for sid in h.blocks if sid not in res["sessions"]]
+                for sid in gone:  # finished on the source: its copy is not needed any more
+                    g, blocks = h.blocks.pop(sid)
+                    h.upto.pop(sid, None)
+                    e.allocators[g].free(blocks)
+                return res
+
+            res = await self.call(take)
+            if h.manifest is not None and h.manifest.checkpoint_id != manifest.checkpoint_id:
+                h.store.delete_checkpoint(h.manifest.checkpoint_id)  # keeps the chunks the new one lists
+            h.manifest, h.source, h.lease_s, h.last = manifest, source, lease_s, self.clock()
+            h.rounds += 1
+        return {"protection": pid, "state": h.state, "sessions": res["sessions"],
+                "imported_tokens": res["imported_tokens"], "promote_after_s": promote_after(lease_s)}
+
+    # ---- promotion --------------------------------------------------------------------------------------
+    async def promote(self, pid: str, told: dict[str, list[int]] | None = None, wait: bool = True) -> dict:
+        """Make the held sessions this replica's. Idempotent (a repeat checks the tokens told against
+        what the sessions hold). With `wait`, waits for the lease to lapse first."""
+        h = self.get(pid)
+        if h.state == "promoted":
+            return await self._promoted_view(h, told or {})
+        if wait:
+            while h.state == "standby" and not h.lapsed(self.clock()):
+                await asyncio.sleep(max(0.01, h.last + promote_after(h.lease_s) - self.clock() + 0.01))
+        if h.state == "promoted":
+            return await self._promoted_view(h, told or {})
+        if not h.lapsed(self.clock()):
+            raise NotLapsed(f"protection {pid}: the source renewed its lease "
+                            f"{self.clock() - h.last:.2f}s ago; it still owns the sessions")
+        try:
+            answer = await self.ask(h.source, pid)
+        except Exception:  # noqa: BLE001 - no answer: dead, or on the far side of a partition
+            answer = None
+        if answer == "stopped":
+            await self.drop(pid)
+            raise Dropped(f"protection {pid} was stopped on its source")
+        if answer == "active":
+            raise NotLapsed(f"protection {pid}: the source answers that it still serves the sessions")
+        async with h.lock:
+            if h.state == "promoted":
+                return await self._promoted_view(h, told or {})
+            if not h.lapsed(self.clock()) or h.manifest is None:  # a round came in meanwhile
+                raise NotLapsed(f"protection {pid}: the source renewed its lease")
+            h.promoted = await self.call(lambda e: place_promoted(e, h, told or {}))
+            h.state = "promoted"
+            self.ended[pid] = "promoted"
+            h.store = MemoryStore()  # the staged chunks are not needed any more
+        return {**h.view(self.clock()), "sessions_promoted": sorted(h.promoted)}
+
+    async def _promoted_view(self, h: Held, told: dict[str, list[int]]) -> dict:
+        def check(e: LLMEngine) -> None:
+            for sid, toks in told.items():
+                s = e.sessions.get(sid)
+                if s is not None:
+                    n = min(len(s.output_token_ids), len(toks))
+                    if s.output_token_ids[:n] != list(toks[:n]):
+                        raise Diverged(f"session {sid}: the tokens told differ from the promoted session's")
+
+        await self.call(check)
+        return {**h.view(self.clock()), "sessions_promoted": sorted(h.promoted), "already": "promoted"}
+
+    async def drop(self, pid: str) -> dict:
+        """Free the copies (the source stopped protecting); a promoted protection stays promoted."""
+        h = self.get(pid)
+        async with h.lock:
+            if h.state == "promoted":
+                return {"protection": pid, "state": "promoted"}
+            h.state = "dropped"
+            self.held.pop(pid, None)
+            self.ended[pid] = "dropped"
+            await self.call(lambda e: abort_incoming(e, h))
+        return {"protection": pid, "state": "dropped"}
+
+    # ---- the lease watcher -----------------------------------------------------------------------------
+    async def watch(self) -> None:
+        """Promote each protection whose lease lapsed (a little after a caller could have, so one
+        that knows the tail tokens usually gets there first)."""
+        while any(h.state == "standby" for h in self.held.values()):
+            await asyncio.sleep(0.1)
+            now = self.clock()
+            for pid, h in list(self.held.items()):
+                if h.state == "standby" and now - h.last > promote_after(h.lease_s) + AUTO_GRACE_S:
+                    try:
+                        await self.promote(pid, None, wait=False)
+                    except Exception:  # noqa: BLE001 - the source answered, or a round came: look again later
+                        pass
+
+    def _ensure_watcher(self) -> None:
+        if self.autopromote and (self._watcher is None or self._watcher.done()):
+            self._watcher = asyncio.get_running_loop().create_task(self.watch())

@@ -1,0 +1,170 @@
+"""How a round's frames travel from the source replica to the target replica (docs/protocol.md).
+
+The migrator asks the source to export a round *to* the target (`target` in the export
+request); the source pushes the frames itself, so the KV crosses one hop and the migrator only
+sees small control messages. `Transport` is the seam: `HttpTransport` posts the frames to the
+target's import route (chunked HTTP, the replica's bearer token); another transport (an RDMA
+transfer engine, say) implements the same `push` and nothing else changes.
+
+The frames are produced by a thread (cutting chunks into frames, hashing) a few frames ahead of
+the sender (`pump`), so producing and sending overlap and the event loop never hashes. Pre-copy
+rounds may be throttled to `RELAYOUT_PRECOPY_MBPS` megabytes per second so that, on a CPU box,
+the source's decoding keeps its share of the cores; the final round (sessions paused) never is."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Iterator
+from typing import Protocol
+
+import httpx
+from relayout.engine.web import bearer_headers, error_message
+
+IMPORT_PATH = "/v1/sessions/import"
+PUMP_DEPTH = 6  # frames produced ahead of the sender (each at most a chunk: a few MiB)
+
+
+class PushFailed(Exception):
+    """The round did not reach the target. `retryable`: the link failed (cut, refused, timed out),
+    so the round may be resumed from the chunks the target acknowledges; otherwise the target
+    refused it (garbled frames, no room, a dead rank)."""
+
+    def __init__(self, message: str, retryable: bool):
+        super().__init__(message)
+        self.retryable = retryable
+
+
+class Transport(Protocol):
+    async def push(self, target: str, transfer: str, frames: AsyncIterator[bytes], *, final: bool,
+                   source: str | None, timeout_s: float) -> dict:
+        """Deliver one round's frames to the target replica; its import reply (a dict), or PushFailed."""
+        ...
+
+
+class HttpTransport:
+    """Chunked HTTP POST to the target's import route, authenticated with the replica's token."""
+
+    def __init__(self, token: str | None):
+        self.token = token
+
+    async def push(self, target: str, transfer: str, frames: AsyncIterator[bytes], *, final: bool,
+                   source: str | None, timeout_s: float) -> dict:
+        params: dict = {"transfer": transfer, "final": "true" if final else "false"}
+        if source:
+            params["source"] = source  # whom the target asks if the migrator disappears
+        try:
+            async with httpx.AsyncClient(timeout=timeout_s) as client:
+                resp = await client.post(f"{target.rstrip('/')}{IMPORT_PATH}", params=params, content=frames,
+                                         headers=bearer_headers(self.token))
+                await resp.aread()
+        except httpx.TransportError as e:
+            raise PushFailed(f"target import: {type(e).__name__}: {e or 'no detail'}", retryable=True) from None
+        finally:
+            close = getattr(frames, "aclose", None)
+            if close is not None:  # stops the round's producer now, not whenever the iterator is collected
+                await close()
+        if resp.status_code >= 400:
+            raise PushFailed(f"target import: HTTP {resp.status_code}: {error_message(resp)}", retryable=False)
+        try:
+            reply = resp.json()
+        except ValueError:
+            raise PushFailed("target import: the answer is not JSON", retryable=False) from None
+        if not isinstance(reply, dict):
+            raise PushFailed("target import: the answer is not a JSON object", retryable=False)
+        return reply
+
+
+def precopy_mbps() -> float | None:
+    """RELAYOUT_PRECOPY_MBPS: the pre-copy budget in MB/s (unset or 0: unthrottled)."""
+    try:
+        v = float(os.environ.get("RELAYOUT_PRECOPY_MBPS", "0"))
+    except ValueError:
+        return None
+    return v if v > 0 else None
+
+
+async def pump(frames: Iterator[bytes], mbps: float | None = None, depth: int = PUMP_DEPTH,
+               counter: list[int] | None = None) -> AsyncIterator[bytes]:
+    """The frames of a (blocking) iterator, produced by a thread `depth` frames ahead, at most
+    `mbps` MB/s. `counter[0]` counts the bytes handed on."""
+    loop = asyncio.get_running_loop()
+    q: asyncio.Queue = asyncio.Queue()
+    room = threading.Semaphore(depth)
+    stop = threading.Event()
+    end = object()
+
+    def put(item: object) -> None:
+        try:
+            loop.call_soon_threadsafe(q.put_nowait, item)
+        except RuntimeError:  # the loop is gone: nobody is listening any more
+            stop.set()
+
+    def produce() -> None:
+        try:
+            for f in frames:
+                while not room.acquire(timeout=0.25):
+                    if stop.is_set():
+                        return
+                if stop.is_set():
+                    return
+                put(f)
+            put(end)
+        except BaseException as e:  # noqa: BLE001 - handed to the sender, which raises it
+            put(e)
+        finally:
+            close = getattr(frames, "close", None)
+            if close is not None:
+                close()
+
+    threading.Thread(target=produce, name="frame-pump", daemon=True).start()
+    t0, sent = time.perf_counter(), 0
+    try:
+        while True:
+            item = await q.get()
+            if item is end:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            room.release()
+            yield item  # type: ignore[misc]
+            sent += len(item)  # type: ignore[arg-type]
+            if counter is not None:
+                counter[0] = sent
+            if mbps:
+                ahead = sent / (mbps * 1e6) - (time.perf_counter() - t0)
+                if ahead > 0:
+                    await asyncio.sleep(ahead)
+    finally:
+        stop.set()
+        room.release()
+
+
+async def progress_stream(push: Awaitable[dict], counter: list[int], every_s: float = 1.0) -> AsyncIterator[bytes]:
+    """The export reply of a pushed round: a space every `every_s` while the push runs (so the
+    migrator's read timeout measures silence, not the round's length), then one JSON object,
+    {"reply": <target's import reply>, "bytes": n} or {"error": {"message"}, "retryable"}."""
+    task = asyncio.ensure_future(push)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=every_s)
+            if done:
+                break
+            yield b" "
+        try:
+            out: dict = {"reply": task.result(), "bytes": counter[0]}
+        except PushFailed as e:
+            out = {"error": {"message": str(e), "type": "push_failed"}, "retryable": e.retryable, "bytes": counter[0]}
+        except asyncio.CancelledError:
+            out = {"error": {"message": "the transfer was aborted on the source while its round was being sent",
+                             "type": "conflict"}, "retryable": False, "bytes": counter[0]}
+        except Exception as e:  # noqa: BLE001 - reported to the migrator, which aborts
+            out = {"error": {"message": f"source push failed: {type(e).__name__}: {e}", "type": "internal"},
+                   "retryable": False, "bytes": counter[0]}
+        yield json.dumps(out).encode()
+    finally:
+        if not task.done():  # the migrator went away: nobody will learn this round's outcome
+            task.cancel()

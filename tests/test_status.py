@@ -1,0 +1,99 @@
+"""`relayout status` as an operator runs it: two agents, a replica with live sessions on the first,
+a drain to the second; status shows the drain running with its progress, then where things went."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from relayout.migrate import procs
+
+from tests.conftest import _free_port
+from tests.migration_helpers import Stream
+from tests.test_agent import TOKEN, H, _start_agent, _stop, _wait_op
+from tests.test_drain import lower_priority
+
+BODY = {"prompt": "status", "max_tokens": 3500, "temperature": 0, "ignore_eos": True}
+
+
+def status(*agents: str, as_json: bool = True) -> subprocess.CompletedProcess:
+    args = [sys.executable, "-m", procs.CLI_MODULE, "status", *(x for a in agents for x in ("--agent", a))]
+    return subprocess.run([*args, *(["--json"] if as_json else [])], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "RELAYOUT_TOKEN": TOKEN, "COLUMNS": "240"})
+
+
+@pytest.fixture()
+def two_agents(tmp_path, monkeypatch):
+    monkeypatch.setenv("RELAYOUT_TOKEN", TOKEN)
+    pa, a = _start_agent(tmp_path / "a", tmp_path / "a.log")
+    try:
+        pb, b = _start_agent(tmp_path / "b", tmp_path / "b.log")
+    except BaseException:
+        _stop(pa)
+        raise
+    try:
+        yield a, b
+    finally:
+        _stop(pa)
+        _stop(pb)
+
+
+def test_status_follows_a_drain(two_agents):
+    a, b = two_agents
+    r = httpx.post(f"{a}/v1/replicas", headers=H, json={"model": "builtin:tiny", "layout": "attn_dp=1"}, timeout=200)
+    assert r.status_code == 201, r.text
+    rep = r.json()
+    lower_priority(httpx.get(f"{a}/v1/replicas/{rep['id']}", headers=H).json()["pid"], 10)  # B's launch goes first
+    streams = [Stream(rep["url"], {**BODY, "prompt": f"status {i}"}, follow=[]) for i in range(2)]
+    for s in streams:
+        assert s.started.wait(60)
+
+    before = json.loads(status(a, b).stdout)
+    na, nb = before["nodes"]
+    assert na["reachable"] and not na["draining"] and nb["reachable"] and nb["replicas"] == []
+    (shown,) = na["replicas"]
+    assert shown["id"] == rep["id"] and shown["sessions"] == 2 and shown["kv_blocks_used"] > 0
+    assert shown["layout"]["attn_dp"] == 1 and 0 < shown["expert_balance"] <= 1
+
+    oid = httpx.post(f"{a}/v1/drain", headers=H, json={"target_agent": b}, timeout=60).json()["operation_id"]
+    seen = None
+    end = time.monotonic() + 120
+    while time.monotonic() < end:  # while B launches the target, the drain is running with its sessions listed
+        st = json.loads(status(a, b).stdout)
+        ops = [o for o in st["nodes"][0]["operations"] if o["id"] == oid]
+        if ops and ops[0]["state"] == "running" and ops[0]["total"] == 2:
+            seen = st
+            break
+        time.sleep(0.3)
+    assert seen is not None, "status never showed the drain running"
+    assert seen["nodes"][0]["draining"] is True
+    (op,) = seen["nodes"][0]["operations"]
+    assert op["kind"] == "drain" and 0 <= op["done"] <= 2
+    assert [e["replica"] for e in op["replicas"]] == [rep["id"]] and op["replicas"][0]["sessions_at_start"] == 2
+
+    table = status(a, b, as_json=False)
+    assert table.returncode == 0, table.stderr
+    for text in ("relayout status", "draining", f"drain {oid}", rep["id"], "━"):  # "━": the progress bar
+        assert text in table.stdout, table.stdout
+
+    done = _wait_op(a, oid, timeout=240)
+    assert done["state"] == "succeeded", done
+    after = json.loads(status(a, b).stdout)
+    assert after["nodes"][0]["operations"] == [] and after["nodes"][0]["draining"] is True
+    (moved,) = after["nodes"][1]["replicas"]
+    assert moved["id"] == done["result"]["replicas"][0]["target_replica"]
+    for s in streams:
+        s.join(240)
+
+
+def test_status_names_an_unreachable_agent():
+    dead = f"http://127.0.0.1:{_free_port()}"
+    got = status(dead)
+    assert got.returncode == 1
+    (node,) = json.loads(got.stdout)["nodes"]
+    assert node["agent"] == dead and not node["reachable"] and "ConnectError" in node["error"]

@@ -1,0 +1,155 @@
+"""Traces of the operations that move sessions (docs/observability.md), across real processes.
+
+The migrator runs here with an in-memory span exporter; the replicas (and the agent) are real
+processes exporting by OTLP/HTTP to a receiver this test runs. The tree is asserted by span
+names, parents (the replicas' server spans continue the migrator's `traceparent`) and bytes."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from relayout.engine import tracing
+from relayout.migrate import procs
+from relayout.migrate.live import migrate_live
+
+from tests.migration_helpers import streams_on, wait_for
+from tests.otlp_sink import OTLPSink
+from tests.test_agent import TOKEN, H, _start_agent, _stop, _wait_op
+
+BODY = {"prompt": "trace me", "max_tokens": 3000, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def sink():
+    s = OTLPSink()
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def memory_spans():
+    """This process's spans, in memory (the SDK installed once; later tests in the process keep it)."""
+    provider = trace.get_tracer_provider()
+    if not isinstance(provider, TracerProvider):
+        provider = TracerProvider()
+        trace.set_tracer_provider(provider)
+    exporter = InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    yield exporter
+    exporter.shutdown()  # stops recording into it
+
+
+@pytest.fixture(scope="module")
+def replicas(sink):
+    env = {**sink.env(), "RELAYOUT_TOKEN": None}
+    ps = [procs.replica(env=env, wait=False) for _ in range(2)]
+    try:
+        yield [p.wait_ready(180) for p in ps]
+    finally:
+        for p in ps:
+            p.stop()
+
+
+def test_exporter_only_from_the_environment(monkeypatch):
+    for var in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_TRACES_EXPORTER",
+                "OTEL_SDK_DISABLED"):
+        monkeypatch.delenv(var, raising=False)
+    assert tracing.exporter_from_env() is None
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4318")
+    assert tracing.exporter_from_env() == "otlp"
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "none")
+    assert tracing.exporter_from_env() is None
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "console")
+    assert tracing.exporter_from_env() == "console"
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
+    assert tracing.exporter_from_env() is None
+
+
+def test_live_migration_span_tree(replicas, sink, memory_spans):
+    src, dst = replicas
+    streams = streams_on(src, [BODY, {**BODY, "prompt": "and me too"}], [dst])
+    res = migrate_live(src, dst, small_bytes=0, max_rounds=3)
+    assert sorted(res.sessions) == sorted(s.sid for s in streams)
+
+    first = wait_for(lambda: [s for s in memory_spans.get_finished_spans() if s.name == "first-token"], 30)
+    assert first and first[0].attributes["relayout.outcome"] == "token", first
+    spans = memory_spans.get_finished_spans()
+    (root,) = [s for s in spans if s.name == "migration"]
+    assert root.parent is None and root.attributes["relayout.transfer"] == res.transfer_id
+    assert root.attributes["relayout.bytes"] == res.bytes_total
+    kids = [s for s in spans if s.parent is not None and s.parent.span_id == root.context.span_id]
+    names = [s.name for s in sorted(kids, key=lambda s: s.start_time)]
+    rounds = [s for s in kids if s.name == "pre-copy"]
+    assert names == ["pre-copy"] * len(rounds) + ["stop-and-copy", "prepared", "committed", "first-token"], names
+    assert len(rounds) == len(res.rounds) - 1 >= 1
+    assert [s.attributes["relayout.round"] for s in rounds] == list(range(len(rounds)))
+    assert [s.attributes["relayout.bytes"] for s in rounds] == [r.bytes for r in res.rounds[:-1]]
+    assert all(s.attributes["relayout.bytes"] > 0 for s in rounds)
+    (final,) = [s for s in kids if s.name == "stop-and-copy"]
+    assert final.attributes["relayout.bytes"] == res.rounds[-1].bytes > 0
+    phase_id = {s.name: s.context.span_id for s in kids if s.name != "pre-copy"}
+
+    # the replicas' server spans hang below the phase that called them, in the same trace
+    trace_id = root.context.trace_id
+    imports = sink.find(lambda s: s.trace_id == trace_id and s.name == "POST /v1/sessions/import",
+                        count=len(res.rounds))
+    assert len(imports) == len(res.rounds), [(s.span_id, s.parent_id) for s in imports]
+    by_parent = {s.parent_id: s for s in imports}
+    for phase, nbytes in [*((s.context.span_id, s.attributes["relayout.bytes"]) for s in rounds),
+                          (final.context.span_id, final.attributes["relayout.bytes"])]:
+        imp = by_parent[phase]
+        assert imp.service == "relayout-replica"
+        assert imp.attributes["http.request.body.size"] == nbytes  # what the target received is what moved
+        assert imp.attributes["http.response.status_code"] == 200
+    exports = sink.find(lambda s: s.trace_id == trace_id and s.name == "POST /v1/sessions/export",
+                        count=len(res.rounds))
+    assert sorted(s.attributes["http.response.body.size"] for s in exports) == sorted(r.bytes for r in res.rounds)
+    (release,) = sink.find(lambda s: s.trace_id == trace_id and s.name == "POST /v1/sessions/release")
+    assert release.parent_id == phase_id["prepared"]
+    (commit,) = sink.find(lambda s: s.trace_id == trace_id and s.name == "POST /v1/sessions/transfers/{transfer}/commit")
+    assert commit.parent_id == phase_id["committed"]
+    (stream,) = sink.find(lambda s: s.trace_id == trace_id and s.name == "GET /v1/sessions/{sid}/stream")
+    assert stream.parent_id == phase_id["first-token"]
+    for s in streams:
+        s.join(120)
+
+
+def test_checkpoint_then_restore_span_tree(sink, tmp_path, monkeypatch):
+    monkeypatch.setenv("RELAYOUT_TOKEN", TOKEN)
+    for k, v in sink.env().items():
+        if v is None:
+            monkeypatch.delenv(k, raising=False)
+        else:
+            monkeypatch.setenv(k, v)
+    p, agent = _start_agent(tmp_path / "a", tmp_path / "a.log")
+    try:
+        r = httpx.post(f"{agent}/v1/replicas", headers=H, json={"model": "builtin:tiny"}, timeout=200)
+        assert r.status_code == 201, r.text
+        rep = r.json()
+        streams_on(rep["url"], [BODY], [])  # a session to checkpoint (ended by the checkpoint's stop)
+        oid = httpx.post(f"{agent}/v1/replicas/{rep['id']}/checkpoint", headers=H, json={"stop": True}).json()
+        ck = _wait_op(agent, oid["operation_id"])
+        assert ck["state"] == "succeeded", ck
+        oid = httpx.post(f"{agent}/v1/restore", headers=H,
+                         json={"checkpoint": ck["result"]["checkpoint"], "replica": rep["id"]}).json()
+        rs = _wait_op(agent, oid["operation_id"])
+        assert rs["state"] == "succeeded" and rs["result"]["sessions"] == ck["result"]["sessions"], rs
+
+        (op_ck,) = sink.find(lambda s: s.name == "checkpoint" and s.attributes.get("relayout.operation") == ck["id"])
+        assert op_ck.service == "relayout-agent" and op_ck.attributes["relayout.state"] == "succeeded"
+        (writing,) = sink.find(lambda s: s.name == "checkpointing" and s.parent_id == op_ck.span_id)
+        assert writing.attributes["relayout.bytes"] == ck["result"]["bytes"] > 0
+        (route,) = sink.find(lambda s: s.name == "POST /v1/sessions/checkpoint" and s.parent_id == writing.span_id)
+        assert route.service == "relayout-replica" and route.trace_id == op_ck.trace_id
+
+        (op_rs,) = sink.find(lambda s: s.name == "restore" and s.attributes.get("relayout.operation") == rs["id"])
+        (restoring,) = sink.find(lambda s: s.name == "restoring" and s.parent_id == op_rs.span_id)
+        assert restoring.attributes["relayout.sessions"] == ck["result"]["sessions"]
+        (route,) = sink.find(lambda s: s.name == "POST /v1/sessions/restore" and s.parent_id == restoring.span_id)
+        assert route.service == "relayout-replica" and route.trace_id == op_rs.trace_id
+    finally:
+        _stop(p)
