@@ -176,7 +176,7 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
                     target = (await ag.launch(*new))["id"]
                 op["replica"] = target
             op["phase"] = "restoring"
-            req: dict[str, Any] = {"checkpoint": body.checkpoint}
+            req: dict[str, Any] = {"checkpoint": body.checkpoint, "exact": body.exact}
             if body.sessions is not None:
                 req["sessions"] = body.sessions
             t0 = time.perf_counter()
@@ -184,7 +184,7 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
                 res = await ag.replica_post(ag.reg.replicas[target]["url"], "/v1/sessions/restore", req)
                 sp.set_attributes(tracing.attributes({"sessions": res.get("sessions")}))
             ag.m.restore_seconds.observe(time.perf_counter() - t0)
-            return {"replica": target, "sessions": res.get("sessions", [])}
+            return {"replica": target, "sessions": res.get("sessions", []), "converted": res.get("converted")}
 
         return {"operation_id": ag.new_op("restore", rid, work)}
 

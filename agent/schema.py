@@ -46,6 +46,7 @@ class RestoreBody(BaseModel):
     checkpoint: str = Field(..., min_length=1, max_length=4096)
     replica: str | NewReplica
     sessions: list[str] | None = Field(None, max_length=4096)
+    exact: bool = False  # refuse a checkpoint whose KV dtype differs from the replica's instead of converting
 
 
 class MigrateTarget(BaseModel):

@@ -211,34 +211,56 @@ class KVCache:
             yield a, b, blocks[i], a - i * bs
             i = j + 1
 
-    def export_into(self, blocks: list[int], layer: int, tok_lo: int, tok_hi: int, out: torch.Tensor) -> None:
+    def export_into(self, blocks: list[int], layer: int, tok_lo: int, tok_hi: int, out: torch.Tensor,
+                    scale_out: torch.Tensor | None = None) -> None:
         """K, V of one layer, tokens [tok_lo, tok_hi), into `out` ([2, kv_heads, tokens, head_dim], any
-        device/dtype): straight from the pool, one copy_ per run of consecutive blocks, no staging."""
-        self.refuse_quantised()
+        device/dtype): straight from the pool, one copy per run of consecutive blocks and K/V, no
+        staging. A token-major `out` (a chunk, see storage.chunks.new_kv_chunk) makes each of those
+        one contiguous memcpy, the pool's rows being [tokens, heads, head_dim] too. A quantised pool
+        also needs `scale_out` ([2, kv_heads, tokens], float32): the values are copied as stored."""
+        if self.quantised and scale_out is None:
+            self.refuse_quantised()
         if tok_hi <= tok_lo:
             return
-        k, v = self.k[layer], self.v[layer]
-        for a, b, blk, off in self._runs(blocks, tok_lo, tok_hi):
-            nb = (off + b - a + self.block_size - 1) // self.block_size
-            copy_into(out[0, :, a - tok_lo : b - tok_lo], k[blk : blk + nb].flatten(0, 1)[off : off + b - a].transpose(0, 1))
-            copy_into(out[1, :, a - tok_lo : b - tok_lo], v[blk : blk + nb].flatten(0, 1)[off : off + b - a].transpose(0, 1))
+        dst = out.transpose(1, 2)  # [2, tokens, heads, head_dim]: the pool's order
+        sdst = scale_out.transpose(1, 2) if self.quantised and scale_out is not None else None
+        for a, b, rows in self._row_runs(blocks, tok_lo, tok_hi):
+            for j, pool in enumerate((self.k[layer], self.v[layer])):
+                copy_into(dst[j, a - tok_lo : b - tok_lo], pool.view(-1, *pool.shape[2:])[rows])
+            if sdst is not None:
+                for j, sc in enumerate((self.k_scale[layer], self.v_scale[layer])):
+                    copy_into(sdst[j, a - tok_lo : b - tok_lo], sc.view(-1, sc.shape[2])[rows])
 
-    def import_from(self, blocks: list[int], layer: int, tok_lo: int, kv: torch.Tensor, head_lo: int = 0) -> None:
+    def import_from(self, blocks: list[int], layer: int, tok_lo: int, kv: torch.Tensor, head_lo: int = 0,
+                    scale: torch.Tensor | None = None) -> None:
         """Inverse of export_into for local heads [head_lo, head_lo + kv.shape[1]): kv is
-        [2, heads, tokens, head_dim] for tokens from tok_lo (any device/dtype; converted on copy)."""
-        self.refuse_quantised()
+        [2, heads, tokens, head_dim] for tokens from tok_lo, with its float32 `scale` ([2, heads, tokens])
+        when it is quantised. Any dtype goes into any pool: copied as is when they match, else cast,
+        dequantised (fp8 into a plain pool) or quantised (into an fp8 pool)."""
+        if self.quantised and (scale is None or kv.dtype != self.k[layer].dtype):
+            x = kv.float() if scale is None else kv.float() * scale.unsqueeze(-1)
+            kv, scale = quantise_fp8(x)  # per token and head, as write() does
+        elif not self.quantised and scale is not None:
+            kv, scale = kv.float() * scale.unsqueeze(-1), None
         n, h = kv.shape[2], kv.shape[1]
         if n == 0:
             return
         if not 0 <= head_lo <= head_lo + h <= self.k[layer].shape[2]:
             raise ValueError(f"heads [{head_lo},{head_lo + h}) outside this cache's {self.k[layer].shape[2]}")
-        k, v = self.k[layer], self.v[layer]
-        for a, b, blk, off in self._runs(blocks, tok_lo, tok_lo + n):
-            nb = (off + b - a + self.block_size - 1) // self.block_size
-            rows = slice(off, off + b - a)
-            src = slice(a - tok_lo, b - tok_lo)
-            copy_into(k[blk : blk + nb].flatten(0, 1)[rows, head_lo : head_lo + h], kv[0, :, src].transpose(0, 1))
-            copy_into(v[blk : blk + nb].flatten(0, 1)[rows, head_lo : head_lo + h], kv[1, :, src].transpose(0, 1))
+        src = kv.transpose(1, 2)  # [2, tokens, heads, head_dim]: a chunk's stored order
+        ssrc = scale.transpose(1, 2) if self.quantised and scale is not None else None
+        for a, b, rows in self._row_runs(blocks, tok_lo, tok_lo + n):
+            for j, pool in enumerate((self.k[layer], self.v[layer])):
+                copy_into(pool.view(-1, *pool.shape[2:])[rows, head_lo : head_lo + h], src[j, a - tok_lo : b - tok_lo])
+            if ssrc is not None:
+                for j, sc in enumerate((self.k_scale[layer], self.v_scale[layer])):
+                    copy_into(sc.view(-1, sc.shape[2])[rows, head_lo : head_lo + h], ssrc[j, a - tok_lo : b - tok_lo])
+
+    def _row_runs(self, blocks: list[int], tok_lo: int, tok_hi: int):
+        """_runs as (a, b, slice of the flattened pool's rows holding tokens [a, b))."""
+        for a, b, blk, off in self._runs(blocks, tok_lo, tok_hi):
+            start = blk * self.block_size + off
+            yield a, b, slice(start, start + b - a)
 
     def import_tokens(self, blocks: list[int], tok_lo: int, kv: torch.Tensor) -> None:
         """Inverse of export_tokens; kv: [layers, 2, kv_heads, tokens, head_dim]."""

@@ -31,7 +31,7 @@ class IncomingKV(Protocol):
 def import_range(engine: LLMEngine, store: Store, manifest: Manifest, sid: str, group: int, blocks: list[int],
                  a: int, b: int) -> None:
     """Import tokens [a, b) of one session from whichever chunks cover them."""
-    from relayout.storage.chunks import kv_view
+    from relayout.storage.chunks import kv_scaled_view, kv_view
 
     if b <= a:
         return
@@ -44,14 +44,22 @@ def import_range(engine: LLMEngine, store: Store, manifest: Manifest, sid: str, 
     if host is not None and host[1] != (0, c.num_kv_heads):
         host = None
     kv = None
+    scaled = manifest.kv.scale is not None
+    if scaled and host is None:  # check_compatible refuses this before any block is reserved
+        raise RestoreError("fp8 KV moves only into a replica whose KV pool is local host memory (one rank, CPU)")
     if host is None:
         kv = torch.empty((c.num_layers, 2, c.num_kv_heads, b - a, c.head_dim), dtype=engine.dtype)
     for e in entries:
-        t = kv_view(store.get_chunk(e.chunk.hash), e.chunk, e.shape(c.head_dim), engine.dtype)  # read-only
+        data, scale = store.get_chunk(e.chunk.hash), None
+        if scaled:
+            t, scale = kv_scaled_view(data, e.chunk, e.shape(c.head_dim), manifest.kv.dtype)  # read-only
+        else:
+            t = kv_view(data, e.chunk, e.shape(c.head_dim), engine.dtype, manifest.format_version)  # read-only
         lo, hi = max(a, e.tok_lo), min(b, e.tok_hi)
         part = t[:, :, lo - e.tok_lo : hi - e.tok_lo]
         if kv is None:
-            host[0].import_from(blocks, e.layer, lo, part, e.head_lo)  # type: ignore[index]
+            host[0].import_from(blocks, e.layer, lo, part, e.head_lo,  # type: ignore[index]
+                                None if scale is None else scale[:, :, lo - e.tok_lo : hi - e.tok_lo])
         else:
             kv[e.layer, :, e.head_lo : e.head_hi, lo - a : hi - a] = part
     if kv is not None:

@@ -18,10 +18,10 @@ import time
 import torch
 from relayout.engine.engine import LLMEngine
 from relayout.engine.executor import LocalExecutor
-from relayout.engine.kv_cache import KVCache, blocks_needed
+from relayout.engine.kv_cache import FP8_KV, KVCache, blocks_needed
 from relayout.engine.session import SessionState, SessionStatus
 from relayout.storage.checkpoint import CheckpointReader, CheckpointWriter
-from relayout.storage.chunks import dtype_name, keep_freed_memory, new_kv_chunk, parallel_map
+from relayout.storage.chunks import dtype_name, keep_freed_memory, new_kv_chunk, parallel_map, seal_kv_chunk
 from relayout.storage.errors import CorruptCheckpoint, ModelMismatch
 from relayout.storage.manifest import KVGeometry, Manifest, ModelRef
 
@@ -39,12 +39,13 @@ class SessionSnapshot:
     (head_lo, head_hi, [layers, 2, heads, tokens, d]) — or, when the engine's pool is local host
     memory, as `chunks` already in their stored form (layer, head_lo, head_hi, tok_lo, tok_hi,
     [2, heads, tokens, d] tensor that is the payload of a chunk buffer, see storage.chunks.new_kv_chunk),
-    so `write_snapshot` only hashes and stores them. Reading `kv` of such a snapshot assembles it
+    so `write_snapshot` only stores them (hashed as they were copied); a quantised (fp8) pool's chunks
+    carry a 7th element, their float32 [2, heads, tokens] scales, and exist only in this form. Reading `kv` of such a snapshot assembles it
     (a copy); setting `kv` replaces the chunks."""
 
     def __init__(self, state: SessionState, num_kv_tokens: int,
                  kv: list[tuple[int, int, torch.Tensor]] | None = None,
-                 chunks: list[tuple[int, int, int, int, int, torch.Tensor]] | None = None) -> None:
+                 chunks: list[tuple] | None = None) -> None:
         self.state = state
         self.num_kv_tokens = num_kv_tokens
         self._kv = list(kv or [])
@@ -54,6 +55,8 @@ class SessionSnapshot:
     def kv(self) -> list[tuple[int, int, torch.Tensor]]:
         if self.chunks is None:
             return self._kv
+        if any(len(c) > 6 for c in self.chunks):
+            raise ValueError("a snapshot of quantised (fp8) KV holds it only as chunks with their scales")
         by_heads: dict[tuple[int, int], list] = {}
         for c in self.chunks:
             by_heads.setdefault((c[1], c[2]), []).append(c)
@@ -98,14 +101,26 @@ def host_pool(engine: LLMEngine) -> tuple[KVCache, tuple[int, int]] | None:
     return kv, tuple(r.kv_range)  # type: ignore[return-value]
 
 
-def _export_chunks(pool: KVCache, heads: tuple[int, int], blocks: list[int], lo: int, hi: int
-                   ) -> list[tuple[int, int, int, int, int, torch.Tensor]]:
+def _export_chunks(pool: KVCache, heads: tuple[int, int], blocks: list[int], lo: int, hi: int) -> list[tuple]:
     k0 = pool.k[0]
-    chunks = [(layer, heads[0], heads[1], a, b, new_kv_chunk((2, k0.shape[2], b - a, k0.shape[3]), k0.dtype))
+    h, d = k0.shape[2], k0.shape[3]
+    if pool.quantised:  # (..., values, scales), both token-major like the pool and the stored chunk
+        chunks: list[tuple] = [
+            (layer, heads[0], heads[1], a, b, torch.empty((2, b - a, h, d), dtype=k0.dtype).transpose(1, 2),
+             torch.empty((2, b - a, h)).transpose(1, 2))
+            for a, b in _chunk_ranges(lo, hi) for layer in range(len(pool.k))]
+        parallel_map(lambda c: pool.export_into(blocks, c[0], c[3], c[4], c[5], c[6]), chunks)
+        return chunks
+    chunks = [(layer, heads[0], heads[1], a, b, new_kv_chunk((2, h, b - a, d), k0.dtype))
               for a, b in _chunk_ranges(lo, hi) for layer in range(len(pool.k))]
     # buffers from this thread's allocator (reused from the last snapshot's where it kept them);
-    # the copies, and the first touch of fresh pages, on all cores
-    parallel_map(lambda c: pool.export_into(blocks, c[0], c[3], c[4], c[5]), chunks)
+    # the copies, and the first touch of fresh pages, on all cores; each chunk hashed right after
+    # its copy, from this core's cache (a separate pass later would read it all from memory again)
+    def fill(c: tuple[int, int, int, int, int, torch.Tensor]) -> None:
+        pool.export_into(blocks, c[0], c[3], c[4], c[5])
+        seal_kv_chunk(c[5])
+
+    parallel_map(fill, chunks)
     return chunks
 
 
@@ -188,9 +203,11 @@ def model_ref(engine: LLMEngine) -> ModelRef:
 
 
 def geometry(engine: LLMEngine) -> KVGeometry:
+    """The KV this replica's pool holds: fp8 KV is stored as its fp8 values with their scales."""
     c = engine.cfg
+    kv_dtype = getattr(engine, "kv_dtype", engine.dtype)
     return KVGeometry(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                      dtype=dtype_name(engine.dtype))
+                      dtype=dtype_name(kv_dtype), scale="token_head" if kv_dtype == FP8_KV else None)
 
 
 def write_snapshot(snaps: list[SessionSnapshot], writer: CheckpointWriter, tok_from: dict[str, int] | None = None
@@ -226,7 +243,9 @@ def checkpoint(engine: LLMEngine, writer: CheckpointWriter, session_ids: list[st
 
 
 # ---- restore ------------------------------------------------------------------
-def check_compatible(engine: LLMEngine, manifest: Manifest) -> None:
+def check_compatible(engine: LLMEngine, manifest: Manifest, exact: bool = False) -> None:
+    """The checkpoint's model and KV geometry are this replica's; its KV dtype may differ (converted
+    on import, see kv_conversion) unless `exact`."""
     if manifest.model.fingerprint != engine.fingerprint:
         raise ModelMismatch(
             f"checkpoint {manifest.checkpoint_id} is of model {manifest.model.name} "
@@ -236,6 +255,24 @@ def check_compatible(engine: LLMEngine, manifest: Manifest) -> None:
     g, kv = geometry(engine), manifest.kv
     if (kv.num_layers, kv.num_kv_heads, kv.head_dim) != (g.num_layers, g.num_kv_heads, g.head_dim):
         raise CorruptCheckpoint(f"checkpoint KV geometry {kv} does not match the model's {g}")
+    conv = kv_conversion(engine, manifest)
+    if conv is not None and exact:
+        raise RestoreError(f"checkpoint {manifest.checkpoint_id} holds {conv['from']} KV, this replica's KV is "
+                           f"{conv['to']}: an exact restore does not convert (restore without exact to convert)")
+    if (kv.scale or g.scale) and conv is not None and host_pool(engine) is None:
+        raise RestoreError(f"converting {conv['from']} KV to {conv['to']} needs a replica whose KV pool is local "
+                           "host memory (one rank, CPU)")
+    if kv.scale and host_pool(engine) is None:
+        raise RestoreError("fp8 KV moves only into a replica whose KV pool is local host memory (one rank, CPU)")
+
+
+def kv_conversion(engine: LLMEngine, manifest: Manifest) -> dict[str, str] | None:
+    """{"from": checkpoint KV dtype, "to": this replica's} when they differ (a restore casts, quantises
+    into fp8 or dequantises out of it), else None."""
+    g, kv = geometry(engine), manifest.kv
+    if (kv.dtype, kv.scale) == (g.dtype, g.scale):
+        return None
+    return {"from": kv.dtype, "to": g.dtype}
 
 
 def plan_restore(engine: LLMEngine, manifest: Manifest, session_ids: list[str] | None = None
@@ -271,33 +308,38 @@ def plan_restore(engine: LLMEngine, manifest: Manifest, session_ids: list[str] |
 
 
 def restore(engine: LLMEngine, reader: CheckpointReader, session_ids: list[str] | None = None,
-            verify: bool = True) -> list[str]:
-    """Import sessions into this replica (engine thread, between steps). All checks first:
-    a refused restore leaves the replica's sessions and blocks untouched."""
+            verify: bool = True, exact: bool = False) -> list[str]:
+    """Import sessions into this replica (engine thread, between steps). All or nothing: the
+    cheap checks first, then every session's KV into freshly allocated blocks, each chunk's hash
+    checked as it is read (once, from cache, just before its copy), and only when all of them
+    imported are the sessions placed. A refused restore frees those blocks again and leaves the
+    replica's sessions and blocks as they were. `verify` also checks the whole manifest's coverage
+    up front (the hashes are checked either way). KV of another dtype is converted (kv_conversion)
+    unless `exact`, which refuses it."""
     m = reader.manifest
-    check_compatible(engine, m)
+    check_compatible(engine, m, exact)
     plan = plan_restore(engine, m, session_ids)
     if verify:
-        reader.verify()  # every chunk hash, before anything is imported
-    imported: list[str] = []
-    for st, n_kv, g in plan:
-        if n_kv == 0:
-            st.num_computed = 0
-            st.status = SessionStatus.WAITING
-            engine.adopt(st, g, None)
-            imported.append(st.session_id)
-            continue
-        blocks = engine.allocators[g].allocate(blocks_needed(st.num_tokens + 1))
-        try:
-            _import_session(engine, reader, st.session_id, g, blocks, n_kv)
-        except BaseException:
-            engine.allocators[g].free(blocks)
-            raise
+        gap = m.coverage_error()
+        if gap is not None:
+            raise CorruptCheckpoint(f"checkpoint {m.checkpoint_id} is incomplete: {gap}")
+    placed: list[tuple[SessionState, int, int, list[int] | None]] = []
+    try:
+        for st, n_kv, g in plan:
+            blocks = engine.allocators[g].allocate(blocks_needed(st.num_tokens + 1)) if n_kv else None
+            placed.append((st, n_kv, g, blocks))
+            if blocks is not None:
+                _import_session(engine, reader, st.session_id, g, blocks, n_kv)
+    except BaseException:
+        for _, _, g, blocks in placed:
+            if blocks is not None:
+                engine.allocators[g].free(blocks)
+        raise
+    for st, n_kv, g, blocks in placed:
         st.num_computed = n_kv
-        st.status = SessionStatus.RUNNING
+        st.status = SessionStatus.RUNNING if n_kv else SessionStatus.WAITING
         engine.adopt(st, g, blocks)
-        imported.append(st.session_id)
-    return imported
+    return [st.session_id for st, _, _, _ in placed]
 
 
 def _import_session(engine: LLMEngine, reader: CheckpointReader, sid: str, group: int, blocks: list[int],
@@ -311,9 +353,10 @@ def _import_session(engine: LLMEngine, reader: CheckpointReader, sid: str, group
         pool, (h_lo, h_hi) = host
 
         def one_layer(layer: int) -> None:  # layers write disjoint pool tensors: one per thread
-            for e, t in reader.kv_pieces(sid, layer, h_lo, h_hi):
+            for e, t, scale in reader.kv_scaled_pieces(sid, layer, h_lo, h_hi):
                 lo, hi = max(h_lo, e.head_lo), min(h_hi, e.head_hi)
-                pool.import_from(blocks, layer, e.tok_lo, t[:, lo - e.head_lo : hi - e.head_lo], lo - h_lo)
+                pool.import_from(blocks, layer, e.tok_lo, t[:, lo - e.head_lo : hi - e.head_lo], lo - h_lo,
+                                 None if scale is None else scale[:, lo - e.head_lo : hi - e.head_lo])
 
         parallel_map(one_layer, range(c.num_layers))
         return

@@ -24,6 +24,7 @@ from relayout.engine.snapshot import (
     RestoreError,
     check_compatible,
     geometry,
+    kv_conversion,
     model_ref,
     new_checkpoint_id,
     plan_restore,
@@ -109,6 +110,7 @@ class RestoreBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     checkpoint: str = Field(..., max_length=4096)
     sessions: list[str] | None = Field(None, max_length=4096)
+    exact: bool = False  # refuse KV of another dtype instead of converting it
 
 
 class ExportBody(BaseModel):
@@ -253,8 +255,9 @@ def install_replica_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
         # bounded by what this replica can hold before any chunk is fetched or decoded
         await aengine.call(lambda e: _precheck_restore(e, reader.manifest, body.sessions))
         await asyncio.to_thread(reader.verify)  # hashes checked before the engine is touched
-        ids = await aengine.call(lambda e: restore(e, reader, body.sessions, verify=False))
-        return {"sessions": ids}
+        ids, conv = await aengine.call(lambda e: (restore(e, reader, body.sessions, verify=False, exact=body.exact),
+                                                  kv_conversion(e, reader.manifest)))
+        return {"sessions": ids, "converted": conv}
 
     @r.post("/v1/sessions/export")
     async def export_route(body: ExportBody):

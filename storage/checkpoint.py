@@ -15,7 +15,7 @@ from types import TracebackType
 from typing import Any
 
 import torch
-from relayout.storage.chunks import dtype_name, kv_view, pack_kv, parallel_map
+from relayout.storage.chunks import dtype_name, kv_scaled_view, kv_view, pack_kv, parallel_map
 from relayout.storage.errors import CorruptCheckpoint, ModelMismatch
 from relayout.storage.manifest import KVEntry, KVGeometry, Manifest, ModelRef, SessionEntry, coverage_gap
 from relayout.storage.store_base import Store, check_id
@@ -50,6 +50,7 @@ class CheckpointWriter:
         self._pinned: list[str] = []
         self._dtype: torch.dtype | None = None
         self._head_dim: int | None = None
+        self._scaled = False
         self._closed = False
 
     def __enter__(self) -> CheckpointWriter:
@@ -70,8 +71,10 @@ class CheckpointWriter:
         tok_lo: int,
         tok_hi: int,
         tensor: torch.Tensor,
+        scale: torch.Tensor | None = None,
     ) -> KVEntry:
-        """Store K and V ([2, head_hi-head_lo, tok_hi-tok_lo, head_dim]) for one slice."""
+        """Store K and V ([2, head_hi-head_lo, tok_hi-tok_lo, head_dim]) for one slice; `scale`: the
+        float32 [2, heads, tokens] scales of quantised (fp8) KV (every chunk has them, or none)."""
         want = (2, head_hi - head_lo, tok_hi - tok_lo)
         if tensor.dim() != 4 or tuple(tensor.shape[:3]) != want:
             raise ValueError(
@@ -79,18 +82,19 @@ class CheckpointWriter:
                 f"[2, {want[1]}, {want[2]}, head_dim] for heads [{head_lo},{head_hi}) tokens [{tok_lo},{tok_hi})"
             )
         self._check_open()
-        data, ref = pack_kv(tensor, self.codec)  # outside the lock: the expensive part
+        data, ref = pack_kv(tensor, self.codec, scale)  # outside the lock: the expensive part
         entry = KVEntry(
             session_id=session_id, layer=layer, head_lo=head_lo, head_hi=head_hi,
             tok_lo=tok_lo, tok_hi=tok_hi, chunk=ref,
         )
         with self._lock:
             if self._dtype is None:
-                self._dtype, self._head_dim = tensor.dtype, int(tensor.shape[3])
-            elif (tensor.dtype, int(tensor.shape[3])) != (self._dtype, self._head_dim):
+                self._dtype, self._head_dim, self._scaled = tensor.dtype, int(tensor.shape[3]), scale is not None
+            elif (tensor.dtype, int(tensor.shape[3]), scale is not None) != (self._dtype, self._head_dim, self._scaled):
                 raise ValueError(
-                    f"session {session_id} layer {layer}: {dtype_name(tensor.dtype)}×{tensor.shape[3]} differs "
-                    f"from earlier chunks ({dtype_name(self._dtype)}×{self._head_dim})"
+                    f"session {session_id} layer {layer}: {dtype_name(tensor.dtype)}×{tensor.shape[3]} "
+                    f"({'with' if scale is not None else 'without'} scales) differs from earlier chunks "
+                    f"({dtype_name(self._dtype)}×{self._head_dim}, {'with' if self._scaled else 'without'} scales)"
                 )
             self.store.pin(ref.hash)  # before put: a concurrent delete must not drop a shared chunk
             self._pinned.append(ref.hash)
@@ -139,6 +143,9 @@ class CheckpointWriter:
                     f"declared KV geometry {kv.dtype}×{kv.head_dim} differs from the chunks written "
                     f"({dtype_name(self._dtype)}×{self._head_dim})"
                 )
+            if self._dtype is not None and self._scaled != (kv.scale is not None):
+                raise ValueError(f"declared KV scale {kv.scale} does not match the chunks written "
+                                 f"({'with' if self._scaled else 'without'} scales)")
             entries = sorted(self._entries, key=lambda e: (e.session_id, e.layer, e.head_lo, e.tok_lo))
             manifest = Manifest(
                 checkpoint_id=self.checkpoint_id,
@@ -209,17 +216,21 @@ class CheckpointReader:
 
     def read_kv_ranges(self, session_id: str, layer: int, ranges: list[tuple[int, int]]) -> list[torch.Tensor]:
         """``read_kv`` for several head ranges of one layer (e.g. every target TP rank), fetching
-        each chunk once across all of them."""
+        each chunk once across all of them. Quantised KV comes back dequantised, as float32."""
         g = self.manifest.kv
-        cache: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}  # fetch each chunk once per call
+        cache: dict = {}  # fetch each chunk once per call
         outs = []
         num_tokens = self._num_tokens(session_id)
         for head_lo, head_hi in ranges:
             entries = self._covering(session_id, layer, head_lo, head_hi)
-            out = torch.empty((2, head_hi - head_lo, num_tokens, g.head_dim), dtype=self.dtype)
-            for e, t in self._pieces(entries, cache):
+            dtype = self.dtype if g.scale is None else torch.float32
+            out = torch.empty((2, head_hi - head_lo, num_tokens, g.head_dim), dtype=dtype)
+            for e, t, scale in self._pieces(entries, cache):
                 lo, hi = max(head_lo, e.head_lo), min(head_hi, e.head_hi)
-                out[:, lo - head_lo : hi - head_lo, e.tok_lo : e.tok_hi] = t[:, lo - e.head_lo : hi - e.head_lo]
+                piece = t[:, lo - e.head_lo : hi - e.head_lo]
+                if scale is not None:
+                    piece = piece.float() * scale[:, lo - e.head_lo : hi - e.head_lo].unsqueeze(-1)
+                out[:, lo - head_lo : hi - head_lo, e.tok_lo : e.tok_hi] = piece
             outs.append(out)
         return outs
 
@@ -231,13 +242,20 @@ class CheckpointReader:
 
     def kv_pieces(
         self, session_id: str, layer: int, head_lo: int, head_hi: int,
-        cache: dict[tuple[str, tuple[int, ...]], torch.Tensor] | None = None,
+        cache: dict | None = None,
     ) -> Iterator[tuple[KVEntry, torch.Tensor]]:
         """The entries of one layer overlapping heads [head_lo, head_hi), in manifest order, each with
         its verified chunk as a [2, entry heads, entry tokens, head_dim] tensor that may share memory
         with the store: READ-ONLY, copy out of it. Range and coverage (heads × all the session's
         tokens) are checked here, before any chunk is fetched; `cache` keeps views across calls."""
-        return self._pieces(self._covering(session_id, layer, head_lo, head_hi), cache)
+        if self.manifest.kv.scale is not None:
+            raise ValueError(f"checkpoint {self.manifest.checkpoint_id} holds quantised KV: read it with kv_scaled_pieces")
+        return ((e, t) for e, t, _ in self._pieces(self._covering(session_id, layer, head_lo, head_hi), cache))
+
+    def kv_scaled_pieces(self, session_id: str, layer: int, head_lo: int, head_hi: int
+                         ) -> Iterator[tuple[KVEntry, torch.Tensor, torch.Tensor | None]]:
+        """kv_pieces with each chunk's float32 [2, heads, tokens] scales (None: the KV is not quantised)."""
+        return self._pieces(self._covering(session_id, layer, head_lo, head_hi), None)
 
     def _covering(self, session_id: str, layer: int, head_lo: int, head_hi: int) -> list[KVEntry]:
         g = self.manifest.kv
@@ -253,21 +271,25 @@ class CheckpointReader:
             raise CorruptCheckpoint(f"checkpoint {self.manifest.checkpoint_id} session {session_id} layer {layer}: {gap}")
         return entries
 
-    def _pieces(self, entries: list[KVEntry], cache: dict[tuple[str, tuple[int, ...]], torch.Tensor] | None
-                ) -> Iterator[tuple[KVEntry, torch.Tensor]]:
+    def _pieces(self, entries: list[KVEntry], cache: dict | None
+                ) -> Iterator[tuple[KVEntry, torch.Tensor, torch.Tensor | None]]:
         cache = {} if cache is None else cache
         for e in entries:
             shape = e.shape(self.manifest.kv.head_dim)
             key = (e.chunk.hash, shape)
-            t = cache.get(key)
-            if t is None:
-                t = cache[key] = self._load(e, shape)
-            yield e, t
+            got = cache.get(key)
+            if got is None:
+                got = cache[key] = self._load(e, shape)
+            yield e, *got
 
-    def _load(self, e: KVEntry, shape: tuple[int, ...]) -> torch.Tensor:
-        """The verified chunk of `e`, read-only (see kv_pieces)."""
+    def _load(self, e: KVEntry, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The verified chunk of `e` and its scales (None if unquantised), read-only (see kv_pieces)."""
         try:
-            return kv_view(self.store.get_chunk(e.chunk.hash), e.chunk, shape, self.manifest.kv.dtype)
+            m = self.manifest
+            data = self.store.get_chunk(e.chunk.hash)
+            if m.kv.scale is not None:
+                return kv_scaled_view(data, e.chunk, shape, m.kv.dtype)
+            return kv_view(data, e.chunk, shape, m.kv.dtype, m.format_version), None
         except CorruptCheckpoint as exc:
             raise CorruptCheckpoint(f"{exc} (session {e.session_id}, layer {e.layer})") from None
 

@@ -1,4 +1,9 @@
-"""KV chunks: one safetensors payload (tensor "kv", [2, heads, tokens, head_dim]) run through a codec.
+"""KV chunks: one safetensors payload (tensor "kv") run through a codec.
+
+Callers always see a chunk as [2, heads, tokens, head_dim] (K/V, KV heads, tokens, head_dim). It is
+STORED token-major, [2, tokens, heads, head_dim] (format version 2): the KV pool's own order, so the
+copy between a run of pool blocks and a chunk is one contiguous memcpy. Format version 1 stored it
+as [2, heads, tokens, head_dim]; readers pass the manifest's version and get the same logical view.
 
 Chunks are content-addressed by the xxh3_128 of their STORED bytes, so identical chunks
 (e.g. the unchanged prefix of a session in an incremental checkpoint) are stored once and
@@ -26,11 +31,12 @@ import torch
 import xxhash
 from relayout.storage.codecs import decode, encode
 from relayout.storage.errors import CorruptCheckpoint
-from relayout.storage.manifest import ChunkRef
+from relayout.storage.manifest import FORMAT_VERSION, ChunkRef
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 TENSOR_NAME = "kv"
+SCALE_NAME = "kv_scale"  # fp8 KV: float32 [2, tokens, heads] (logical [2, heads, tokens]) beside "kv"
 _T = TypeVar("_T")
 _R = TypeVar("_R")
 _POOL: ThreadPoolExecutor | None = None
@@ -118,7 +124,9 @@ def keep_freed_memory(nbytes: int) -> int:
     reuse rather than return it to the kernel at once; never lowers an earlier setting. Process-wide
     (glibc mallopt); a no-op elsewhere. Returns the amount now kept."""
     global _kept
-    want = min(int(nbytes), KEEP_FREED_MAX)
+    # headroom: glibc gives back ALL of a free top chunk once it exceeds the threshold, and a
+    # snapshot's freed buffers plus their headers (and whatever else was freed) exceed `nbytes`
+    want = min(int(nbytes) + int(nbytes) // 8 + (8 << 20), KEEP_FREED_MAX)
     with _kept_lock:
         if _mallopt is not None and want > _kept:
             if _mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD) == 1 and _mallopt(_M_TRIM_THRESHOLD, want) == 1:
@@ -143,21 +151,45 @@ def _payload(buf: bytearray, offset: int, shape: tuple[int, ...], dtype: torch.d
     return torch.frombuffer(buf, dtype=torch.uint8, offset=offset, count=nbytes).view(dtype).view(shape)
 
 
+def stored_shape(shape: tuple[int, ...], format_version: int = FORMAT_VERSION) -> tuple[int, ...]:
+    """The stored tensor's shape for a logical [2, heads, tokens, head_dim] chunk."""
+    shape = tuple(int(s) for s in shape)
+    if format_version >= 2 and len(shape) == 4:
+        return (shape[0], shape[2], shape[1], shape[3])
+    return shape
+
+
+def _logical(stored: torch.Tensor, format_version: int) -> torch.Tensor:
+    """The [2, heads, tokens, head_dim] view of a stored chunk tensor (no copy)."""
+    return stored.transpose(1, 2) if format_version >= 2 else stored
+
+
 def new_kv_chunk(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
     """A CPU tensor of `shape` ([2, heads, tokens, head_dim]) whose memory is the payload of a fresh
-    chunk buffer, header already written. Fill every element, then `pack_kv` it: that buffer
-    becomes the stored chunk as is (no second copy). Contents are undefined until filled."""
+    chunk buffer, header already written (a token-major view: `.transpose(1, 2)` of it is
+    contiguous). Fill every element, then `pack_kv` it: that buffer becomes the stored chunk as is
+    (no second copy). Contents are undefined until filled."""
     shape = tuple(int(s) for s in shape)
     code = _ST_DTYPES.get(dtype)
     n = math.prod(shape) * dtype.itemsize
-    if code is None or n == 0:
+    if code is None or n == 0 or len(shape) != 4:
         return torch.empty(shape, dtype=dtype)  # packed the ordinary way
-    prefix = _st_prefix(shape, code, n)
+    st_shape = stored_shape(shape)
+    prefix = _st_prefix(st_shape, code, n)
     buf = _bytearray(len(prefix) + n)
     buf[: len(prefix)] = prefix
-    t = _payload(buf, len(prefix), shape, dtype, n)
-    t._relayout_chunk = (buf, t.data_ptr(), shape, dtype)  # type: ignore[attr-defined]
+    t = _logical(_payload(buf, len(prefix), st_shape, dtype, n), FORMAT_VERSION)
+    t._relayout_chunk = (buf, t.data_ptr(), shape, t.stride(), dtype)  # type: ignore[attr-defined]
     return t
+
+
+def seal_kv_chunk(t: torch.Tensor) -> None:
+    """Hash a filled `new_kv_chunk` tensor now, while its bytes are still in this core's cache (the
+    exporter's thread, right after the copy): `pack_kv` with codec "none" then reuses that hash.
+    The tensor must not change afterwards (a reader would refuse the chunk as corrupt)."""
+    buf = _prepared(t)
+    if buf is not None:
+        t._relayout_chunk_hash = (t._relayout_chunk, chunk_hash(buf))  # type: ignore[attr-defined]
 
 
 def _prepared(t: torch.Tensor) -> bytearray | None:
@@ -165,9 +197,9 @@ def _prepared(t: torch.Tensor) -> bytearray | None:
     pre = getattr(t, "_relayout_chunk", None)
     if pre is None:
         return None
-    buf, ptr, shape, dtype = pre
+    buf, ptr, shape, strides, dtype = pre
     if (t.device.type != "cpu" or t.dtype != dtype or tuple(t.shape) != shape or t.data_ptr() != ptr
-            or not t.is_contiguous()):
+            or t.stride() != strides):
         return None  # resized, re-pointed or moved since: pack it the ordinary way
     return buf
 
@@ -188,14 +220,27 @@ def _st_bytes(t: torch.Tensor) -> bytes:
     return buf  # type: ignore[return-value]  # bytes-like, spared the copy bytes() would make
 
 
-def pack_kv(tensor: torch.Tensor, codec: str = "none") -> tuple[bytes, ChunkRef]:
-    """Serialise a [2, heads, tokens, head_dim] tensor (any device) into stored chunk bytes."""
+def pack_kv(tensor: torch.Tensor, codec: str = "none", scale: torch.Tensor | None = None) -> tuple[bytes, ChunkRef]:
+    """Serialise a [2, heads, tokens, head_dim] tensor (any device) into stored chunk bytes
+    (current format version: token-major). `scale`: the float32 [2, heads, tokens] scales of
+    quantised (fp8) KV, stored beside it as "kv_scale"."""
     if tensor.dim() != 4 or tensor.shape[0] != 2:
         raise ValueError(f"KV chunk tensor must be [2, heads, tokens, head_dim], got {list(tensor.shape)}")
+    if scale is not None:
+        if tuple(scale.shape) != tuple(tensor.shape[:3]) or scale.dtype != torch.float32:
+            raise ValueError(f"KV scales must be float32 {list(tensor.shape[:3])}, got {scale.dtype} {list(scale.shape)}")
+        raw = st_save({TENSOR_NAME: _logical(tensor.detach().cpu(), FORMAT_VERSION).contiguous(),
+                       SCALE_NAME: scale.detach().cpu().transpose(1, 2).contiguous()})
+        data = encode(codec, raw, tensor.element_size())
+        return data, ChunkRef(hash=chunk_hash(data), size=len(data), raw_size=len(raw), codec=codec)  # type: ignore[arg-type]
     raw = _prepared(tensor)
     if raw is None:
-        t = tensor.detach().to("cpu")
+        t = _logical(tensor.detach().to("cpu"), FORMAT_VERSION)  # the stored order, as a view
         raw = _st_bytes(t) if t.dtype in _ST_DTYPES else _st_bytes(t.contiguous())
+    elif codec == "none":
+        sealed = getattr(tensor, "_relayout_chunk_hash", None)
+        if sealed is not None and sealed[0] is tensor._relayout_chunk:  # type: ignore[attr-defined]
+            return raw, ChunkRef(hash=sealed[1], size=len(raw), raw_size=len(raw), codec="none")  # type: ignore[arg-type]
     data = encode(codec, raw, tensor.element_size())
     ref = ChunkRef(hash=chunk_hash(data), size=len(data), raw_size=len(raw), codec=codec)  # type: ignore[arg-type]
     return data, ref
@@ -232,22 +277,53 @@ def kv_view(
     ref: ChunkRef,
     expect_shape: tuple[int, ...] | torch.Size,
     expect_dtype: torch.dtype | str,
+    format_version: int = FORMAT_VERSION,
 ) -> torch.Tensor:
     """``unpack_kv`` without the final copy: the tensor may share memory with `data` (or with
-    the store holding it), so treat it as read-only and copy out of it. Same checks, same errors."""
+    the store holding it), so treat it as read-only and copy out of it. Same checks, same errors.
+    `expect_shape` is the logical [2, heads, tokens, head_dim]; `format_version` (the manifest's)
+    says how the chunk stores it, and the result is that logical view of it either way."""
     verify_chunk(data, ref)  # hash first: never decode bytes we cannot vouch for
-    dtype = _as_dtype(expect_dtype)
-    shape = tuple(int(s) for s in expect_shape)
+    return _logical(_stored_view(data, ref, stored_shape(tuple(expect_shape), format_version), expect_dtype),
+                    format_version)
+
+
+def _decoded(data: bytes, ref: ChunkRef, dtype: torch.dtype) -> bytes:
+    """The verified chunk's safetensors payload (for codec "none": `data` itself, no copy)."""
     if ref.codec == "none":  # decode() would only copy it and check the size
         if len(data) != ref.raw_size:
             raise CorruptCheckpoint(f"chunk {ref.hash}: none data decodes to {len(data)} bytes, "
                                     f"declared {ref.raw_size}")
-        raw = data
-    else:
-        try:
-            raw = decode(ref.codec, data, ref.raw_size, torch.empty((), dtype=dtype).element_size())
-        except CorruptCheckpoint as exc:
-            raise CorruptCheckpoint(f"chunk {ref.hash}: {exc}") from None
+        return data
+    try:
+        return decode(ref.codec, data, ref.raw_size, torch.empty((), dtype=dtype).element_size())
+    except CorruptCheckpoint as exc:
+        raise CorruptCheckpoint(f"chunk {ref.hash}: {exc}") from None
+
+
+def _parsed(raw: bytes, ref: ChunkRef, want: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, torch.Tensor]:
+    """The full safetensors parser, and exactly the tensors `want` names, of those shapes and dtypes."""
+    try:
+        tensors = st_load(bytes(raw))
+    except Exception as exc:  # safetensors raises its own (non-Storage) error types on bad headers
+        raise CorruptCheckpoint(f"chunk {ref.hash}: not a valid safetensors payload ({exc})") from None
+    if set(tensors) != set(want):
+        raise CorruptCheckpoint(f"chunk {ref.hash}: expected tensors {sorted(want)}, found {sorted(tensors)}")
+    for name, (shape, dtype) in want.items():
+        t = tensors[name]
+        if tuple(t.shape) != shape:
+            raise CorruptCheckpoint(f"chunk {ref.hash}: {name} shape {list(t.shape)}, expected {list(shape)}")
+        if t.dtype != dtype:
+            raise CorruptCheckpoint(f"chunk {ref.hash}: {name} dtype {dtype_name(t.dtype)}, "
+                                    f"expected {dtype_name(dtype)}")
+    return tensors
+
+
+def _stored_view(data: bytes, ref: ChunkRef, shape: tuple[int, ...], expect_dtype: torch.dtype | str
+                 ) -> torch.Tensor:
+    """The verified chunk's stored tensor, checked to be exactly `shape` and the dtype."""
+    dtype = _as_dtype(expect_dtype)
+    raw = _decoded(data, ref, dtype)
     # Fast path: the exact header this module (and safetensors.torch.save) writes for the expected
     # tensor, followed by exactly its bytes. That is a valid payload of the right shape and dtype.
     code = _ST_DTYPES.get(dtype)
@@ -260,18 +336,18 @@ def kv_view(
                 return _payload(raw, p, shape, dtype, n)
             return _view_readonly(raw, p, shape, dtype, n)
     # Anything else (other header spellings, metadata, wrong shapes): the full parser and its errors.
-    try:
-        tensors = st_load(bytes(raw))
-    except Exception as exc:  # safetensors raises its own (non-Storage) error types on bad headers
-        raise CorruptCheckpoint(f"chunk {ref.hash}: not a valid safetensors payload ({exc})") from None
-    if set(tensors) != {TENSOR_NAME}:
-        raise CorruptCheckpoint(f"chunk {ref.hash}: expected one tensor {TENSOR_NAME!r}, found {sorted(tensors)}")
-    t = tensors[TENSOR_NAME]
-    if tuple(t.shape) != shape:
-        raise CorruptCheckpoint(f"chunk {ref.hash}: shape {list(t.shape)}, expected {list(shape)}")
-    if t.dtype != dtype:
-        raise CorruptCheckpoint(f"chunk {ref.hash}: dtype {dtype_name(t.dtype)}, expected {dtype_name(dtype)}")
-    return t
+    return _parsed(raw, ref, {TENSOR_NAME: (shape, dtype)})[TENSOR_NAME]
+
+
+def kv_scaled_view(data: bytes, ref: ChunkRef, expect_shape: tuple[int, ...] | torch.Size,
+                   expect_dtype: torch.dtype | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chunk of quantised KV (format version 2 with scales): the [2, heads, tokens, head_dim] values
+    and their float32 [2, heads, tokens] scales, verified and checked like kv_view."""
+    verify_chunk(data, ref)
+    dtype = _as_dtype(expect_dtype)
+    st = stored_shape(tuple(expect_shape))
+    got = _parsed(_decoded(data, ref, dtype), ref, {TENSOR_NAME: (st, dtype), SCALE_NAME: (st[:3], torch.float32)})
+    return got[TENSOR_NAME].transpose(1, 2), got[SCALE_NAME].transpose(1, 2)
 
 
 def unpack_kv(
@@ -279,8 +355,9 @@ def unpack_kv(
     ref: ChunkRef,
     expect_shape: tuple[int, ...] | torch.Size,
     expect_dtype: torch.dtype | str,
+    format_version: int = FORMAT_VERSION,
 ) -> torch.Tensor:
     """Verify, decode and parse one chunk; any mismatch is ``CorruptCheckpoint`` naming the chunk.
-    The tensor is the caller's own (shares no memory with `data`)."""
-    t = kv_view(data, ref, expect_shape, expect_dtype)
-    return t.clone() if t.numel() else t
+    The tensor ([2, heads, tokens, head_dim], contiguous) is the caller's own (shares no memory with `data`)."""
+    t = kv_view(data, ref, expect_shape, expect_dtype, format_version)
+    return t.clone(memory_format=torch.contiguous_format)

@@ -12,13 +12,14 @@ sees the object. Anything wrong surfaces as ``CorruptCheckpoint``.
 
 from __future__ import annotations
 
-import math
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from relayout.storage.errors import CorruptCheckpoint
 
-FORMAT_VERSION = 1
+# 2: chunks store their tensor token-major, [2, tokens, heads, head_dim] (the KV pool's order);
+# 1: [2, heads, tokens, head_dim]. Readers take both; writers write FORMAT_VERSION.
+FORMAT_VERSION = 2
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 HASH_PATTERN = r"^[0-9a-f]{32}$"  # xxh3_128 hexdigest
@@ -35,6 +36,9 @@ DTYPE_ITEMSIZE: dict[str, int] = {
     "float8_e5m2": 1,
 }
 KVDtype = Literal["float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"]
+# "token_head": each chunk also holds "kv_scale", float32 [2, tokens, heads] (logical [2, heads, tokens]):
+# value = stored element * scale (fp8 KV)
+KVScale = Literal["token_head"]
 Codec = Literal["none", "zstd", "zstd-planes"]
 
 Id = Annotated[str, Field(pattern=ID_PATTERN, max_length=128)]
@@ -98,15 +102,20 @@ class KVGeometry(BaseModel):
     num_kv_heads: Small
     head_dim: Small
     dtype: KVDtype
+    scale: KVScale | None = None  # None: the stored values are the KV itself
 
     @property
     def itemsize(self) -> int:
         return DTYPE_ITEMSIZE[self.dtype]
 
+    def chunk_bytes(self, heads: int, tokens: int) -> int:
+        """Tensor bytes of one chunk of `heads` KV heads × `tokens` tokens (scales included)."""
+        return 2 * heads * tokens * (self.head_dim * self.itemsize + (4 if self.scale else 0))
+
 
 class Manifest(BaseModel):
     model_config = _CFG
-    format_version: Literal[1] = FORMAT_VERSION
+    format_version: Literal[1, 2] = FORMAT_VERSION
     checkpoint_id: Id
     created_at: float = Field(ge=0, allow_inf_nan=False)
     model: ModelRef
@@ -136,7 +145,7 @@ class Manifest(BaseModel):
                 raise ValueError(
                     f"tokens [{e.tok_lo},{e.tok_hi}) beyond the session's {tokens[e.session_id]} ({where})"
                 )
-            data = math.prod(e.shape(g.head_dim)) * g.itemsize
+            data = g.chunk_bytes(e.head_hi - e.head_lo, e.tok_hi - e.tok_lo)
             if not data + 8 <= e.chunk.raw_size <= data + 8 + SAFETENSORS_OVERHEAD_MAX:
                 raise ValueError(f"raw_size {e.chunk.raw_size} inconsistent with a {data}-byte tensor ({where})")
         return self

@@ -4,7 +4,7 @@ and bfloat16 sessions that continue token-for-token after a checkpoint and resto
 import pytest
 import torch
 from relayout.storage.checkpoint import CheckpointReader, CheckpointWriter
-from relayout.storage.chunks import kv_view, new_kv_chunk, pack_kv, unpack_kv
+from relayout.storage.chunks import chunk_hash, kv_view, new_kv_chunk, pack_kv, unpack_kv
 from relayout.storage.codecs import CODECS
 from relayout.storage.errors import CorruptCheckpoint
 from relayout.storage.manifest import KVGeometry, ModelRef
@@ -37,11 +37,16 @@ def test_chunk_round_trip_is_exact(dtype, codec):
     # a strided source (a transposed view, as exports hand out) packs to the same bytes
     strided = t.transpose(2, 3).contiguous().transpose(2, 3)
     assert pack_kv(strided, codec)[0] == data
-    # the stored payload is exactly what safetensors writes, and safetensors reads it back
+    # the stored payload is exactly what safetensors writes for the token-major tensor (format
+    # version 2), and safetensors reads it back
     raw = bytes(data) if codec == "none" else None
     if raw is not None:
-        assert raw == st_save({"kv": t.contiguous()})
-        assert same_bits(st_load(raw)["kv"], t)
+        assert raw == st_save({"kv": t.transpose(1, 2).contiguous()})
+        assert same_bits(st_load(raw)["kv"].transpose(1, 2), t)
+        # a version-1 chunk (heads before tokens) of the same KV reads back as the same tensor
+        v1 = st_save({"kv": t.contiguous()})
+        ref1 = ref.model_copy(update={"hash": chunk_hash(v1)})
+        assert same_bits(unpack_kv(v1, ref1, t.shape, dtype, format_version=1), t)
 
 
 @pytest.mark.parametrize("dtype", KV_DTYPES, ids=str)
@@ -274,8 +279,9 @@ def test_fp8_kv_greedy_agreement_with_bf16_kv():
             assert eng.num_blocks > 1.5 * num_blocks["auto"]  # fp8 + scales: about half the bytes per block
             eng.add_session([1, 2, 3], params, session_id="held")
             eng.step()
-            with pytest.raises(ValueError, match="fp8_e4m3 KV are not supported yet"):
-                checkpoint(eng, CheckpointWriter(MemoryStore(), "fp8"), ["held"])
+            # checkpoints carry the scales now (tests/test_fp8_checkpoint.py restores them token for token)
+            m = checkpoint(eng, CheckpointWriter(MemoryStore(), "fp8"), ["held"])
+            assert (m.kv.dtype, m.kv.scale) == ("float8_e4m3fn", "token_head")
         num_blocks[kv] = eng.num_blocks
         eng.shutdown()
     same = [sum(x == y for x, y in zip(a, b, strict=True)) for a, b in zip(out["auto"], out["fp8_e4m3"], strict=True)]

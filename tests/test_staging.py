@@ -5,15 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 from relayout.engine.kv_cache import KVCache
-from relayout.engine.staging import (
-    MIN_CLASS,
-    HostEvent,
-    HostOps,
-    KVStager,
-    StreamOps,
-    size_class,
-    token_slots,
-)
+from relayout.engine.staging import MIN_CLASS, KVStager, size_class, token_slots
+from relayout.engine.stream_ops import HostEvent, HostOps, StreamOps
 
 L, NB, H, D, BS = 3, 24, 2, 8, 16
 

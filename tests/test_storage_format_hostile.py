@@ -130,7 +130,7 @@ def test_manifest_cross_reference_checks() -> None:
         "beyond the session": lambda d: d["sessions"][0].update(num_kv_tokens=1),
         "declared twice": lambda d: d["sessions"].append(d["sessions"][0]),
         "Extra inputs": lambda d: d.update(evil=1),
-        "format_version": lambda d: d.update(format_version=2),
+        "format_version": lambda d: d.update(format_version=3),  # a version this reader does not know
         "checkpoint_id": lambda d: d.update(checkpoint_id="../etc"),
         "hash": lambda d: d["kv_entries"][0]["chunk"].update(hash="ZZ"),
         "greater than or equal": lambda d: d["kv_entries"][0]["chunk"].update(size=-1),
