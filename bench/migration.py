@@ -134,7 +134,8 @@ def measure_move(c: Ctx, mode: str, with_second: bool) -> dict:
     t_done = time.perf_counter()
     s.finish(60)
     if s.done or not res.sessions:
-        raise BenchError(f"{mode}: the session finished on the source before it moved")
+        raise BenchError(f"{mode}: the session finished on the source before it moved "
+                         f"(done={s.done}, res={res}, toks={len(s.tokens)})")
     k = len(s.tokens)
     t = s.follower
     assert t is not None

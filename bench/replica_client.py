@@ -69,7 +69,8 @@ class Replica:
 class TokenStream(threading.Thread):
     """Consumes one SSE stream (POST /v1/completions or GET /v1/sessions/{id}/stream) in a thread,
     recording every token id with its arrival time. It disconnects by itself after `stop_after`
-    tokens (the replica then aborts the session), or after `stop()` at the next token."""
+    tokens, or after `stop()` at the next token, and then aborts the session explicitly (a bare
+    disconnect only detaches it for the replica's grace period)."""
 
     def __init__(self, method: str, url: str, body: dict | None = None, stop_after: int | None = None,
                  retry_404_s: float = 0.0, then: Callable[[TokenStream], None] | None = None):
@@ -103,8 +104,11 @@ class TokenStream(threading.Thread):
                             r.read()
                             raise BenchError(f"{self.method} {self.url}: HTTP {r.status_code}: {r.text[:300]}")
                         self.opened_at = time.perf_counter()
-                        self._consume(r)
+                        hung_up = self._consume(r)
                         self.closed_at = time.perf_counter()
+                    if hung_up and self.sid:
+                        base = self.url.split("/v1/", 1)[0]
+                        client.post(f"{base}/v1/sessions/{self.sid}/abort", timeout=30.0)
                     break
             if self.then is not None and not self.done:
                 self.then(self)  # at once, on this thread: e.g. reattach to the session on the target
@@ -116,14 +120,15 @@ class TokenStream(threading.Thread):
                     self.closed_at = time.perf_counter()
                 self._cond.notify_all()
 
-    def _consume(self, r: httpx.Response) -> None:
+    def _consume(self, r: httpx.Response) -> bool:
+        """Reads the stream; True when this side hung up (stop / stop_after) before its end."""
         for line in r.iter_lines():
             if not line.startswith("data:"):
                 continue
             data = line[5:].strip()
             if data == "[DONE]":
                 self.done = True
-                return
+                return False
             now = time.perf_counter()
             obj = json.loads(data)
             if "error" in obj:
@@ -135,7 +140,8 @@ class TokenStream(threading.Thread):
                 self.times += [now] * len(ids)
                 self._cond.notify_all()
             if self._stopping or (self.stop_after is not None and len(self.tokens) >= self.stop_after):
-                return  # leaving the `with` closes the connection: the replica aborts the session
+                return True  # leaving the `with` closes the connection; the caller aborts the session
+        return False  # the stream ended without [DONE]: the session moved on
 
     def wait_tokens(self, n: int, timeout: float) -> None:
         with self._cond:

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Awaitable, Iterator
 from typing import Protocol
 
 import httpx
+from relayout.engine.tracing import async_inject_hooks
 from relayout.engine.web import bearer_headers, error_message
 
 IMPORT_PATH = "/v1/sessions/import"
@@ -57,7 +58,8 @@ class HttpTransport:
         if source:
             params["source"] = source  # whom the target asks if the migrator disappears
         try:
-            async with httpx.AsyncClient(timeout=timeout_s) as client:
+            # traceparent: the target's import continues the migrator's trace, under this export
+            async with httpx.AsyncClient(timeout=timeout_s, event_hooks=async_inject_hooks()) as client:
                 resp = await client.post(f"{target.rstrip('/')}{IMPORT_PATH}", params=params, content=frames,
                                          headers=bearer_headers(self.token))
                 await resp.aread()
