@@ -71,6 +71,12 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
         # (briefly: a scrape must not hang on a busy replica; one that does not answer keeps its last figures)
         await asyncio.gather(*(ag.describe(rid, timeout=2.0) for rid in list(ag.reg.replicas)
                                if ag.reg.replicas[rid].get("status") == "running"))
+        running = [rid for rid in list(ag.reg.replicas) if ag.reg.replicas[rid].get("status") == "running"]
+        prots = await asyncio.gather(*(protection_of(ag, ag.reg.replicas[rid].get("url"), timeout=2.0)
+                                       for rid in running))
+        for rid, prot in zip(running, prots, strict=True):
+            if prot and prot.get("sessions") is not None:
+                ag.m.observe_protection(rid, prot)
         ag.m.sessions.set(sum(ag.sessions_seen.values()))
         ag.m.draining.set(1 if ag.draining else 0)
         return PlainTextResponse(generate_latest(ag.m.registry).decode(), media_type="text/plain; version=0.0.4")

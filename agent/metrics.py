@@ -47,6 +47,10 @@ class AgentMetrics:
         self.restore_seconds = Histogram("relayout_restore_seconds", "Time to restore a checkpoint into a running "
                                          "replica (the launch of a new one not included)", buckets=SECOND_BUCKETS,
                                          registry=r)
+        self.replication_lag = Histogram("relayout_replication_lag_tokens", "Replication lag of each protected "
+                                         "session at a scrape: tokens its source generated that its standby does "
+                                         "not hold yet", ["replica"], registry=r,
+                                         buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096))
         self.replica_sessions = Gauge("relayout_replica_sessions", "Live sessions per replica (at the scrape)",
                                       ["replica", "model"], registry=r)
         self.replica_kv_used = Gauge("relayout_replica_kv_blocks_used", "KV cache blocks in use per replica",
@@ -85,6 +89,12 @@ class AgentMetrics:
             self.replica_kv_used.labels(rid).set(info["kv_blocks_used"])
         if info.get("num_blocks") is not None:
             self.replica_kv_total.labels(rid).set(info["num_blocks"])
+
+    def observe_protection(self, rid: str, protection: dict) -> None:
+        """A protected replica's `GET /v1/protection` answer, as seen at a scrape."""
+        for s in protection.get("sessions") or []:
+            if isinstance(s.get("lag_tokens"), int):
+                self.replication_lag.labels(rid).observe(s["lag_tokens"])
 
     def forget_replica(self, rid: str, model: str) -> None:
         for g, labels in ((self.replica_sessions, (rid, model)), (self.replica_kv_used, (rid,)),

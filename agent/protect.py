@@ -57,12 +57,12 @@ async def _replica_call(ag: Agent, method: str, url: str, body: dict | None = No
     return resp.json()
 
 
-async def protection_of(ag: Agent, url: str | None) -> dict | None:
+async def protection_of(ag: Agent, url: str | None, timeout: float = 5.0) -> dict | None:
     """The replica's protection (sessions' replication lag), None when it is not protected or down."""
     if not url:
         return None
     try:
-        async with httpx.AsyncClient(timeout=5) as c:
+        async with httpx.AsyncClient(timeout=timeout) as c:
             resp = await c.get(f"{url}/v1/protection", headers=ag.headers())
     except httpx.HTTPError:
         return None
