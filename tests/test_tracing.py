@@ -6,6 +6,9 @@ names, parents (the replicas' server spans continue the migrator's `traceparent`
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import httpx
 import pytest
 from opentelemetry import trace
@@ -158,3 +161,19 @@ def test_checkpoint_then_restore_span_tree(sink, tmp_path, monkeypatch):
         assert route.service == "relayout-replica" and route.trace_id == op_rs.trace_id
     finally:
         _stop(p)
+
+
+def test_decode_path_never_loads_opentelemetry():
+    """Nil overhead on decode without an OTLP endpoint, by construction: the engine and its decode
+    loop never import OpenTelemetry (only the HTTP front ends do, and their spans are no-ops then)."""
+    code = ("import sys\n"
+            "from relayout.engine.engine import LLMEngine\n"
+            "from relayout.engine.session import SamplingParams\n"
+            "e = LLMEngine('builtin:tiny')\n"
+            "out = e.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0))\n"
+            "e.shutdown()\n"
+            "assert len(out[0]) == 4, out\n"
+            "print(sorted(m for m in sys.modules if m.startswith('opentelemetry')))\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.strip().splitlines()[-1] == "[]", p.stdout
