@@ -16,7 +16,7 @@ from relayout.migrate.procs import stop_process
 TOKEN = "agent-test-token"
 H = bearer_headers(TOKEN)
 PROMPTS = ["The quick brown fox", "Once upon a time in"]
-MAX_TOKENS = 160
+MAX_TOKENS = 512  # long enough that both sessions are still running when the checkpoint cuts them
 
 
 def _start_agent(data_dir: Path, log: Path) -> tuple[subprocess.Popen, str]:
