@@ -24,7 +24,7 @@ import os
 import threading
 import warnings
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import TypeVar
 
 import torch
@@ -70,6 +70,9 @@ def parallel_map(fn: Callable[[_T], _R], items: Iterable[_T]) -> list[_R]:
     finally:
         for f in futs:
             f.cancel()
+        # A failure must not return while sibling calls still run: they would go on writing
+        # (temp files, pins) after the caller has cleaned up and answered.
+        wait(futs)
 
 
 def chunk_hash(data: bytes) -> str:

@@ -410,6 +410,35 @@ def test_disk_full_store_enospc():
     assert st.list_checkpoints() == []
 
 
+def test_parallel_map_failure_waits_for_running_calls():
+    """A failed chunk write must not answer while sibling writes still run: they would leave
+    temp files behind after the caller cleaned up (a clean-clone CI saw one on a full tmpfs)."""
+
+    import torch
+    from relayout.storage.chunks import parallel_map
+
+    finished: list[int] = []
+    started = threading.Barrier(2, timeout=10)
+
+    def work(i: int) -> int:
+        if i == 0:
+            started.wait()
+            raise OSError(28, "No space left on device")
+        started.wait()
+        time.sleep(0.3)
+        finished.append(i)
+        return i
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with pytest.raises(OSError, match="No space"):
+            parallel_map(work, [0, 1])
+        assert finished == [1]  # the sibling ended before the error reached the caller
+    finally:
+        torch.set_num_threads(old)
+
+
 def test_no_processes_leaked(kit):
     """Runs last in this module: every killed replica left no rank process behind."""
     for name, p in kit["procs"].items():
