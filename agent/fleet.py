@@ -28,7 +28,7 @@ import httpx
 from relayout.engine import web
 from relayout.engine.layout import Layout
 from relayout.engine.tracing import traced
-from relayout.migrate.controller import ReplicaWatch, Step
+from relayout.migrate.controller import PollLoop, ReplicaWatch, Step
 from relayout.migrate.live import MigrationResult
 from relayout.migrate.policy import Decision, PolicyConfig, RelayoutPolicy
 
@@ -64,7 +64,7 @@ def expand_agents(urls: Iterable[str]) -> list[str]:
     return list(dict.fromkeys(out))
 
 
-class FleetController:
+class FleetController(PollLoop):
     def __init__(self, agents: Iterable[str], policy: PolicyConfig | None = None, interval: float = 10.0, *,
                  dry_run: bool = False, token: str | None = None, mode: str = "live", stop_grace_s: float = 5.0,
                  sweeps: int = 3, op_poll_s: float = 0.2, op_timeout_s: float = 900.0,
@@ -246,35 +246,9 @@ class FleetController:
             self._delete(agent, rid, self.stop_grace_s)
 
     def _delete(self, agent: str, rid: str, after_s: float) -> None:
-        def go() -> None:
-            time.sleep(after_s)
-            try:
-                r = httpx.delete(f"{agent}/v1/replicas/{rid}", headers=self._headers(), timeout=60)
-                if r.status_code >= 400 and r.status_code != 404:
-                    self.log(f"controller: deleting replica {rid} on {agent} failed: {r.status_code} "
-                             f"{web.error_message(r)[:200]}")
-            except httpx.HTTPError as e:  # report, never crash the loop
-                self.log(f"controller: deleting replica {rid} on {agent} failed: {e}")
+        def delete() -> None:
+            r = httpx.delete(f"{agent}/v1/replicas/{rid}", headers=self._headers(), timeout=60)
+            if r.status_code >= 400 and r.status_code != 404:
+                raise RuntimeError(f"{r.status_code} {web.error_message(r)[:200]}")
 
-        if after_s <= 0:
-            go()
-            return
-        t = threading.Thread(target=go, name=f"delete-{rid}", daemon=True)
-        t.start()
-        self._stopping.append(t)
-
-    def wait_stopped(self, timeout: float | None = None) -> None:
-        """Join the delayed deletions of old replicas (tests, shutdown)."""
-        for t in self._stopping:
-            t.join(timeout)
-
-    # ---- the loop ------------------------------------------------------------------------------------
-    def run_forever(self, stop: threading.Event | None = None) -> None:
-        stop = stop or threading.Event()
-        while not stop.is_set():
-            t0 = time.monotonic()
-            try:
-                self.run_once()
-            except Exception as e:  # noqa: BLE001 - one bad poll must not end the controller
-                self.log(f"controller: poll failed: {e}")
-            stop.wait(max(0.0, self.interval - (time.monotonic() - t0)))
+        self._later(delete, after_s, f"delete-{rid}", f"deleting replica {rid} on {agent}")

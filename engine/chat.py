@@ -24,10 +24,10 @@ import jinja2.ext
 import jinja2.nodes
 from fastapi import FastAPI, Request
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from pydantic import BaseModel, ConfigDict
 from relayout.engine.async_engine import AsyncEngine, EngineDeadError
 from relayout.engine.engine import RequestError
 from relayout.engine.logprobs import MAX_TOP_LOGPROBS, LogprobRecord, chat_logprobs
+from relayout.engine.openai_request import OpenAIRequest
 from relayout.engine.session import SamplingParams
 from relayout.engine.streaming import (
     CompletionShape,
@@ -149,27 +149,12 @@ def load_chat_template(model_dir: Path) -> ChatTemplate | None:
 
 
 # ---- the request -------------------------------------------------------------------------------------
-class ChatCompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    model: str | None = None
+class ChatCompletionRequest(OpenAIRequest):
     messages: list[Any]
-    max_tokens: int | None = None
     max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
-    temperature: float | None = None  # OpenAI default: 1.0
-    top_p: float | None = None
-    top_k: int | None = None  # extension; -1 or 0 = no cut
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: dict[str, Any] | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    return_token_ids: bool = False  # extension: token_ids on each choice / chunk
-    ignore_eos: bool = False  # extension
     add_generation_prompt: bool = True  # extension (vLLM's)
-    n: int | None = None
-    user: str | None = None
 
     def template_messages(self) -> list[dict[str, Any]]:
         """The messages as the template sees them; a list of text parts becomes its joined text."""
@@ -197,20 +182,9 @@ class ChatCompletionRequest(BaseModel):
             if not self.logprobs:
                 raise RequestError("top_logprobs needs logprobs set to true")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        if max_tokens is not None and max_tokens < 1:
-            raise RequestError(f"max_tokens must be at least 1, got {max_tokens}")
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return SamplingParams(
-            # unset: what is left of the context (the engine refuses a prompt that fills it)
-            max_tokens=max_tokens if max_tokens is not None else max(1, max_model_len - prompt_len),
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=-1 if not self.top_k or self.top_k < 0 else self.top_k,
-            seed=self.seed,
-            stop=[s for s in stop if s],
-            ignore_eos=self.ignore_eos,
-            logprobs=(self.top_logprobs or 0) if self.logprobs else None,
-        )
+        # unset: what is left of the context (the engine refuses a prompt that fills it)
+        return self.sampling_params(max_tokens, max(1, max_model_len - prompt_len),
+                                    (self.top_logprobs or 0) if self.logprobs else None)
 
 
 def _content_text(content: Any, i: int) -> str:

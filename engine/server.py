@@ -14,11 +14,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from pydantic import BaseModel, ConfigDict, Field
 from relayout.engine.async_engine import AsyncEngine, EngineDeadError
 from relayout.engine.chat import install_chat_routes, shape_for
 from relayout.engine.engine import RequestError
 from relayout.engine.logprobs import MAX_TOP_LOGPROBS, CompletionLogprobs
+from relayout.engine.openai_request import OpenAIRequest
 from relayout.engine.session import SamplingParams
 from relayout.engine.streaming import (
     CompletionShape,
@@ -51,26 +51,12 @@ _LIVE = {"waiting": "running", "running": "running", "paused": "running"}  # the
 
 
 # ---- request ------------------------------------------------------------------------------
-class CompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    model: str | None = None
+class CompletionRequest(OpenAIRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
-    temperature: float | None = None  # OpenAI default: 1.0
-    top_p: float | None = None
-    top_k: int | None = None  # extension; -1 or 0 = no cut
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: dict[str, Any] | None = None
-    return_token_ids: bool = False  # extension: token_ids on each choice / chunk
-    ignore_eos: bool = False  # extension
-    n: int | None = None
     echo: bool | None = None
     logprobs: int | None = None
     best_of: int | None = None
-    user: str | None = Field(default=None)
 
     def prompt_ids(self, tok: Tokenizer) -> list[int]:
         p = self.prompt
@@ -87,19 +73,10 @@ class CompletionRequest(BaseModel):
             raise HTTPError(400, "echo is not supported")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise HTTPError(400, f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {self.logprobs}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise HTTPError(400, f"max_tokens must be at least 1, got {self.max_tokens}")
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return SamplingParams(
-            max_tokens=16 if self.max_tokens is None else self.max_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=-1 if not self.top_k or self.top_k < 0 else self.top_k,
-            seed=self.seed,
-            stop=[s for s in stop if s],
-            ignore_eos=self.ignore_eos,
-            logprobs=self.logprobs,
-        )
+        try:
+            return self.sampling_params(self.max_tokens, 16, self.logprobs)
+        except RequestError as e:
+            raise HTTPError(400, str(e)) from None
 
 
 # ---- metrics ---------------------------------------------------------------------------------------

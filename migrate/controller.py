@@ -32,7 +32,7 @@ from relayout.migrate.live import MigrationError, MigrationResult, migrate_live
 from relayout.migrate.policy import Decision, RelayoutPolicy
 from relayout.migrate.procs import LaunchError, stop_process
 
-__all__ = ["Controller", "LaunchError", "Relayout", "ReplicaWatch", "Step", "SubprocessLauncher"]
+__all__ = ["Controller", "LaunchError", "PollLoop", "Relayout", "ReplicaWatch", "Step", "SubprocessLauncher"]
 
 
 class SubprocessLauncher:
@@ -148,7 +148,50 @@ class ReplicaWatch:
         return step
 
 
-class Controller:
+class PollLoop:
+    """What both controllers share: a poll loop that survives a bad poll, and old replicas stopped
+    after a grace on background threads (joined by `wait_stopped`)."""
+
+    interval: float
+    log: Callable[[str], None]
+    _stopping: list[threading.Thread]
+
+    def run_once(self) -> object:
+        raise NotImplementedError
+
+    def _later(self, fn: Callable[[], None], after_s: float, name: str, what: str) -> None:
+        """Run `fn` after `after_s` seconds (now, inline, if 0); its failure is logged, never raised."""
+        def go() -> None:
+            time.sleep(after_s)
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001 - report, never crash the loop
+                self.log(f"controller: {what} failed: {e}")
+
+        if after_s <= 0:
+            go()
+            return
+        t = threading.Thread(target=go, name=name, daemon=True)
+        t.start()
+        self._stopping.append(t)
+
+    def wait_stopped(self, timeout: float | None = None) -> None:
+        """Join the delayed stops of old replicas (tests, shutdown)."""
+        for t in self._stopping:
+            t.join(timeout)
+
+    def run_forever(self, stop: threading.Event | None = None) -> None:
+        stop = stop or threading.Event()
+        while not stop.is_set():
+            t0 = time.monotonic()
+            try:
+                self.run_once()
+            except Exception as e:  # noqa: BLE001 - one bad poll must not end the controller
+                self.log(f"controller: poll failed: {e}")
+            stop.wait(max(0.0, self.interval - (time.monotonic() - t0)))
+
+
+class Controller(PollLoop):
     """Watch one replica reached directly; relayout by launching the new replica here (`launcher`) and
     live-migrating onto it."""
 
@@ -233,35 +276,5 @@ class Controller:
 
     def _stop(self, url: str, after_s: float) -> None:
         stop = getattr(self.launcher, "stop", None)
-        if stop is None:
-            return
-
-        def go():
-            time.sleep(after_s)
-            try:
-                stop(url)
-            except Exception as e:  # noqa: BLE001 - report, never crash the loop
-                self.log(f"controller: stopping {url} failed: {e}")
-
-        if after_s <= 0:
-            go()
-            return
-        t = threading.Thread(target=go, name=f"stop-{url}", daemon=True)
-        t.start()
-        self._stopping.append(t)
-
-    def wait_stopped(self, timeout: float | None = None) -> None:
-        """Join the delayed stops of old replicas (tests, shutdown)."""
-        for t in self._stopping:
-            t.join(timeout)
-
-    # ---- the loop --------------------------------------------------------------------------------
-    def run_forever(self, stop: threading.Event | None = None) -> None:
-        stop = stop or threading.Event()
-        while not stop.is_set():
-            t0 = time.monotonic()
-            try:
-                self.run_once()
-            except Exception as e:  # noqa: BLE001 - one bad poll must not end the controller
-                self.log(f"controller: poll failed: {e}")
-            stop.wait(max(0.0, self.interval - (time.monotonic() - t0)))
+        if stop is not None:
+            self._later(lambda: stop(url), after_s, f"stop-{url}", f"stopping {url}")
