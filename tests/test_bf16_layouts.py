@@ -143,3 +143,24 @@ def test_bf16_restore(engines, undisturbed, src, dst, tmp_path):
     print(f"\nbf16 {src} -> {dst}: imported KV byte-identical on {slices} rank slices; continuation vs "
           f"an undisturbed {src} run: {agreement(first, undisturbed[src])}; vs an undisturbed {dst} run: "
           f"{agreement(first, undisturbed[dst])}")
+
+
+def test_fp8_checkpoint_into_a_multi_rank_replica_is_refused_untouched(engines, tmp_path):
+    """fp8 KV (values with their scales) moves only into a one-rank CPU replica for now: a multi-rank
+    target refuses it with the reason, before any block is taken."""
+    from relayout.engine.snapshot import RestoreError, checkpoint
+
+    fp8 = LLMEngine("builtin:tiny", kv_dtype="fp8_e4m3", max_prefill_tokens=16)
+    try:
+        fp8.add_session(list(range(3, 30)), SamplingParams(max_tokens=4, ignore_eos=True), session_id="f8-refused")
+        fp8.step()
+        store = LocalStore(tmp_path)
+        with CheckpointWriter(store, "f8") as w:
+            checkpoint(fp8, w, ["f8-refused"])
+    finally:
+        fp8.shutdown()
+    target = engines["attn_tp=2"]
+    used = target.kv_blocks_used()
+    with pytest.raises(RestoreError, match="float8_e4m3fn KV to bfloat16 needs a replica whose KV pool is local host memory"):
+        restore(target, CheckpointReader(store, "f8"))
+    assert target.kv_blocks_used() == used and "f8-refused" not in target.sessions

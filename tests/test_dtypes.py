@@ -171,6 +171,23 @@ def test_unknown_dtypes_are_refused_naming_the_allowed_values():
         parse_kv_dtype("fp4")
 
 
+def test_fp8_kv_refused_on_a_device_that_cannot_hold_it():
+    """fp8_e4m3 KV needs a CPU or CUDA device: elsewhere the engine refuses before loading anything, and
+    `relayout serve` exits 2 with that reason (an agent launching such a replica answers 400 with the
+    replica's output)."""
+    import subprocess
+    import sys
+
+    from relayout.engine.engine import LLMEngine
+
+    with pytest.raises(ValueError, match="kv_dtype fp8_e4m3 needs a CPU or CUDA device, not meta"):
+        LLMEngine("builtin:tiny", device="meta", kv_dtype="fp8_e4m3")
+    bad = subprocess.run([sys.executable, "-m", "relayout.agent.cli", "serve", "--device", "meta", "--kv-dtype",
+                          "fp8_e4m3", "--port", "0"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "kv_dtype fp8_e4m3 needs a CPU or CUDA device, not meta" in " ".join(
+        bad.stderr.split()), bad.stderr
+
+
 def test_cli_and_agent_refuse_bad_dtypes_and_launch_bf16(tmp_path):
     """`relayout serve --dtype float64` exits 2 naming the allowed values; the agent answers 400 for a bad
     dtype and launches a bfloat16 replica whose /v1/replica says so."""
