@@ -255,9 +255,19 @@ def test_fp8_kv_greedy_agreement_with_bf16_kv():
             assert (m.kv.dtype, m.kv.scale) == ("float8_e4m3fn", "token_head")
         num_blocks[kv] = eng.num_blocks
         eng.shutdown()
-    same = [sum(x == y for x, y in zip(a, b, strict=True)) for a, b in zip(out["auto"], out["fp8_e4m3"], strict=True)]
-    prefix = [next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), 64)
-              for a, b in zip(out["auto"], out["fp8_e4m3"], strict=True)]
-    print(f"\nfp8_e4m3 vs bfloat16 KV, 32 prompts x 64 tokens: tokens equal at {sum(same) / (32 * 64):.1%} of positions, "
-          f"mean common prefix {sum(prefix) / 32:.1f} tokens, {prefix.count(64)}/32 sequences identical")
-    assert sum(prefix) / 32 >= 8
+    # the yardstick: how far the same prompts drift between the model in float32 and in bfloat16
+    eng = LLMEngine("builtin:tiny", dtype="float32", kv_cache_bytes=8 << 20)
+    out["float32"] = eng.generate(prompts, params)
+    eng.shutdown()
+
+    def agreement(a_out: list[list[int]], b_out: list[list[int]]) -> tuple[str, float]:
+        same = sum(x == y for a, b in zip(a_out, b_out, strict=True) for x, y in zip(a, b, strict=True))
+        prefix = [next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), 64)
+                  for a, b in zip(a_out, b_out, strict=True)]
+        return (f"tokens equal at {same / (32 * 64):.1%} of positions, mean common prefix {sum(prefix) / 32:.1f} "
+                f"tokens, {prefix.count(64)}/32 sequences identical"), sum(prefix) / 32
+
+    fp8_said, fp8_prefix = agreement(out["auto"], out["fp8_e4m3"])
+    print(f"\nfp8_e4m3 vs bfloat16 KV (model in bfloat16), 32 prompts x 64 greedy tokens: {fp8_said}"
+          f"\nyardstick, bfloat16 vs float32 model: {agreement(out['float32'], out['auto'])[0]}")
+    assert fp8_prefix >= 8
