@@ -7,7 +7,9 @@ One process, one run: prefill a few sessions on a world-1 engine, then time
 - restore: restore() of that checkpoint into a second engine, chunk verification included.
 Each figure is the best of `reps` (on a shared machine the fastest try is the least disturbed).
 Codec ratios and per-core speeds are measured on (up to 32 MiB of) the prefilled KV, chunk by chunk as a
-checkpoint stores it, in float32 and rounded to bf16.
+checkpoint stores it (the stored payload: token-major, fp8 with its float32 scales), once per KV dtype: the
+same prompts prefilled by an engine in float32, one in bfloat16 and one in bfloat16 with fp8_e4m3 KV,
+so each figure is of the KV that dtype's engine computes, not of float32 values cast.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from relayout.engine.engine import LLMEngine
 from relayout.engine.session import SamplingParams
 from relayout.engine.snapshot import (
     CHUNK_TOKENS,
+    SessionSnapshot,
     checkpoint,
     geometry,
     model_ref,
@@ -32,10 +35,14 @@ from relayout.engine.snapshot import (
 )
 from relayout.engine.weights import resolve_model
 from relayout.storage.checkpoint import CheckpointReader, CheckpointWriter
+from relayout.storage.chunks import pack_kv
 from relayout.storage.codecs import CODECS, measure_codecs
 from relayout.storage.stores import MemoryStore
 
 CODEC_SAMPLE_BYTES = 32 * 2**20  # zstd at ~0.3-1 GB/s on 2 cores: a sample keeps the bench short
+# the KV dtypes whose codec figures are reported: name -> (engine dtype, engine kv_dtype)
+KV_DTYPES: dict[str, tuple[str, str]] = {"float32": ("float32", "auto"), "bfloat16": ("bfloat16", "auto"),
+                                         "fp8_e4m3": ("bfloat16", "fp8_e4m3")}
 
 
 def _best(fn: Callable[[], float], reps: int) -> float:
@@ -55,25 +62,39 @@ def _memcpy_s(nbytes: int, reps: int) -> float:
     return _best(once, reps)
 
 
-def _fill(eng: LLMEngine, sessions: int, tokens: int, prefill: int) -> tuple[list[str], list[torch.Tensor]]:
+def _prompts(sessions: int, tokens: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(32, 127, (tokens,), generator=g).tolist() for _ in range(sessions)]
+
+
+def _prefill(eng: LLMEngine, prompts: list[list[int]]) -> tuple[list[str], list[SessionSnapshot], list[bytes]]:
+    """Prefill `prompts` on `eng`; their ids, snapshots and the payloads a checkpoint of them stores
+    (codec "none": what a codec compresses), one per session, layer, head range and CHUNK_TOKENS."""
+    seeds = [eng.add_session(p, SamplingParams(max_tokens=8, ignore_eos=True), f"seed-{i}").session_id
+             for i, p in enumerate(prompts)]
+    while any(not eng.sessions[s].output_token_ids for s in seeds):  # prefill done once each has sampled
+        eng.step()
+    snaps = take_snapshot(eng, seeds)
+    payloads = []
+    for sn in snaps:
+        if sn.chunks is not None:  # a host pool's snapshot: already the stored chunks (fp8: with scales)
+            payloads += [bytes(pack_kv(c[5], "none", c[6] if len(c) > 6 else None)[0]) for c in sn.chunks]
+        else:
+            payloads += [bytes(pack_kv(t[layer, :, :, a : a + CHUNK_TOKENS], "none")[0]) for _, _, t in sn.kv
+                         for a in range(0, t.shape[3], CHUNK_TOKENS) for layer in range(t.shape[0])]
+    return seeds, snaps, payloads
+
+
+def _fill(eng: LLMEngine, sessions: int, tokens: int, prefill: int) -> tuple[list[str], list[bytes]]:
     """`sessions` live sessions of `tokens` tokens of KV each.
 
     Prefilling 8k+ tokens of builtin:bench takes minutes on 2 shared cores, so each session
     prefills `prefill` real tokens (not a divisor of the chunk size, so chunks stay distinct) and is grown to `tokens` by restoring it (through the
     public checkpoint path) with that real KV tiled along the tokens: real values for the
     codecs, the exact sizes and block layout for the copies. Also returns the prefilled (untiled)
-    KV as the chunks a checkpoint of it holds (one per session, layer and head range): codecs are
-    measured on those, as tiles would flatter zstd."""
-    g = torch.Generator().manual_seed(0)
-    seeds = []
-    for i in range(sessions):
-        prompt = torch.randint(32, 127, (min(prefill, tokens),), generator=g).tolist()
-        seeds.append(eng.add_session(prompt, SamplingParams(max_tokens=8, ignore_eos=True), f"seed-{i}").session_id)
-    while any(not eng.sessions[s].output_token_ids for s in seeds):  # prefill done once each has sampled
-        eng.step()
-    snaps = take_snapshot(eng, seeds)
-    real = [t[layer, :, :, a : a + CHUNK_TOKENS].contiguous()
-            for sn in snaps for _, _, t in sn.kv for layer in range(t.shape[0]) for a in range(0, t.shape[3], CHUNK_TOKENS)]
+    KV as the stored payloads of a checkpoint of it: codecs are measured on those, as tiles would
+    flatter zstd."""
+    seeds, snaps, real = _prefill(eng, _prompts(sessions, min(prefill, tokens)))
     release(eng, seeds)
     store = MemoryStore()
     w = CheckpointWriter(store, new_checkpoint_id())
@@ -88,9 +109,24 @@ def _fill(eng: LLMEngine, sessions: int, tokens: int, prefill: int) -> tuple[lis
     return restore(eng, CheckpointReader(store, w.checkpoint_id)), real
 
 
-def _codecs(chunks: list[torch.Tensor], reps: int) -> dict[str, dict[str, float]]:
-    raw = [t.view(torch.uint8).numpy().tobytes() for t in chunks]
-    res = measure_codecs(raw, chunks[0].element_size(), reps)  # one thread: per-core figures
+def _dtype_payloads(model: str, dtype: str, kv_dtype: str, sessions: int, prefill: int, per_tok: int
+                    ) -> tuple[list[bytes], int]:
+    """The stored payloads of the same prefilled prompts on an engine of `dtype` / `kv_dtype`, and its
+    KV bytes per token (all layers and heads; fp8 with its scales)."""
+    eng = LLMEngine(model, dtype=dtype, kv_dtype=kv_dtype, kv_cache_bytes=int(per_tok * (prefill + 64) * sessions * 1.5),
+                    max_prefill_tokens=max(512, prefill))
+    try:
+        _, snaps, payloads = _prefill(eng, _prompts(sessions, prefill))
+        pool = eng.executor.runner.kv  # type: ignore[attr-defined]
+        k0 = pool.k[0]
+        per = 2 * len(pool.k) * eng.cfg.num_kv_heads * (k0.shape[3] * k0.element_size() + (4 if pool.quantised else 0))
+        return payloads, per
+    finally:
+        eng.shutdown()
+
+
+def _codecs(raw: list[bytes], itemsize: int, reps: int) -> dict[str, dict[str, float]]:
+    res = measure_codecs(raw, itemsize, reps)  # one thread: per-core figures
     return {k: {m: round(x, 3) for m, x in v.items()} for k, v in res.items()}
 
 
@@ -109,8 +145,9 @@ def run(model: str = "builtin:bench", sessions: int = 4, tokens: int = 2048, pre
     per_tok = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4  # float32, all KV heads
     kv_bytes = total_tokens * per_tok
     room = int(kv_bytes * 1.25) + 64 * per_tok * sessions  # block rounding + a few decode tokens each
-    src = LLMEngine(model, kv_cache_bytes=room, max_prefill_tokens=max(512, tokens))
-    dst = LLMEngine(model, kv_cache_bytes=room, max_prefill_tokens=max(512, tokens))
+    # float32 whatever the device (per_tok above counts 4 bytes); other dtypes' KV: the codec figures
+    src = LLMEngine(model, kv_cache_bytes=room, max_prefill_tokens=max(512, tokens), dtype="float32")
+    dst = LLMEngine(model, kv_cache_bytes=room, max_prefill_tokens=max(512, tokens), dtype="float32")
     res: dict = {"model": model, "sessions": sessions, "tokens_per_session": tokens, "prefilled_per_session": prefill,
                  "kv_bytes": kv_bytes,
                  "threads": torch.get_num_threads(), "reps": reps}
@@ -154,13 +191,23 @@ def run(model: str = "builtin:bench", sessions: int = 4, tokens: int = 2048, pre
         res["restore_vs_memcpy"] = _sig(t_mem / t_rest)
         log("codecs…")
         sample, res["codec_sample_bytes"] = [], 0
-        for t in real:  # whole chunks, up to CODEC_SAMPLE_BYTES
+        for raw in real:  # whole chunks, up to CODEC_SAMPLE_BYTES of float32 KV
             if res["codec_sample_bytes"] < CODEC_SAMPLE_BYTES:
-                sample.append(t)
-                res["codec_sample_bytes"] += t.nbytes
+                sample.append(raw)
+                res["codec_sample_bytes"] += len(raw)
         res["codec_chunks"] = len(sample)
-        res["codecs"] = _codecs(sample, reps)
-        res["codecs_bf16"] = _codecs([t.to(torch.bfloat16) for t in sample], reps)  # a bf16 engine's KV
+        by_dtype = {"float32": _codecs(sample, 4, reps)}
+        res["kv_bytes_per_token"] = {"float32": per_tok}
+        for name, (dtype, kv_dtype) in KV_DTYPES.items():
+            if name == "float32":
+                continue
+            log(f"codecs on {name} KV (a second engine: {dtype} model, KV {kv_dtype})…")
+            payloads, res["kv_bytes_per_token"][name] = _dtype_payloads(model, dtype, kv_dtype, sessions,
+                                                                        min(prefill, tokens), per_tok)
+            # the same chunks (sessions, layers, token ranges) as the float32 sample
+            by_dtype[name] = _codecs(payloads[: len(sample)], 1 if kv_dtype == "fp8_e4m3" else 2, reps)
+        res["codecs_by_dtype"] = by_dtype
+        res["codecs"], res["codecs_bf16"] = by_dtype["float32"], by_dtype["bfloat16"]
     finally:
         src.shutdown()
         dst.shutdown()
@@ -179,12 +226,13 @@ def print_table(res: dict, console) -> None:
     t.add_row("snapshot (codec none)", f"{res['snapshot_gbps']:.2f}", f"{res['snapshot_vs_memcpy']:.2f}x")
     t.add_row("restore (verify incl.)", f"{res['restore_gbps']:.2f}", f"{res['restore_vs_memcpy']:.2f}x")
     console.print(t)
-    c = Table(title=f"codecs on {res['codec_sample_bytes'] / 2**20:.0f} MiB of this KV in {res['codec_chunks']} "
-                    "chunks (GB/s per core: encode+decode, encode, decode)")
-    for col in ("codec", "ratio fp32", "GB/s fp32", "enc / dec fp32", "ratio bf16", "GB/s bf16", "enc / dec bf16"):
+    c = Table(title=f"codecs on {res['codec_chunks']} chunks of prefilled KV per dtype ({res['codec_sample_bytes'] / 2**20:.1f} "
+                    "MiB in float32), each dtype's own engine (GB/s per core: encode+decode, encode / decode)")
+    for col in ("KV dtype", "bytes/token", "codec", "ratio", "GB/s", "enc / dec"):
         c.add_column(col, justify="right")
-    for name in CODECS:
-        a, b = res["codecs"][name], res["codecs_bf16"][name]
-        c.add_row(name, f"{a['ratio']:.3f}", f"{a['gbps']:.2f}", f"{a['encode_gbps']:.2f} / {a['decode_gbps']:.2f}",
-                  f"{b['ratio']:.3f}", f"{b['gbps']:.2f}", f"{b['encode_gbps']:.2f} / {b['decode_gbps']:.2f}")
+    for dtype, table in res["codecs_by_dtype"].items():
+        for name in CODECS:
+            a = table[name]
+            c.add_row(dtype if name == CODECS[0] else "", f"{res['kv_bytes_per_token'][dtype]}" if name == CODECS[0] else "",
+                      name, f"{a['ratio']:.3f}", f"{a['gbps']:.2f}", f"{a['encode_gbps']:.2f} / {a['decode_gbps']:.2f}")
     console.print(c)

@@ -12,12 +12,18 @@ def test_bench_snapshot_quick():
     for k in ("memcpy_gbps", "snapshot_gbps", "restore_gbps"):
         assert res[k] > 0, k
     assert res["snapshot_vs_memcpy"] > 0
-    for table in ("codecs", "codecs_bf16"):
-        assert set(res[table]) == {"none", "zstd", "zstd-planes"}
-        for v in res[table].values():
+    by_dtype = res["codecs_by_dtype"]
+    assert set(by_dtype) == {"float32", "bfloat16", "fp8_e4m3"}
+    assert res["codecs"] == by_dtype["float32"] and res["codecs_bf16"] == by_dtype["bfloat16"]
+    for table in by_dtype.values():
+        assert set(table) == {"none", "zstd", "zstd-planes"}
+        for v in table.values():
             assert v["ratio"] > 0 and v["gbps"] > 0
             assert v["encode_gbps"] >= v["gbps"] and v["decode_gbps"] >= v["gbps"]
-    assert res["codecs"]["none"]["ratio"] == 1.0
+        assert table["none"]["ratio"] == 1.0
+    # each dtype's engine computed its own KV: bf16 is half of float32's bytes, fp8 a quarter plus its scales
+    per = res["kv_bytes_per_token"]
+    assert per["bfloat16"] * 2 == per["float32"] and per["float32"] // 4 < per["fp8_e4m3"] < per["bfloat16"]
     assert res["codec_chunks"] >= 1 and res["codec_sample_bytes"] > 0
 
 

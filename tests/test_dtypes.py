@@ -1,5 +1,5 @@
-"""Precision: chunks of every KV dtype stored exactly, the engine in bfloat16 against transformers,
-and bfloat16 sessions that continue token-for-token after a checkpoint and restore."""
+"""Precision: chunks of every KV dtype stored exactly, the engine in bfloat16 against transformers, dtype
+names refused, fp8 KV against bf16 KV. (bfloat16 checkpoints across layouts: test_bf16_layouts.py.)"""
 
 import pytest
 import torch
@@ -157,52 +157,6 @@ def test_reduced_precision_parity_with_transformers(hf_models, arch, dtype):
     assert decisive >= len(errs) // 4  # the token check is not vacuous
 
 
-CKPT_PROMPTS = [[1, 5, 9], [7] * 20, list(range(10, 47)), [42, 43], list(range(60, 75))]
-
-
-def ckpt_params():
-    from relayout.engine.session import SamplingParams
-
-    return [SamplingParams(max_tokens=10, ignore_eos=True)] * 3 + [
-        SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=5, ignore_eos=True),
-        SamplingParams(max_tokens=10, temperature=1.2, top_k=20, seed=77, ignore_eos=True),
-    ]
-
-
-@pytest.mark.parametrize("layout", ["attn_dp=1", "attn_dp=2,moe_ep=2"])
-def test_bf16_sessions_continue_after_checkpoint_restore(layout, tmp_path):
-    """bfloat16 KV goes into a checkpoint as is (manifest dtype bfloat16) and comes back bit for bit:
-    sessions cut mid-prefill and mid-decode continue exactly as an undisturbed run of the same layout."""
-    from relayout.engine.engine import LLMEngine
-    from relayout.engine.snapshot import checkpoint, release, restore
-    from relayout.storage.stores import LocalStore
-
-    params = ckpt_params()
-    source = LLMEngine("builtin:tiny", layout, max_prefill_tokens=16, dtype="bfloat16")
-    target = source if layout != "attn_dp=1" else LLMEngine("builtin:tiny", layout, max_prefill_tokens=16,
-                                                             dtype=torch.bfloat16)
-    try:
-        undisturbed = source.generate(CKPT_PROMPTS, params)
-        ids = [source.add_session(p, q, session_id=f"s{i}").session_id
-               for i, (p, q) in enumerate(zip(CKPT_PROMPTS, params, strict=True))]
-        for _ in range(4):
-            source.step()
-        assert any(0 < len(source.sessions[i].output_token_ids) < 10 for i in ids)
-        store = LocalStore(tmp_path)
-        with CheckpointWriter(store, "bf16", codec="zstd-planes") as w:
-            m = checkpoint(source, w, ids)
-        assert m.kv.dtype == "bfloat16"
-        release(source, ids)
-        restore(target, CheckpointReader(store, "bf16"))
-        while any(not target.sessions[i].is_finished for i in ids):
-            target.step()
-        assert [target.sessions[i].output_token_ids for i in ids] == undisturbed
-    finally:
-        source.shutdown()
-        if target is not source:
-            target.shutdown()
-
-
 def test_unknown_dtypes_are_refused_naming_the_allowed_values():
     from relayout.engine.config import check_dtype, parse_dtype, parse_kv_dtype
     from relayout.engine.engine import LLMEngine
@@ -215,6 +169,23 @@ def test_unknown_dtypes_are_refused_naming_the_allowed_values():
         LLMEngine("builtin:tiny", dtype=torch.int8)
     with pytest.raises(ValueError, match="unknown KV dtype 'fp4'; allowed: auto, fp8_e4m3"):
         parse_kv_dtype("fp4")
+
+
+def test_fp8_kv_refused_on_a_device_that_cannot_hold_it():
+    """fp8_e4m3 KV needs a CPU or CUDA device: elsewhere the engine refuses before loading anything, and
+    `relayout serve` exits 2 with that reason (an agent launching such a replica answers 400 with the
+    replica's output)."""
+    import subprocess
+    import sys
+
+    from relayout.engine.engine import LLMEngine
+
+    with pytest.raises(ValueError, match="kv_dtype fp8_e4m3 needs a CPU or CUDA device, not meta"):
+        LLMEngine("builtin:tiny", device="meta", kv_dtype="fp8_e4m3")
+    bad = subprocess.run([sys.executable, "-m", "relayout.agent.cli", "serve", "--device", "meta", "--kv-dtype",
+                          "fp8_e4m3", "--port", "0"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "kv_dtype fp8_e4m3 needs a CPU or CUDA device, not meta" in " ".join(
+        bad.stderr.split()), bad.stderr
 
 
 def test_cli_and_agent_refuse_bad_dtypes_and_launch_bf16(tmp_path):
@@ -284,9 +255,19 @@ def test_fp8_kv_greedy_agreement_with_bf16_kv():
             assert (m.kv.dtype, m.kv.scale) == ("float8_e4m3fn", "token_head")
         num_blocks[kv] = eng.num_blocks
         eng.shutdown()
-    same = [sum(x == y for x, y in zip(a, b, strict=True)) for a, b in zip(out["auto"], out["fp8_e4m3"], strict=True)]
-    prefix = [next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), 64)
-              for a, b in zip(out["auto"], out["fp8_e4m3"], strict=True)]
-    print(f"\nfp8_e4m3 vs bfloat16 KV, 32 prompts x 64 tokens: tokens equal at {sum(same) / (32 * 64):.1%} of positions, "
-          f"mean common prefix {sum(prefix) / 32:.1f} tokens, {prefix.count(64)}/32 sequences identical")
-    assert sum(prefix) / 32 >= 8
+    # the yardstick: how far the same prompts drift between the model in float32 and in bfloat16
+    eng = LLMEngine("builtin:tiny", dtype="float32", kv_cache_bytes=8 << 20)
+    out["float32"] = eng.generate(prompts, params)
+    eng.shutdown()
+
+    def agreement(a_out: list[list[int]], b_out: list[list[int]]) -> tuple[str, float]:
+        same = sum(x == y for a, b in zip(a_out, b_out, strict=True) for x, y in zip(a, b, strict=True))
+        prefix = [next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), 64)
+                  for a, b in zip(a_out, b_out, strict=True)]
+        return (f"tokens equal at {same / (32 * 64):.1%} of positions, mean common prefix {sum(prefix) / 32:.1f} "
+                f"tokens, {prefix.count(64)}/32 sequences identical"), sum(prefix) / 32
+
+    fp8_said, fp8_prefix = agreement(out["auto"], out["fp8_e4m3"])
+    print(f"\nfp8_e4m3 vs bfloat16 KV (model in bfloat16), 32 prompts x 64 greedy tokens: {fp8_said}"
+          f"\nyardstick, bfloat16 vs float32 model: {agreement(out['float32'], out['auto'])[0]}")
+    assert fp8_prefix >= 8
