@@ -203,13 +203,15 @@ class StandbyTable:
     # ---- promotion --------------------------------------------------------------------------------------
     async def promote(self, pid: str, told: dict[str, list[int]] | None = None, wait: bool = True) -> dict:
         """Make the held sessions this replica's. Idempotent (a repeat checks the tokens told against
-        what the sessions hold). With `wait`, waits for the lease to lapse first."""
+        what the sessions hold). With `wait`, waits for the lease to lapse first (for as long as one
+        lease takes to lapse: a source that keeps renewing it is alive, and keeps its sessions)."""
         h = self.get(pid)
         if h.state == "promoted":
             return await self._promoted_view(h, told or {})
         if wait:
-            while h.state == "standby" and not h.lapsed(self.clock()):
-                await asyncio.sleep(max(0.01, h.last + promote_after(h.lease_s) - self.clock() + 0.01))
+            until = self.clock() + promote_after(h.lease_s) + 0.5
+            while h.state == "standby" and not h.lapsed(self.clock()) and self.clock() < until:
+                await asyncio.sleep(max(0.01, min(until, h.last + promote_after(h.lease_s)) - self.clock() + 0.01))
         if h.state == "promoted":
             return await self._promoted_view(h, told or {})
         if not h.lapsed(self.clock()):
