@@ -172,6 +172,9 @@ def test_protect_kill9_failover(standby: procs.Proc, refs: list[list[int]]) -> N
         held = httpx.get(f"{standby.url}/v1/standby/{p['protection']}", timeout=5).json()
         assert held["state"] == "standby" and [s["id"] for s in held["sessions"]] == [one.sid]
         assert replica_state(standby.url)["kv_blocks_used"] > 0 and not replica_state(standby.url)["sessions"]
+        # the copies live in the reserved KV blocks: each round's chunks are freed once imported
+        assert wait_for(lambda: httpx.get(f"{standby.url}/v1/standby/{p['protection']}", timeout=5).json()[
+            "staged_bytes"] == 0, 10, 0.01)
         assert httpx.delete(f"{src.url}/v1/protection", timeout=10).json()["standby"] == "dropped"
         assert replica_state(standby.url)["kv_blocks_used"] == 0
         one.join(60)
