@@ -154,6 +154,13 @@ def started(clients: list, source: str, rounds: int = 2, tokens: int = 24, heade
     return view
 
 
+def between_rounds(source: str, headers: dict | None = None) -> None:
+    """Wait until every session has a few tokens the standby does not (a kill right after a round
+    was acknowledged would leave no tail for the promotion to recompute)."""
+    assert wait_for(lambda: (lambda v: all(s["lag_tokens"] >= 3 for s in v["sessions"]) and v["sessions"])(
+        httpx.get(f"{source}/v1/protection", timeout=5, headers=headers).json()), 30, 0.005)
+
+
 def finish(clients: list[Client], refs: list[list[int]]) -> None:
     for i, c in enumerate(clients):
         c.join(120)
@@ -186,6 +193,7 @@ def test_protect_kill9_failover(standby: procs.Proc, refs: list[list[int]]) -> N
         started(clients, src.url)
         for c in clients:
             c.standby, c.pid = standby.url, p["protection"]
+        between_rounds(src.url)
         killed = time.monotonic()
         kill_all(src)
         assert wait_for(lambda: all(c.broke_at or c.done for c in clients), 30, 0.02)
@@ -383,6 +391,7 @@ def test_whole_agent_killed_through_the_gateway(node: procs.Proc, standby: procs
                 return got if isinstance(got, list) else list(range(10**6))
 
         started([Progress(i) for i in range(len(threads))], src_url, headers=HDR)
+        between_rounds(src_url, HDR)
         kill_tree(ag.pid)
         ag.kill()
         for t in threads:
