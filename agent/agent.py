@@ -18,6 +18,7 @@ from fastapi import APIRouter, Depends, FastAPI
 from fastapi.responses import PlainTextResponse
 from prometheus_client import generate_latest
 from relayout.agent.drain import drain_node
+from relayout.agent.failover import HealthCheck
 from relayout.agent.node import Agent, check_dtypes
 from relayout.agent.protect import protect_router, protection_of
 from relayout.agent.schema import (
@@ -39,6 +40,8 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await asyncio.to_thread(ag.startup)
+        health = asyncio.get_running_loop().create_task(HealthCheck(ag).run())
+        ag.tasks.add(health)  # cancelled with the others at shutdown
         try:
             yield
         finally:

@@ -21,6 +21,7 @@ import httpx
 from relayout.migrate import procs
 
 Log = Callable[[str], None]
+LAG_SAMPLE_S = 0.1
 
 
 def _bodies(n: int, max_tokens: int) -> list[dict]:
@@ -40,7 +41,9 @@ def _reference(url: str, body: dict) -> list[int]:
 
 
 def _decode_rate(url: str, bodies: list[dict], lag: list[int] | None = None) -> float:
-    """Generated tokens/s of the bodies run concurrently (non-streamed); samples the lag meanwhile."""
+    """Generated tokens/s of the bodies run concurrently (non-streamed). `GET /v1/protection` is
+    asked every LAG_SAMPLE_S in either case (the same load on both figures); with `lag`, the
+    replication lag it shows is kept there."""
     counts: list[int] = []
     stop = threading.Event()
 
@@ -48,12 +51,14 @@ def _decode_rate(url: str, bodies: list[dict], lag: list[int] | None = None) -> 
         counts.append(len(_reference(url, b)))
 
     def watch() -> None:
-        while lag is not None and not stop.is_set():
+        while not stop.is_set():
             try:
-                lag.append(httpx.get(f"{url}/v1/protection", timeout=5).json()["max_lag_tokens"])
+                r = httpx.get(f"{url}/v1/protection", timeout=5)
+                if lag is not None:
+                    lag.append(r.json()["max_lag_tokens"])
             except (httpx.HTTPError, KeyError, ValueError):
                 pass
-            stop.wait(0.05)
+            stop.wait(LAG_SAMPLE_S)
 
     threads = [threading.Thread(target=one, args=(b,)) for b in bodies]
     w = threading.Thread(target=watch)
@@ -150,13 +155,14 @@ def run(model: str = "builtin:tiny", every_tokens: int = 16, sessions: int = 8, 
     try:
         bodies = _bodies(sessions, max_tokens)
         _decode_rate(src.url, bodies[:2])  # warm up
-        plain, protected, lag = [], [], []
+        plain, protected, lag, engine_ms = [], [], [], []
         for i in range(reps):
             log(f"rep {i + 1}/{reps}: unprotected")
             plain.append(_decode_rate(src.url, bodies))
             _protect(src.url, sb.url, every_tokens)
             log(f"rep {i + 1}/{reps}: protected (every {every_tokens} tokens)")
             protected.append(_decode_rate(src.url, bodies, lag))
+            engine_ms.append(httpx.get(f"{src.url}/v1/protection", timeout=30).json()["engine_ms_per_round"])
             httpx.delete(f"{src.url}/v1/protection", timeout=30)
         log("references for the failover")
         long_bodies = _bodies(sessions, max_tokens * 4)
@@ -184,6 +190,7 @@ def run(model: str = "builtin:tiny", every_tokens: int = 16, sessions: int = 8, 
             "decode_ratio_with_replication": round(max(protected) / max(plain), 3),
             "replication_lag_tokens_max": max(lag, default=0),
             "replication_lag_tokens_median": sorted(lag)[len(lag) // 2] if lag else 0,
+            "engine_ms_per_round": round(min(engine_ms), 3),
             "failover_ms": round(min(firsts) * 1000, 1) if firsts else None,
             "failover_ms_max": round(max(firsts) * 1000, 1) if firsts else None,
             "failed_over_sessions": len(firsts),
@@ -200,7 +207,8 @@ def print_table(res: dict, console) -> None:
     console.print(f"replication ({res['model']}, {res['sessions']} sessions, every {res['every_tokens']} tokens)")
     console.print(f"  decode tok/s: {res['decode_tok_s']} unprotected, {res['decode_tok_s_protected']} protected "
                   f"-> ratio {res['decode_ratio_with_replication']}")
-    console.print(f"  lag tokens: median {res['replication_lag_tokens_median']}, max {res['replication_lag_tokens_max']}")
+    console.print(f"  lag tokens: median {res['replication_lag_tokens_median']}, max {res['replication_lag_tokens_max']}; "
+                  f"engine thread per round: {res['engine_ms_per_round']} ms")
     console.print(f"  kill -9 failover: first token after {res['failover_ms']} ms (last session {res['failover_ms_max']} "
                   f"ms), {res['failed_over_sessions']} sessions; lost {res['lost_tokens']}, repeated "
                   f"{res['repeated_tokens']}, changed {res['changed_tokens']}")

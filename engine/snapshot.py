@@ -104,12 +104,13 @@ def host_pool(engine: LLMEngine) -> tuple[KVCache, tuple[int, int]] | None:
 def _export_chunks(pool: KVCache, heads: tuple[int, int], blocks: list[int], lo: int, hi: int) -> list[tuple]:
     k0 = pool.k[0]
     h, d = k0.shape[2], k0.shape[3]
+    nbytes = len(pool.k) * 2 * h * d * (hi - lo) * k0.element_size()  # small (a replication round): inline
     if pool.quantised:  # (..., values, scales), both token-major like the pool and the stored chunk
         chunks: list[tuple] = [
             (layer, heads[0], heads[1], a, b, torch.empty((2, b - a, h, d), dtype=k0.dtype).transpose(1, 2),
              torch.empty((2, b - a, h)).transpose(1, 2))
             for a, b in _chunk_ranges(lo, hi) for layer in range(len(pool.k))]
-        parallel_map(lambda c: pool.export_into(blocks, c[0], c[3], c[4], c[5], c[6]), chunks)
+        parallel_map(lambda c: pool.export_into(blocks, c[0], c[3], c[4], c[5], c[6]), chunks, nbytes)
         return chunks
     chunks = [(layer, heads[0], heads[1], a, b, new_kv_chunk((2, h, b - a, d), k0.dtype))
               for a, b in _chunk_ranges(lo, hi) for layer in range(len(pool.k))]
@@ -120,7 +121,7 @@ def _export_chunks(pool: KVCache, heads: tuple[int, int], blocks: list[int], lo:
         pool.export_into(blocks, c[0], c[3], c[4], c[5])
         seal_kv_chunk(c[5])
 
-    parallel_map(fill, chunks)
+    parallel_map(fill, chunks, nbytes)
     return chunks
 
 
@@ -220,7 +221,7 @@ def write_snapshot(snaps: list[SessionSnapshot], writer: CheckpointWriter, tok_f
                 return writer.put_kv(sid, *c)
 
             if type(writer).put_kv is CheckpointWriter.put_kv:  # thread-safe: chunks hash and store in parallel
-                parallel_map(put, snap.chunks)
+                parallel_map(put, snap.chunks, sum(c[5].numel() * c[5].element_size() for c in snap.chunks))
             else:  # a subclass (e.g. a transfer's frame writer) gets them in order, one at a time
                 for c in snap.chunks:
                     put(c)

@@ -5,6 +5,7 @@ AsyncEngine.call on a serving replica; a direct call where the caller owns the e
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -13,7 +14,7 @@ from relayout.engine.engine import LLMEngine
 from relayout.engine.receive import abort_incoming, commit_incoming, receive_round
 from relayout.engine.snapshot import CHUNK_TOKENS, geometry, model_ref, take_snapshot
 from relayout.migrate.transfers import Cut, Incoming
-from relayout.storage.manifest import Manifest
+from relayout.storage.manifest import Manifest, ModelRef
 
 EngineCall = Callable[[Callable[[LLMEngine], Any]], Awaitable[Any]]
 
@@ -21,6 +22,8 @@ EngineCall = Callable[[Callable[[LLMEngine], Any]], Awaitable[Any]]
 class EngineThreadOps:
     def __init__(self, call: EngineCall, note_migrated: Callable[[list[str], str], None] | None = None):
         self.call, self.note_migrated = call, note_migrated
+        self.cut_engine_s = 0.0  # time the engine thread spent in cuts (the decode it held up), all together
+        self._model: tuple[LLMEngine, ModelRef] | None = None  # an engine's model never changes: built once
 
     @classmethod
     def of(cls, aengine: AsyncEngine) -> EngineThreadOps:
@@ -29,6 +32,7 @@ class EngineThreadOps:
     async def cut(self, sessions: list[str] | None, pause: bool, sent: dict[str, int],
                   max_tokens: int | None) -> Cut:
         def cut(e: LLMEngine) -> Cut:
+            t0 = time.perf_counter()
             paused: list[str] = []
             if pause:
                 if sessions is None:
@@ -41,7 +45,11 @@ class EngineThreadOps:
                     paused = [sid for sid in sessions if not e.sessions[sid].is_finished]
                 e.pause(paused)
             snaps = take_snapshot(e, paused if pause else sessions, sent, max_tokens)
-            return Cut(paused, snaps, model_ref(e), e.layout.to_dict(), geometry(e))
+            if self._model is None or self._model[0] is not e:
+                self._model = (e, model_ref(e))
+            out = Cut(paused, snaps, self._model[1], e.layout.to_dict(), geometry(e))
+            self.cut_engine_s += time.perf_counter() - t0
+            return out
 
         return await self.call(cut)
 

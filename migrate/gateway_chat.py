@@ -14,9 +14,9 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from relayout.engine.web import error_response
-from relayout.migrate.gateway_sessions import Upstreams, open_upstream, relay_sse
+from relayout.migrate.gateway_sessions import Upstreams, open_upstream, relay_sse, unless_client_leaves
 
 
 def install_chat_gateway_route(app: FastAPI, ups: Upstreams, client: httpx.AsyncClient) -> None:
@@ -37,7 +37,8 @@ def install_chat_gateway_route(app: FastAPI, ups: Upstreams, client: httpx.Async
         stream, events = opened
         if want_stream:
             return relay_sse(stream, events, body, want_ids)
-        return await _collect(events, body, want_ids)
+        answer = await unless_client_leaves(request, stream, _collect(events, body, want_ids))
+        return answer if answer is not None else Response(status_code=499)  # nobody reads it
 
 
 async def _collect(events: AsyncIterator[dict], body: dict, want_ids: bool) -> Any:

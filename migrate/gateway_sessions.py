@@ -17,12 +17,15 @@ import json
 import os
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
 
 import httpx
+from fastapi import Request
 from fastapi.responses import JSONResponse
 from relayout.engine.streaming import SSEResponse, streaming_response
 from relayout.engine.web import bearer_headers, error_response
+from relayout.migrate.gateway_failover import Promoter
 
 MAX_HOPS = 16  # moves, checkpoints and failovers one request follows
 DEFAULT_REATTACH_WAIT_S = 120.0
@@ -30,6 +33,7 @@ LIVE_STATES = ("running", "finished")  # a session that streams its tokens (to t
 _PREFERENCE = {"running": 0, "finished": 1, "checkpointed": 2, "migrated": 3}
 _MAX_REMEMBERED = 65536
 _PENDING_ABORTS: set[asyncio.Task] = set()
+T = TypeVar("T")
 
 
 def reattach_wait_s() -> float:
@@ -49,6 +53,7 @@ class Upstreams:
         self.active: dict[str, int] = {}
         self._cache: tuple[float, list[dict]] = (0.0, [])
         self.where: OrderedDict[str, str] = OrderedDict()  # session id -> replica URL it was last seen on
+        self.promoter = Promoter()  # protected replicas' standbys, and the promotions asked for
 
     def headers(self, client_auth: str | None = None) -> dict[str, str]:
         """Upstream headers: the replica token when there is one, else the client's own key (passed on)."""
@@ -67,8 +72,11 @@ class Upstreams:
                 r = await client.get(f"{a}/v1/replicas", headers=self.headers(), timeout=5)
                 body = r.json()
                 items = body if isinstance(body, list) else body.get("replicas", [])
-                reps += [{**rep, "url": rep["url"].rstrip("/")} for rep in items
-                         if isinstance(rep, dict) and isinstance(rep.get("url"), str)]
+                listed = [{**rep, "url": rep["url"].rstrip("/")} for rep in items
+                          if isinstance(rep, dict) and isinstance(rep.get("url"), str)]
+                for rep in listed:
+                    self.promoter.learn(rep["url"], rep.get("protected_to"))
+                reps += listed
             except (httpx.HTTPError, ValueError, AttributeError):
                 continue  # an unreachable agent's replicas are not offered
         self._cache = (time.monotonic(), reps)
@@ -101,7 +109,7 @@ class Upstreams:
             if info is not None and info.get("state") in LIVE_STATES:
                 return hint, info
         urls = list(dict.fromkeys([r["url"] for r in await self._replicas(client, 0.5 if fresh else 2.0)]
-                                  + ([hint] if hint else [])))
+                                  + ([hint] if hint else []) + self.promoter.standbys()))
         answers = await asyncio.gather(*(self._ask(client, u, sid, auth) for u in urls))
         found = [(u, a) for u, a in zip(urls, answers, strict=True) if a is not None]
         if not found:
@@ -127,6 +135,7 @@ class SessionStream:
                  auth: str | None = None):
         self.ups, self.client, self.auth = ups, client, auth
         self.url, self.sid, self.n = url, sid, n  # n: generated tokens already passed on
+        self.ids: list[int] = []  # their ids (the ones this stream passed on: all of them when it began at 0)
         self.ended = False  # the final chunk (or an error) was passed on
 
     async def events(self, first: httpx.Response | None) -> AsyncIterator[dict]:
@@ -162,6 +171,7 @@ class SessionStream:
                         continue
                     for c in ev.get("choices", []):
                         self.n += len(c.get("token_ids") or [])
+                        self.ids += c.get("token_ids") or []
                     yield ev
                 else:
                     if outcome == "lost":
@@ -178,6 +188,9 @@ class SessionStream:
                 yield {"error": {"message": "upstream stream ended before its first event", "type": "upstream_error",
                                  "code": 502}}
                 return
+            if outcome == "lost":  # the replica died: its standby (if it has one) may promote the session
+                self.ups.promoter.replica_lost(self.client, self.ups.headers(), self.url, self.sid,
+                                               self.ids if len(self.ids) == self.n else None)
             why = {"checkpointed": "it was checkpointed with stop", "moved": "it left its replica",
                    "lost": "its replica stopped answering"}[outcome]
             resp = None
@@ -301,3 +314,22 @@ def relay_sse(stream: SessionStream, events: AsyncIterator[dict], body: dict, wa
 def unwanted_usage(ev: dict, body: dict) -> bool:
     """The usage chunk (always asked for upstream) of a stream whose client did not ask for it."""
     return "usage" in ev and not ev.get("choices") and not (body.get("stream_options") or {}).get("include_usage")
+
+
+async def unless_client_leaves(request: Request, stream: SessionStream, answer: Awaitable[T]) -> T | None:
+    """Assemble a non-streamed answer while watching the client's connection: a client that hangs up
+    first aborts its session, as a streamed one does (the replica is told); None then."""
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":  # the body was read already
+            pass
+
+    job, watch = asyncio.ensure_future(answer), asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({job, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not job.done():  # the client left (or this handler was cancelled): stop reading upstream
+            job.cancel()
+            await asyncio.gather(job, return_exceptions=True)
+            stream.hang_up()
+    return job.result() if not job.cancelled() else None

@@ -6,6 +6,7 @@ when it has one (RELAYOUT_TOKEN)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator
 
 import httpx
@@ -80,7 +81,10 @@ def install_protect_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
     lives in `app.state.protection`)."""
     token = token if token is not None else env_token()
     import_limit, frame_limit = import_limits(aengine.engine)
-    standby = StandbyTable(aengine.call, source_answer(token), frame_limit=frame_limit, round_limit=import_limit)
+    # RELAYOUT_STANDBY_AUTOPROMOTE=0: this replica promotes only when asked (its agent's health check
+    # of the source, a gateway, a client), never on its own when a lease lapses
+    standby = StandbyTable(aengine.call, source_answer(token), frame_limit=frame_limit, round_limit=import_limit,
+                           autopromote=os.environ.get("RELAYOUT_STANDBY_AUTOPROMOTE", "1") != "0")
     app.state.protection = None
     app.state.standby = standby
     ended: dict[str, str] = {}  # protections this replica was the source of: id -> stopped | lost

@@ -113,6 +113,8 @@ class Replicator:
         return {"protection": self.pid, "standby": self.cfg.standby, "state": self.state, "rounds": self.rounds,
                 "bytes": self.round_bytes, "every_tokens": self.cfg.every_tokens, "every_ms": self.cfg.every_ms,
                 "lease_s": self.cfg.lease_s, "lease_left_s": round(max(0.0, self.lease_until - self.clock()), 3),
+                # what the rounds cost the decode: the engine thread's time in their cuts, per round
+                "engine_ms_per_round": round(1000 * self.ops.cut_engine_s / max(1, self.rounds), 3),
                 "fenced": list(self.fenced), "last_error": self.last_error, "sessions": sessions,
                 "max_lag_tokens": max((s["lag_tokens"] for s in sessions), default=0)}
 
@@ -172,8 +174,10 @@ class Replicator:
                 await self.ops.resume(fenced)
 
     def _frames(self, cut: Cut, sent: dict[str, int], rnd: int) -> tuple[Manifest, list[bytes]]:
-        """One round's frames: chunks the standby lacks, then the cumulative manifest (any thread)."""
-        sink = FrameSink({e.chunk.hash for e in self.entries}, self.cfg.codec)
+        """One round's frames: the new chunks, then the cumulative manifest (any thread). Earlier
+        rounds' chunks are listed, not sent; a new chunk is sent even when an earlier one has the
+        same bytes (another session's identical KV): the standby frees each chunk once imported."""
+        sink = FrameSink(set(), self.cfg.codec)
         w = CheckpointWriter(sink, f"{self.pid}-r{rnd}", codec=self.cfg.codec)
         live = {snap.state.session_id for snap in cut.snaps}
         w.carry([e for e in self.entries if e.session_id in live])  # a finished session's copy is dropped

@@ -22,8 +22,7 @@ from relayout.engine.sampling import advance_rng
 from relayout.engine.session import SessionState, SessionStatus
 from relayout.engine.tracing import span
 from relayout.migrate.engine_ops import EngineCall
-from relayout.storage.manifest import Manifest
-from relayout.storage.store_base import Store
+from relayout.storage.manifest import ChunkRef, Manifest
 from relayout.storage.stores import MemoryStore
 from relayout.storage.stream import StreamReceiver
 
@@ -59,6 +58,38 @@ class UnknownProtection(ProtectionError):
     type = "not_found"
 
 
+class Staging(MemoryStore):
+    """The standby's chunks, held only until the round that brought them is imported into the
+    reserved blocks: then only their hashes stay (each round's cumulative manifest lists them again,
+    and the stream receiver checks it holds every chunk listed), so the copies cost the KV pool's
+    blocks and one round's chunks in RAM, not a second copy of every protected session's KV."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.imported: set[str] = set()
+
+    def has_chunk(self, h: str) -> bool:
+        return h in self.imported or super().has_chunk(h)
+
+    def put_chunk(self, h: str, data: bytes, *, hashed: bool = False, ref: ChunkRef | None = None) -> None:
+        self.imported.discard(h)  # sent again (another session's KV with the same bytes): keep them this time
+        super().put_chunk(h, data, hashed=hashed, ref=ref)
+
+    def staged_bytes(self) -> int:
+        with self._lock:
+            return sum(len(data) for data, _ in self._chunks.values())
+
+    def drop_imported(self, manifest: Manifest, upto: dict[str, int]) -> None:
+        """Free the bytes of every chunk the sessions' KV now holds (`upto`: tokens imported per session)."""
+        listed = {e.chunk.hash for e in manifest.kv_entries}
+        pending = {e.chunk.hash for e in manifest.kv_entries if e.tok_hi > upto.get(e.session_id, 0)}
+        for h in listed - pending:
+            if not self._is_pinned(h):
+                self._delete_chunk(h)
+                self.imported.add(h)
+        self.imported &= listed  # a finished session's chunks are listed no more
+
+
 def promote_after(lease_s: float) -> float:
     """How long the standby waits after the last round before it may promote: longer than the
     source's lease plus the time the source needs to pause (one step)."""
@@ -73,7 +104,7 @@ class Held:
     source: str
     lease_s: float
     last: float
-    store: Store = field(default_factory=MemoryStore)
+    store: Staging = field(default_factory=Staging)
     blocks: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
     upto: dict[str, int] = field(default_factory=dict)
     placed: list[str] = field(default_factory=list)
@@ -93,7 +124,7 @@ class Held:
                 "sessions": [{"id": e.session_id, "kv_tokens": e.num_kv_tokens,
                               "tokens": len(e.state["prompt_token_ids"]) + len(e.state["output_token_ids"])}
                              for e in (m.sessions if m else [])],
-                "tail_tokens": dict(self.promoted)}
+                "tail_tokens": dict(self.promoted), "staged_bytes": self.store.staged_bytes()}
 
 
 def _finish_reason(e: LLMEngine, st: SessionState) -> str | None:
@@ -193,6 +224,7 @@ class StandbyTable:
                 return res
 
             res = await self.call(take)
+            h.store.drop_imported(manifest, h.upto)
             if h.manifest is not None and h.manifest.checkpoint_id != manifest.checkpoint_id:
                 h.store.delete_checkpoint(h.manifest.checkpoint_id)  # keeps the chunks the new one lists
             h.manifest, h.source, h.lease_s, h.last = manifest, source, lease_s, self.clock()
@@ -203,13 +235,15 @@ class StandbyTable:
     # ---- promotion --------------------------------------------------------------------------------------
     async def promote(self, pid: str, told: dict[str, list[int]] | None = None, wait: bool = True) -> dict:
         """Make the held sessions this replica's. Idempotent (a repeat checks the tokens told against
-        what the sessions hold). With `wait`, waits for the lease to lapse first."""
+        what the sessions hold). With `wait`, waits for the lease to lapse first (for as long as one
+        lease takes to lapse: a source that keeps renewing it is alive, and keeps its sessions)."""
         h = self.get(pid)
         if h.state == "promoted":
             return await self._promoted_view(h, told or {})
         if wait:
-            while h.state == "standby" and not h.lapsed(self.clock()):
-                await asyncio.sleep(max(0.01, h.last + promote_after(h.lease_s) - self.clock() + 0.01))
+            until = self.clock() + promote_after(h.lease_s) + 0.5
+            while h.state == "standby" and not h.lapsed(self.clock()) and self.clock() < until:
+                await asyncio.sleep(max(0.01, min(until, h.last + promote_after(h.lease_s)) - self.clock() + 0.01))
         if h.state == "promoted":
             return await self._promoted_view(h, told or {})
         if not h.lapsed(self.clock()):
@@ -233,7 +267,7 @@ class StandbyTable:
                 h.promoted = await self.call(lambda e: place_promoted(e, h, told or {}))
             h.state = "promoted"
             self.ended[pid] = "promoted"
-            h.store = MemoryStore()  # the staged chunks are not needed any more
+            h.store = Staging()  # the staged chunks are not needed any more
         return {**h.view(self.clock()), "sessions_promoted": sorted(h.promoted)}
 
     async def _promoted_view(self, h: Held, told: dict[str, list[int]]) -> dict:

@@ -42,6 +42,7 @@ _R = TypeVar("_R")
 _POOL: ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
 _IN_POOL = threading.local()
+PARALLEL_MIN_BYTES = 1 << 20
 
 
 def _run_in_pool(fn: Callable[[_T], _R], x: _T) -> _R:
@@ -49,14 +50,18 @@ def _run_in_pool(fn: Callable[[_T], _R], x: _T) -> _R:
     return fn(x)
 
 
-def parallel_map(fn: Callable[[_T], _R], items: Iterable[_T]) -> list[_R]:
+def parallel_map(fn: Callable[[_T], _R], items: Iterable[_T], nbytes: int | None = None) -> list[_R]:
     """``[fn(x) for x in items]`` on up to torch.get_num_threads() threads, in order; the first
     exception is raised (after the calls already running end). For work that releases the GIL
-    (hashing, numpy copies, store I/O): one chunk per call, no per-call OpenMP team to wake."""
+    (hashing, numpy copies, store I/O): one chunk per call, no per-call OpenMP team to wake.
+    `nbytes`: the bytes the calls touch in all; below PARALLEL_MIN_BYTES they run inline (handing
+    a few small copies to other threads costs more than it saves, and a caller that waits, e.g.
+    the engine thread cutting a replication round, waits for those threads to be scheduled)."""
     global _POOL
     items = list(items)
     n = max(1, torch.get_num_threads())
-    if n == 1 or len(items) < 2 or getattr(_IN_POOL, "on", False):  # nested: inline, never wait on ourselves
+    if n == 1 or len(items) < 2 or getattr(_IN_POOL, "on", False) or (
+            nbytes is not None and nbytes < PARALLEL_MIN_BYTES):  # nested: inline, never wait on ourselves
         return [fn(x) for x in items]
     with _POOL_LOCK:
         if _POOL is None or _POOL._max_workers != n:  # follows set_num_threads

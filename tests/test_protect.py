@@ -96,10 +96,11 @@ class Client(threading.Thread):
                 return
             self.broke_at = time.monotonic()
             assert self.failover.wait(60) and self.sid
-            r = httpx.post(f"{self.standby}/v1/standby/{self.pid}/promote", timeout=30,
-                           json={"tokens": {self.sid: self.tokens}})
-            assert r.status_code == 200, r.text
-            self.promote = r.json()
+            if self.pid is not None:  # else someone else promotes (the source's agent)
+                r = httpx.post(f"{self.standby}/v1/standby/{self.pid}/promote", timeout=30,
+                               json={"tokens": {self.sid: self.tokens}})
+                assert r.status_code == 200, r.text
+                self.promote = r.json()
             with httpx.stream("GET", f"{self.standby}/v1/sessions/{self.sid}/stream", timeout=60,
                               params={"from_token": len(self.tokens), "return_token_ids": "true"}) as r:
                 assert r.status_code == 200
@@ -122,28 +123,42 @@ def refs(standby: procs.Proc) -> list[list[int]]:
     return [reference(standby.url, b) for b in bodies()]
 
 
-def kill_all(p: procs.Proc) -> None:
-    """kill -9 the replica and every process under it."""
-    for pid in procs.process_tree(p.pid):
+def kill_tree(pid: int) -> None:
+    """kill -9 a process and every process under it."""
+    for p in procs.process_tree(pid):
         try:
-            os.kill(pid, signal.SIGKILL)
+            os.kill(p, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def kill_all(p: procs.Proc) -> None:
+    """kill -9 the replica and every process under it."""
+    kill_tree(p.pid)
     p.kill()
 
 
-def protect(source: str, standby_url: str, **kw) -> dict:
+def protect(source: str, standby_url: str, headers: dict | None = None, **kw) -> dict:
     r = httpx.post(f"{source}/v1/protection", json={"standby": standby_url, "every_tokens": 16, "lease_s": 1.0, **kw},
-                   timeout=10)
+                   timeout=10, headers=headers)
     assert r.status_code == 200, r.text
     return r.json()
 
 
-def started(clients: list[Client], source: str, rounds: int = 2, tokens: int = 24) -> dict:
+def started(clients: list, source: str, rounds: int = 2, tokens: int = 24, headers: dict | None = None) -> dict:
+    """The protection's view once it sent `rounds` rounds and every client has `tokens` tokens."""
     view = wait_for(lambda: (lambda v: v if v["rounds"] >= rounds and all(len(c.tokens) >= tokens for c in clients)
-                             else None)(httpx.get(f"{source}/v1/protection", timeout=5).json()), 60, 0.02)
+                             else None)(httpx.get(f"{source}/v1/protection", timeout=5, headers=headers).json()),
+                    60, 0.02)
     assert view, [len(c.tokens) for c in clients]
     return view
+
+
+def between_rounds(source: str, headers: dict | None = None) -> None:
+    """Wait until every session has a few tokens the standby does not (a kill right after a round
+    was acknowledged would leave no tail for the promotion to recompute)."""
+    assert wait_for(lambda: (lambda v: all(s["lag_tokens"] >= 3 for s in v["sessions"]) and v["sessions"])(
+        httpx.get(f"{source}/v1/protection", timeout=5, headers=headers).json()), 30, 0.005)
 
 
 def finish(clients: list[Client], refs: list[list[int]]) -> None:
@@ -164,6 +179,9 @@ def test_protect_kill9_failover(standby: procs.Proc, refs: list[list[int]]) -> N
         held = httpx.get(f"{standby.url}/v1/standby/{p['protection']}", timeout=5).json()
         assert held["state"] == "standby" and [s["id"] for s in held["sessions"]] == [one.sid]
         assert replica_state(standby.url)["kv_blocks_used"] > 0 and not replica_state(standby.url)["sessions"]
+        # the copies live in the reserved KV blocks: each round's chunks are freed once imported
+        assert wait_for(lambda: httpx.get(f"{standby.url}/v1/standby/{p['protection']}", timeout=5).json()[
+            "staged_bytes"] == 0, 10, 0.01)
         assert httpx.delete(f"{src.url}/v1/protection", timeout=10).json()["standby"] == "dropped"
         assert replica_state(standby.url)["kv_blocks_used"] == 0
         one.join(60)
@@ -175,6 +193,7 @@ def test_protect_kill9_failover(standby: procs.Proc, refs: list[list[int]]) -> N
         started(clients, src.url)
         for c in clients:
             c.standby, c.pid = standby.url, p["protection"]
+        between_rounds(src.url)
         killed = time.monotonic()
         kill_all(src)
         assert wait_for(lambda: all(c.broke_at or c.done for c in clients), 30, 0.02)
@@ -247,39 +266,141 @@ def test_protect_partition_then_death(standby: procs.Proc, refs: list[list[int]]
         kill_all(src)
 
 
-def test_agent_protect_route_and_cli(tmp_path, standby: procs.Proc) -> None:
+TOKEN = "protect-test-token"
+HDR = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory) -> Iterator[procs.Proc]:
+    """An agent whose replicas never promote on their own as standbys (only when asked: here, by the
+    agent's health check), checking its replicas every 0.3 s. The last test kills it."""
+    ag = procs.agent("--port", "0", "--data-dir", str(tmp_path_factory.mktemp("node")), timeout=60,
+                     env={"RELAYOUT_TOKEN": TOKEN, "RELAYOUT_STANDBY_AUTOPROMOTE": "0", "RELAYOUT_HEALTH_S": "0.3"})
+    try:
+        yield ag
+    finally:
+        if ag.poll() is None:
+            ag.stop()
+
+
+def agent_replica(ag: procs.Proc, rid: str) -> dict:
+    return httpx.get(f"{ag.url}/v1/replicas/{rid}", headers=HDR, timeout=10).json()
+
+
+def test_agent_protect_route_and_cli(node: procs.Proc, standby: procs.Proc, refs: list[list[int]]) -> None:
     """`relayout protect` through the agent: a standby launched with a layout; the replica's view
-    shows the protection (each session's lag); `--stop` ends it. `serve --standby` protects from the start."""
+    shows the protection (each session's lag); `--stop` ends it. The agent's health check notices the
+    protected replica's death and has the standby promote. `serve --standby` protects from the start."""
     import subprocess
     import sys
 
-    token = "protect-test-token"
-    env = {**os.environ, "RELAYOUT_TOKEN": token}
-    ag = procs.agent("--port", "0", "--data-dir", str(tmp_path), env={"RELAYOUT_TOKEN": token}, timeout=60)
-    hdr = {"Authorization": f"Bearer {token}"}
-    try:
-        rid = httpx.post(f"{ag.url}/v1/replicas", json={"model": "builtin:tiny"}, headers=hdr, timeout=120).json()["id"]
+    ag, env = node, {**os.environ, "RELAYOUT_TOKEN": TOKEN}
+    rid = httpx.post(f"{ag.url}/v1/replicas", json={"model": "builtin:tiny"}, headers=HDR, timeout=120).json()["id"]
 
-        def cli(*args: str) -> dict:
-            p = subprocess.run([sys.executable, "-m", procs.CLI_MODULE, "protect", rid, "--agent", ag.url, *args],
-                               env=env, capture_output=True, text=True, timeout=180)
-            assert p.returncode == 0, p.stderr
-            return json.loads(p.stdout)
+    def cli(*args: str) -> dict:
+        p = subprocess.run([sys.executable, "-m", procs.CLI_MODULE, "protect", rid, "--agent", ag.url, *args],
+                           env=env, capture_output=True, text=True, timeout=180)
+        assert p.returncode == 0, p.stderr
+        return json.loads(p.stdout)
 
-        started = cli("--layout", "attn_tp=1", "--every-tokens", "8")
-        assert started["state"] == "active" and started["standby_replica"] != rid
-        view = wait_for(lambda: (lambda d: d if d.get("protection", {}).get("rounds", 0) >= 1 else None)(
-            httpx.get(f"{ag.url}/v1/replicas/{rid}", headers=hdr, timeout=10).json()), 20)
-        assert view and view["protection"]["protection"] == started["protection"] and "sessions" in view["protection"]
-        assert cli("--stop")["state"] == "stopped"
-        assert "protection" not in httpx.get(f"{ag.url}/v1/replicas/{rid}", headers=hdr, timeout=10).json()
-    finally:
-        ag.stop()
-    src = procs.launch("serve", "--model", "builtin:tiny", "--port", "0", "--standby", standby.url)
+    started_ = cli("--layout", "attn_tp=1", "--every-tokens", "8")
+    assert started_["state"] == "active" and started_["standby_replica"] != rid
+    view = wait_for(lambda: (lambda d: d if d.get("protection", {}).get("rounds", 0) >= 1 else None)(
+        agent_replica(ag, rid)), 20)
+    assert view and view["protection"]["protection"] == started_["protection"] and "sessions" in view["protection"]
+    assert cli("--stop")["state"] == "stopped"
+    assert "protection" not in agent_replica(ag, rid)
+
+    # protected again; the replica (every process) is killed mid-generation; its standby does not promote
+    # on its own here: the agent's health check of its replicas is what asks it to
+    sb_rid = started_["standby_replica"]
+    sb_url = agent_replica(ag, sb_rid)["url"].rstrip("/")
+    src = agent_replica(ag, rid)
+    p = httpx.post(f"{ag.url}/v1/replicas/{rid}/protect", headers=HDR, timeout=30,
+                   json={"standby": {"agent": ag.url, "replica": sb_rid}, "every_tokens": 16, "lease_s": 1.0}).json()
+    clients = [Client(src["url"], b) for b in bodies()[:3]]
+    started(clients, src["url"], headers=HDR)
+    assert wait_for(lambda: agent_replica(ag, rid).get("protected_to") == {"id": p["protection"], "standby": sb_url},
+                    10, 0.05)
+    kill_tree(src["pid"])
+    fo = wait_for(lambda: agent_replica(ag, rid).get("failover"), 30, 0.05)
+    assert fo and fo["state"] == "promoted" and not fo["already"], fo
+    assert {c.sid for c in clients if not c.done} <= set(fo["sessions"]), fo
+    assert agent_replica(ag, rid)["status"] == "dead"
+    for c in clients:  # each reattaches on the standby (it regenerates what the clients got after the last sync)
+        c.standby = sb_url
+        c.failover.set()
+    finish(clients, refs[:3])
+
+    serve = procs.launch("serve", "--model", "builtin:tiny", "--port", "0", "--standby", standby.url)
     try:
         v = wait_for(lambda: (lambda v: v if v["rounds"] >= 1 else None)(
-            httpx.get(f"{src.url}/v1/protection", timeout=5).json()), 20)
+            httpx.get(f"{serve.url}/v1/protection", timeout=5).json()), 20)
         assert v and v["standby"] == standby.url and v["state"] == "active"
-        httpx.delete(f"{src.url}/v1/protection", timeout=10)
+        httpx.delete(f"{serve.url}/v1/protection", timeout=10)
     finally:
-        src.stop()
+        serve.stop()
+
+
+def openai_stream(base: str, body: dict, out: dict, i: int) -> None:
+    """One streamed completion with the official client; `out[i]`: its token ids so far, or its exception."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=300)
+    extra = {k: body[k] for k in ("ignore_eos", "top_p", "seed") if k in body}
+    out[i] = []
+    try:
+        for chunk in client.completions.create(model="builtin:tiny", prompt=body["prompt"], stream=True,
+                                               max_tokens=body["max_tokens"], temperature=body["temperature"],
+                                               extra_body={"return_token_ids": True, **extra}):
+            out[i] += (chunk.choices[0].model_extra or {}).get("token_ids") or []
+    except Exception as e:  # noqa: BLE001 - asserted by the test
+        out[i] = e
+
+
+def test_whole_agent_killed_through_the_gateway(node: procs.Proc, standby: procs.Proc,
+                                                refs: list[list[int]]) -> None:
+    """8 openai-client streams through the gateway on a protected replica of an agent; the agent and
+    every process under it are killed mid-generation. The gateway holds the streams, asks the standby
+    to promote with every token id it forwarded, and reattaches: every output is the undisturbed one,
+    no client sees an error. Last: it kills the agent."""
+    ag = node
+    running = [r for r in httpx.get(f"{ag.url}/v1/replicas", headers=HDR, timeout=10).json()["replicas"]
+               if r["status"] == "running"]
+    src = running[0] if running else httpx.post(f"{ag.url}/v1/replicas", json={"model": "builtin:tiny"},
+                                                headers=HDR, timeout=120).json()
+    src_url = src["url"].rstrip("/")
+    pid = protect(src_url, standby.url, headers=HDR)["protection"]
+    # the agent lists the replica's standby: how a gateway knows where its sessions may come back
+    assert wait_for(lambda: agent_replica(ag, src["id"]).get("protected_to"), 10, 0.05)
+    gw = procs.gateway("--agent", ag.url, "--port", "0", env={"RELAYOUT_TOKEN": TOKEN}, timeout=60)
+    try:
+        out: dict[int, list[int] | Exception] = {}
+        threads = [threading.Thread(target=openai_stream, args=(gw.url, b, out, i), daemon=True)
+                   for i, b in enumerate(bodies())]
+        for t in threads:
+            t.start()
+
+        class Progress:  # what `started` reads of a client
+            def __init__(self, i: int):
+                self.i = i
+
+            @property
+            def tokens(self) -> list[int]:
+                got = out.get(self.i, [])
+                return got if isinstance(got, list) else list(range(10**6))
+
+        started([Progress(i) for i in range(len(threads))], src_url, headers=HDR)
+        between_rounds(src_url, HDR)
+        kill_tree(ag.pid)
+        ag.kill()
+        for t in threads:
+            t.join(120)
+        for i, ref in enumerate(refs):
+            assert not isinstance(out[i], Exception), (i, repr(out[i]))
+            assert out[i] == ref, f"session {i} changed: {len(out[i])} tokens vs {len(ref)}"
+        held = httpx.get(f"{standby.url}/v1/standby/{pid}", timeout=5).json()
+        # promoted with the tails the gateway forwarded (recomputed by prefill, not regenerated)
+        assert held["state"] == "promoted" and sum(held["tail_tokens"].values()) > 0, held
+    finally:
+        gw.stop()

@@ -3,8 +3,8 @@
 A gateway kill -9'd mid-stream loses no session (clients reattach on a new gateway at token K); a session
 checkpointed with stop tells its direct client (finish_reason "checkpointed") and its gateway stream
 continues with identical tokens once it is restored on another agent; a stream whose replica dies is
-held until a restore brings the session back; a client hang-up through the gateway aborts at once; a
-bare disconnect detaches for the grace; past the reattach bound the client gets an error event."""
+held until a restore brings the session back; a client hang-up through the gateway (streamed or not) aborts
+at once; a bare disconnect detaches for the grace; past the reattach bound the client gets an error event."""
 
 from __future__ import annotations
 
@@ -194,6 +194,19 @@ def test_client_hang_up_through_the_gateway_aborts_at_once(fleet):
         rd = Reader("POST", f"{gw.url}/v1/completions", json={**request(20, 3000), "stream": True}).read(until_tokens=4)
         sid = rd.sid
         rd.close()  # the replica's detach grace is 60 s here: an abort within seconds is the gateway's
+        info = wait_for(lambda: (lambda s: s if s["state"] == "finished" else None)(
+            httpx.get(f"{gw.url}/v1/sessions/{sid}").json()), 20, "abort")
+        assert info["finish_reason"] == "abort" and len(info["token_ids"]) < 3000
+
+        # not streamed: the client gives up waiting for the whole answer and hangs up
+        def sessions() -> set[str]:
+            return {s["id"] for ag in fleet["agents"].values()
+                    for s in httpx.get(f"{ag['replica_url']}/v1/replica", headers=H).json()["sessions"]}
+
+        before = sessions()
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{gw.url}/v1/completions", json=request(21, 3000), timeout=httpx.Timeout(60, read=2))
+        (sid,) = sessions() - before
         info = wait_for(lambda: (lambda s: s if s["state"] == "finished" else None)(
             httpx.get(f"{gw.url}/v1/sessions/{sid}").json()), 20, "abort")
         assert info["finish_reason"] == "abort" and len(info["token_ids"]) < 3000
