@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from relayout.engine.batch_invariant import batch_invariant, linear
 from relayout.engine.config import ModelConfig
 from relayout.engine.kv_cache import KVCache
 from relayout.engine.moe import SparseMoE
@@ -81,7 +82,7 @@ class Attention(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMeta, kv: KVCache) -> torch.Tensor:
         T, d = x.shape[0], self.cfg.head_dim
-        qkv = x @ self.qkv_proj.T
+        qkv = linear(x, self.qkv_proj)
         q = qkv[:, : self.n_heads * d].view(T, self.n_heads, d)
         k = qkv[:, self.n_heads * d : (self.n_heads + self.n_kv) * d].view(T, self.n_kv, d)
         v = qkv[:, (self.n_heads + self.n_kv) * d :].reshape(T, self.n_kv, d)
@@ -92,7 +93,7 @@ class Attention(torch.nn.Module):
         k = k * c + rotate_half(k) * s
         kv.write(self.layer, meta.slots, k, v)
         gqa = self.n_heads != self.n_kv
-        if meta.decode:
+        if meta.decode and not batch_invariant(x.dtype):
             B = q.shape[0]
             # index_select of whole blocks is a plain memcpy (advanced indexing is several times slower)
             kb, vb = kv.gather_blocks(self.layer, meta.block_tables.reshape(-1))
@@ -116,7 +117,7 @@ class Attention(torch.nn.Module):
                 outs.append(oi.transpose(0, 1).reshape(qlen, self.n_heads * d))
                 start += qlen
             o = torch.cat(outs) if outs else x.new_empty((0, self.n_heads * d))
-        return self.ps.tp_all_reduce(o @ self.o_proj.T)
+        return self.ps.tp_all_reduce(linear(o, self.o_proj))
 
 
 class DenseMLP(torch.nn.Module):
@@ -130,7 +131,7 @@ class DenseMLP(torch.nn.Module):
         self.down_proj = torch.nn.Parameter(torch.empty(h, i, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (F.silu(x @ self.gate_proj.T) * (x @ self.up_proj.T)) @ self.down_proj.T
+        return linear(F.silu(linear(x, self.gate_proj)) * linear(x, self.up_proj), self.down_proj)
 
 
 class DecoderLayer(torch.nn.Module):
@@ -181,7 +182,7 @@ class MoEModel(torch.nn.Module):
         for layer in self.layers:
             x = layer(x, cos, sin, meta, kv)
         h = self.norm(x[logits_at])
-        return (h @ self.lm_head.T).float()
+        return linear(h, self.lm_head).float()
 
     # ---- weights -------------------------------------------------------
     def load(self, model_dir: Path) -> None:

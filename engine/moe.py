@@ -13,6 +13,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from relayout.engine.batch_invariant import linear
 from relayout.engine.config import ModelConfig
 from relayout.engine.parallel import ParallelState
 
@@ -87,7 +88,7 @@ class SparseMoE(torch.nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k experts of each token and their weights (float32): the router's matmul runs in the
         model dtype, its softmax in float32, as transformers does."""
-        logits = (x @ self.router.T).float()
+        logits = linear(x, self.router).float()
         probs = torch.softmax(logits, dim=-1)
         w, e = torch.topk(probs, self.cfg.top_k, dim=-1)
         if self.cfg.norm_topk_prob:

@@ -19,11 +19,11 @@ TEMPLATE = ("{% for message in messages %}{% if message['content'] == 'forbidden
             "{{ raise_exception('this template refuses the word forbidden') }}{% endif %}"
             "{{ '<|' + message['role'] + '|>\\n' + message['content'] + '\\n' }}{% endfor %}"
             "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}")
-# One session per migration: this engine's bf16 outputs depend on which sessions share a step (four
-# concurrent streams on one replica, no migration at all, drift from their solo runs after tens of
-# tokens; float32 does not), so a token-for-token check holds the batch fixed: one session alone.
-BODIES = [dict(prompt="bf16 request: xyzxyz", max_tokens=256, ignore_eos=True, temperature=0.0),
-          dict(prompt="bf16 request, sampled", max_tokens=256, ignore_eos=True, temperature=0.8, seed=41)]
+# Two sessions per migration, a greedy and a sampled one: in bf16 a session's tokens do not depend on
+# which sessions share its steps (tests/test_batch_invariance.py), so the undisturbed reference of each
+# is its solo run on the target, though on the source they ran together.
+BODIES = [dict(prompt=f"bf16 request {i}: " + "xyz" * i, max_tokens=256, ignore_eos=True,
+               **(dict(temperature=0.8, seed=40 + i) if i % 2 else dict(temperature=0.0))) for i in range(4)]
 
 
 @pytest.fixture(scope="module")
@@ -46,11 +46,12 @@ def test_bf16_live_migration_same_layout_token_for_token(pair):
     for url in pair:
         info = replica_state(url)
         assert (info["dtype"], info["kv_dtype"]) == ("bfloat16", "auto")
-    for body in BODIES:  # there and back: greedy, then sampled
-        ref = reference(dst, body)  # undisturbed, on the target
-        m = migrate_with_streams(src, dst, [dst], [body], max_rounds=2)  # a pre-copy round, then the final one
-        finish_moved(m, [ref], dst, src)
+    for bodies in (BODIES[:2], BODIES[2:]):  # there and back, two sessions each time
+        refs = [reference(dst, b) for b in bodies]  # undisturbed, on the target, each alone
+        m = migrate_with_streams(src, dst, [dst], bodies, max_rounds=2)  # a pre-copy round, then the final one
+        finish_moved(m, refs, dst, src)
         assert m.result is not None and m.result.bytes_total > 0
+        assert len(m.result.sessions) == len(bodies)  # both moved in one migration
         idle(src)
         src, dst = dst, src
 

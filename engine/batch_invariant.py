@@ -1,0 +1,22 @@
+"""Half-precision steps that compute a session's rows the same whatever else shares the step, so a
+session's tokens do not depend on its batch (and a moved session continues as it would have)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def batch_invariant(dtype: torch.dtype) -> bool:
+    """Whether a session's rows are computed the same whatever else shares the step (half precision,
+    where one rounding flips tokens; float32 keeps the faster batched paths). Then attention runs per
+    session over exactly its context (the batched decode pads every context to the step's longest,
+    and another padding rounds a row differently), and `linear` never multiplies a lone row."""
+    return dtype in (torch.bfloat16, torch.float16)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w.T. A CPU GEMM of one row takes another kernel than of two or more (which agree with each
+    other row for row) and accumulates in another order, so in half precision a lone row goes in twice."""
+    if x.shape[0] == 1 and batch_invariant(x.dtype):
+        return (x.expand(2, -1).contiguous() @ w.T)[:1]
+    return x @ w.T
