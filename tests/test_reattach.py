@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 
 import httpx
@@ -204,9 +205,20 @@ def test_client_hang_up_through_the_gateway_aborts_at_once(fleet):
                     for s in httpx.get(f"{ag['replica_url']}/v1/replica", headers=H).json()["sessions"]}
 
         before = sessions()
-        with pytest.raises(httpx.ReadTimeout):
-            httpx.post(f"{gw.url}/v1/completions", json=request(21, 3000), timeout=httpx.Timeout(60, read=2))
-        (sid,) = sessions() - before
+        hung_up: list[BaseException] = []
+
+        def give_up() -> None:
+            try:
+                httpx.post(f"{gw.url}/v1/completions", json=request(21, 3000), timeout=httpx.Timeout(60, read=2))
+            except BaseException as e:  # noqa: BLE001 - asserted below
+                hung_up.append(e)
+
+        client = threading.Thread(target=give_up)
+        client.start()
+        # the session's id, seen while it runs (once aborted it may leave the replica's list)
+        (sid,) = wait_for(lambda: sessions() - before or None, 20, "the non-streamed session")
+        client.join(30)
+        assert len(hung_up) == 1 and isinstance(hung_up[0], httpx.ReadTimeout), hung_up
         info = wait_for(lambda: (lambda s: s if s["state"] == "finished" else None)(
             httpx.get(f"{gw.url}/v1/sessions/{sid}").json()), 20, "abort")
         assert info["finish_reason"] == "abort" and len(info["token_ids"]) < 3000
