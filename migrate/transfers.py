@@ -22,12 +22,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from relayout.engine.snapshot import SessionSnapshot, write_snapshot
+from relayout.engine.snapshot import SessionSnapshot, write_snapshot_steps
 from relayout.migrate.frame_sink import FrameSink
+from relayout.migrate.received import ReceivedChunks
 from relayout.storage.checkpoint import CheckpointWriter
 from relayout.storage.manifest import KVEntry, KVGeometry, Manifest, ModelRef
-from relayout.storage.store_base import Store
-from relayout.storage.stores import MemoryStore
 from relayout.storage.stream import StreamReceiver, encode_abort_frame
 
 MAX_TRANSFERS = 64  # incoming transfers in flight at once
@@ -129,7 +128,7 @@ class Incoming:
     transfer_id: str
     last: float
     source: str | None = None  # whom to ask how the transfer ended, if its migrator disappears
-    store: Store = field(default_factory=MemoryStore)
+    store: ReceivedChunks = field(default_factory=ReceivedChunks)
     blocks: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
     upto: dict[str, int] = field(default_factory=dict)
     placed: list[str] = field(default_factory=list)
@@ -238,8 +237,7 @@ class TransferTable:
             # entry in this manifest; the target frees its reservation)
             moving = {snap.state.session_id for snap in cut.snaps}
             w.carry([e for e in o.entries if e.session_id in moving])
-            for snap in cut.snaps:
-                write_snapshot([snap], w, sent)
+            for _ in write_snapshot_steps(cut.snaps, w, sent):  # a batch of chunks at a time
                 o.last = self.clock()
                 yield from sink.take()
             m = w.commit(cut.model, cut.layout, cut.geometry, {"transfer": o.transfer_id, "round": rnd,
@@ -331,6 +329,7 @@ class TransferTable:
                     recv.feed(piece)
             manifest = recv.close()
             res = await self.ops.receive(i, manifest, final)
+            i.store.forget_imported(manifest, i.upto, recv.bytes_received)
         except RoundCut:
             if final:
                 await asyncio.shield(self.drop_incoming(tid, "aborted"))
