@@ -4,7 +4,7 @@ verified on receipt), until their KV is in the pool."""
 from __future__ import annotations
 
 from relayout.storage.chunks import keep_freed_memory
-from relayout.storage.manifest import Manifest
+from relayout.storage.manifest import ChunkRef, Manifest
 from relayout.storage.store_base import check_hash
 from relayout.storage.stores import MemoryStore
 
@@ -24,8 +24,20 @@ class ReceivedChunks(MemoryStore):
         return super().has_chunk(h) or check_hash(h) in self._imported
 
     def chunk_hashes(self) -> list[str]:
-        held = super().chunk_hashes()
-        return held + sorted(self._imported.difference(held))
+        """Only the chunks whose bytes are held: a resumed round resends the others."""
+        return super().chunk_hashes()
+
+    def put_chunk(self, h: str, data: bytes, *, hashed: bool = False, ref: ChunkRef | None = None) -> None:
+        # the same bytes again (another session's identical chunk in a later round): hold them anew,
+        # or their import would find only the hash
+        imported = check_hash(h) in self._imported and not super().has_chunk(h)
+        self._imported.discard(h)
+        try:
+            super().put_chunk(h, data, hashed=hashed, ref=ref)
+        except BaseException:
+            if imported:
+                self._imported.add(h)
+            raise
 
     def forget_imported(self, manifest: Manifest, upto: dict[str, int], round_bytes: int) -> None:
         """Drop the bytes of chunks all of whose entries lie below their session's imported tokens."""

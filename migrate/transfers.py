@@ -89,11 +89,10 @@ class Cut:
 
 @dataclass
 class SentRound:
-    """What one framed round sent: its cumulative manifest entries, chunk hashes, KV tokens per session."""
+    """What one framed round sent: its cumulative manifest entries, KV tokens per session."""
 
     epoch: int
     entries: list[KVEntry]
-    hashes: set[str]
     upto: dict[str, int]
 
 
@@ -105,7 +104,9 @@ class Outgoing:
     last: float  # clock time of the last sign of life (a round started or produced bytes)
     sent_upto: dict[str, int] = field(default_factory=dict)  # session -> KV tokens sent
     entries: list[KVEntry] = field(default_factory=list)  # every chunk sent by completed rounds
-    sent_hashes: set[str] = field(default_factory=set)
+    # chunks whose bytes the target holds (acknowledged by a resumed round), not sent again; the
+    # target drops a round's bytes once imported, so chunks of completed rounds are not among them
+    target_holds: set[str] = field(default_factory=set)
     rounds: int = 0
     paused: list[str] = field(default_factory=list)  # held by the final round, until release or resume
     pushing: asyncio.Future | None = None  # the round being sent to the target (push mode), if any
@@ -116,7 +117,7 @@ class Outgoing:
         if r is self.framed:
             self.framed = None
         if r is not None and r.epoch == self.epoch:  # not overtaken by a retry (whose cut covers this one's)
-            self.entries, self.sent_hashes = r.entries, self.sent_hashes | r.hashes
+            self.entries, self.target_holds = r.entries, set()
             self.sent_upto.update(r.upto)
 
 
@@ -211,10 +212,8 @@ class TransferTable:
         sent = dict(o.sent_upto)
         if have is not None:
             # the previous round was cut: what it sent may not have arrived; resend all but the
-            # chunks of completed rounds and those the target says it holds
-            o.sent_hashes.clear()
-            o.sent_hashes.update(e.chunk.hash for e in o.entries)
-            o.sent_hashes.update(h for h in have if isinstance(h, str) and len(h) == 32)
+            # chunks the target says it holds (completed rounds' chunks are carried, not resent)
+            o.target_holds = {h for h in have if isinstance(h, str) and len(h) == 32}
         try:
             cut = await self.ops.cut(sessions, pause, sent, None if pause else max_tokens)
         except KeyError as e:
@@ -231,7 +230,7 @@ class TransferTable:
         rnd = o.rounds
         try:
             # its own copy: a cut round's producer may still run when its retry starts (merged by mark_sent)
-            sink = FrameSink(set(o.sent_hashes), codec)
+            sink = FrameSink(set(o.target_holds), codec)
             w = CheckpointWriter(sink, f"{o.transfer_id}-r{rnd}", codec=codec)
             # earlier rounds' chunks, of the sessions still moving (one that finished since has no
             # entry in this manifest; the target frees its reservation)
@@ -245,7 +244,7 @@ class TransferTable:
         except Exception as e:  # noqa: BLE001 - tell the receiver why, in-band, instead of a torn stream
             yield encode_abort_frame(f"source failed to export round {rnd}: {type(e).__name__}: {e}")
             return
-        done = SentRound(epoch, list(m.kv_entries), sink.sent,
+        done = SentRound(epoch, list(m.kv_entries),
                          {snap.state.session_id: snap.num_kv_tokens for snap in cut.snaps})
         o.framed = done
         if not confirm_on_delivery:
