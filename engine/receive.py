@@ -18,6 +18,8 @@ from relayout.storage.errors import CorruptCheckpoint
 from relayout.storage.manifest import Manifest
 from relayout.storage.store_base import Store
 
+IMPORT_SLICE_TOKENS = 256  # tokens imported through a multi-rank executor at a time
+
 
 class IncomingKV(Protocol):
     """What the target's engine keeps per incoming transfer."""
@@ -30,7 +32,8 @@ class IncomingKV(Protocol):
 
 def import_range(engine: LLMEngine, store: Store, manifest: Manifest, sid: str, group: int, blocks: list[int],
                  a: int, b: int) -> None:
-    """Import tokens [a, b) of one session from whichever chunks cover them."""
+    """Import tokens [a, b) of one session from whichever chunks cover them. `store` holds only
+    chunks verified on receipt (storage.stream.StreamReceiver): their hashes are not computed again."""
     from relayout.storage.chunks import kv_scaled_view, kv_view
 
     if b <= a:
@@ -43,27 +46,35 @@ def import_range(engine: LLMEngine, store: Store, manifest: Manifest, sid: str, 
     host = host_pool(engine)
     if host is not None and host[1] != (0, c.num_kv_heads):
         host = None
-    kv = None
     scaled = manifest.kv.scale is not None
     if scaled and host is None:  # check_compatible refuses this before any block is reserved
         raise RestoreError("fp8 KV moves only into a replica whose KV pool is local host memory (one rank, CPU)")
-    if host is None:
-        kv = torch.empty((c.num_layers, 2, c.num_kv_heads, b - a, c.head_dim), dtype=engine.dtype)
+    views = []
     for e in entries:
         data, scale = store.get_chunk(e.chunk.hash), None
         if scaled:
-            t, scale = kv_scaled_view(data, e.chunk, e.shape(c.head_dim), manifest.kv.dtype)  # read-only
+            t, scale = kv_scaled_view(data, e.chunk, e.shape(c.head_dim), manifest.kv.dtype, verified=True)
         else:
-            t = kv_view(data, e.chunk, e.shape(c.head_dim), engine.dtype, manifest.format_version)  # read-only
-        lo, hi = max(a, e.tok_lo), min(b, e.tok_hi)
-        part = t[:, :, lo - e.tok_lo : hi - e.tok_lo]
-        if kv is None:
-            host[0].import_from(blocks, e.layer, lo, part, e.head_lo,  # type: ignore[index]
+            t = kv_view(data, e.chunk, e.shape(c.head_dim), engine.dtype, manifest.format_version, verified=True)
+        views.append((e, t, scale))
+    if host is not None:  # straight from each chunk into the pool's blocks
+        for e, t, scale in views:
+            lo, hi = max(a, e.tok_lo), min(b, e.tok_hi)
+            host[0].import_from(blocks, e.layer, lo, t[:, :, lo - e.tok_lo : hi - e.tok_lo], e.head_lo,
                                 None if scale is None else scale[:, :, lo - e.tok_lo : hi - e.tok_lo])
-        else:
-            kv[e.layer, :, e.head_lo : e.head_hi, lo - a : hi - a] = part
-    if kv is not None:
-        engine.executor.import_kv(group, blocks, a, kv)
+        return
+    # through the executor, IMPORT_SLICE_TOKENS at a time through one reused buffer: a whole round
+    # assembled at once would be that much fresh memory (page faults) here and in every rank
+    buf = torch.empty((c.num_layers, 2, c.num_kv_heads, min(IMPORT_SLICE_TOKENS, b - a), c.head_dim),
+                      dtype=engine.dtype)
+    for s0 in range(a, b, IMPORT_SLICE_TOKENS):
+        s1 = min(b, s0 + IMPORT_SLICE_TOKENS)
+        kv = buf[:, :, :, : s1 - s0]
+        for e, t, _ in views:
+            lo, hi = max(s0, e.tok_lo), min(s1, e.tok_hi)
+            if lo < hi:
+                kv[e.layer, :, e.head_lo : e.head_hi, lo - s0 : hi - s0] = t[:, :, lo - e.tok_lo : hi - e.tok_lo]
+        engine.executor.import_kv(group, blocks, s0, kv)
 
 
 def receive_round(engine: LLMEngine, t: IncomingKV, manifest: Manifest, final: bool) -> dict:

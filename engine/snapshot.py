@@ -1,7 +1,9 @@
 """Session checkpoints out of and into a replica of any layout.
 
 `take_snapshot` runs on the engine thread at a step boundary and only copies (session
-state + KV tensors to host memory), so other sessions stall for at most that copy.
+state + KV tensors to host memory), so other sessions stall for at most that copy; with
+`defer_copy` (live transfers out of a host pool) it copies only the state and which blocks hold
+the KV, and the KV is copied later, off the engine thread (`DeferredKV`).
 `write_snapshot` (any thread) encodes the copy into the storage format: per session, per
 layer, per KV-head range, per token range. Token ranges are aligned to CHUNK_TOKENS so
 successive checkpoints of a growing session share their full chunks (stored once).
@@ -14,6 +16,7 @@ import copy
 import dataclasses
 import secrets
 import time
+from collections.abc import Iterator
 
 import torch
 from relayout.engine.engine import LLMEngine
@@ -32,6 +35,39 @@ class RestoreError(ValueError):
     """The checkpoint cannot go into this replica (room, ids, geometry); nothing was changed."""
 
 
+class KVMoved(RuntimeError):
+    """The engine preempted a session while a deferred snapshot copied KV out of the pool: the
+    blocks it was reading may hold another session's KV by now, so that copy is not trusted."""
+
+
+@dataclasses.dataclass
+class DeferredKV:
+    """KV a snapshot copies after the cut, off the engine thread: tokens [lo, hi) of one session's
+    `blocks` in a host pool. KV of computed positions never changes, so the engine may keep
+    stepping meanwhile; blocks change owner only when a session ends (its KV is then not moved
+    any more) or is preempted, which `check` detects through the scheduler's preemption count."""
+
+    pool: KVCache
+    heads: tuple[int, int]
+    blocks: list[int]
+    lo: int
+    hi: int
+    engine: LLMEngine
+    preemptions: int
+
+    def check(self) -> None:
+        if self.engine.scheduler.num_preemptions != self.preemptions:
+            raise KVMoved("the source preempted a session while its KV was being copied out; retry the round")
+
+    def batches(self) -> Iterator[list[tuple]]:
+        """The chunks (as take_snapshot lays them out), one CHUNK_TOKENS range of every layer at a
+        time: each copied (and hashed) on all cores, then checked still valid, then handed on."""
+        for a, b in _chunk_ranges(self.lo, self.hi):
+            chunks = _export_chunks(self.pool, self.heads, self.blocks, a, b)
+            self.check()
+            yield chunks
+
+
 class SessionSnapshot:
     """One session cut at a step boundary: its state and a host copy of its KV.
 
@@ -45,14 +81,22 @@ class SessionSnapshot:
 
     def __init__(self, state: SessionState, num_kv_tokens: int,
                  kv: list[tuple[int, int, torch.Tensor]] | None = None,
-                 chunks: list[tuple] | None = None) -> None:
+                 chunks: list[tuple] | None = None, deferred: DeferredKV | None = None) -> None:
         self.state = state
         self.num_kv_tokens = num_kv_tokens
         self._kv = list(kv or [])
         self.chunks = chunks
+        self.deferred = deferred  # the KV, not copied yet (take_snapshot's defer_copy)
+
+    def materialize(self) -> None:
+        """Copy deferred KV now (into `chunks`)."""
+        if self.deferred is not None:
+            d, self.deferred = self.deferred, None
+            self.chunks = [c for batch in d.batches() for c in batch]
 
     @property
     def kv(self) -> list[tuple[int, int, torch.Tensor]]:
+        self.materialize()
         if self.chunks is None:
             return self._kv
         if any(len(c) > 6 for c in self.chunks):
@@ -74,7 +118,7 @@ class SessionSnapshot:
     @kv.setter
     def kv(self, value: list[tuple[int, int, torch.Tensor]]) -> None:
         self._kv = list(value)
-        self.chunks = None
+        self.chunks = self.deferred = None
 
 
 def _chunk_ranges(lo: int, hi: int) -> list[tuple[int, int]]:
@@ -170,7 +214,7 @@ def _live(engine: LLMEngine, session_ids: list[str] | None) -> list[SessionState
 
 
 def take_snapshot(engine: LLMEngine, session_ids: list[str] | None = None, tok_from: dict[str, int] | None = None,
-                  tok_cap: int | None = None) -> list[SessionSnapshot]:
+                  tok_cap: int | None = None, defer_copy: bool = False) -> list[SessionSnapshot]:
     """Consistent cut of sessions at this step boundary (call between two steps).
 
     `tok_from` skips KV a receiver already has (pre-copy rounds): only tokens from that
@@ -191,7 +235,10 @@ def take_snapshot(engine: LLMEngine, session_ids: list[str] | None = None, tok_f
         table = engine.scheduler.tables.get(s.session_id)
         if n > lo and table is not None:
             blocks = table.blocks[: blocks_needed(n)]
-            if host is not None:  # straight into chunk buffers: the one copy of this KV
+            if host is not None and defer_copy:
+                snap.deferred = DeferredKV(host[0], host[1], list(blocks), lo, n, engine,
+                                           engine.scheduler.num_preemptions)
+            elif host is not None:  # straight into chunk buffers: the one copy of this KV
                 snap.chunks = _export_chunks(host[0], host[1], blocks, lo, n)
             else:
                 snap.kv = engine.executor.export_kv(s.dp_group, blocks, lo, n)
@@ -214,17 +261,33 @@ def geometry(engine: LLMEngine) -> KVGeometry:
 def write_snapshot(snaps: list[SessionSnapshot], writer: CheckpointWriter, tok_from: dict[str, int] | None = None
                    ) -> None:
     """Put every session's KV chunks and state into `writer` (commit is the caller's)."""
+    for _ in write_snapshot_steps(snaps, writer, tok_from):
+        pass
+
+
+def _put_chunks(writer: CheckpointWriter, sid: str, chunks: list[tuple]) -> None:
+    def put(c: tuple, sid: str = sid) -> object:
+        return writer.put_kv(sid, *c)
+
+    if type(writer).put_kv is CheckpointWriter.put_kv:  # thread-safe: chunks hash and store in parallel
+        parallel_map(put, chunks, sum(c[5].numel() * c[5].element_size() for c in chunks))
+    else:  # a subclass gets them in order, one at a time
+        for c in chunks:
+            put(c)
+
+
+def write_snapshot_steps(snaps: list[SessionSnapshot], writer: CheckpointWriter,
+                         tok_from: dict[str, int] | None = None) -> Iterator[None]:
+    """write_snapshot, pausing (yielding) after each batch of chunks a deferred snapshot copied
+    and after each session, so a caller can send what the writer's store got so far."""
     for snap in snaps:
         sid = snap.state.session_id
-        if snap.chunks is not None:  # already cut and laid out by take_snapshot: hash and store
-            def put(c: tuple[int, int, int, int, int, torch.Tensor], sid: str = sid) -> object:
-                return writer.put_kv(sid, *c)
-
-            if type(writer).put_kv is CheckpointWriter.put_kv:  # thread-safe: chunks hash and store in parallel
-                parallel_map(put, snap.chunks, sum(c[5].numel() * c[5].element_size() for c in snap.chunks))
-            else:  # a subclass (e.g. a transfer's frame writer) gets them in order, one at a time
-                for c in snap.chunks:
-                    put(c)
+        if snap.deferred is not None:  # copied here, a chunk range at a time, then the buffers go on
+            for chunks in snap.deferred.batches():
+                _put_chunks(writer, sid, chunks)
+                yield
+        elif snap.chunks is not None:  # already cut and laid out by take_snapshot: hash and store
+            _put_chunks(writer, sid, snap.chunks)
         else:
             lo0 = (tok_from or {}).get(sid, 0)
             for head_lo, head_hi, kv in snap.kv:
@@ -233,6 +296,7 @@ def write_snapshot(snaps: list[SessionSnapshot], writer: CheckpointWriter, tok_f
                     for layer in range(kv.shape[0]):
                         writer.put_kv(sid, layer, head_lo, head_hi, a, b, kv[layer, :, :, a - lo0 : b - lo0])
         writer.add_session(sid, _state_dict(snap.state), snap.num_kv_tokens)
+        yield
 
 
 def checkpoint(engine: LLMEngine, writer: CheckpointWriter, session_ids: list[str] | None = None,

@@ -20,14 +20,19 @@ EngineCall = Callable[[Callable[[LLMEngine], Any]], Awaitable[Any]]
 
 
 class EngineThreadOps:
-    def __init__(self, call: EngineCall, note_migrated: Callable[[list[str], str], None] | None = None):
-        self.call, self.note_migrated = call, note_migrated
+    """`defer_copy`: a cut out of a host KV pool notes only which blocks hold the KV; the copy
+    (and hashing) happens as the round is framed, on the frame producer's thread, while the
+    engine keeps stepping (engine.snapshot.DeferredKV)."""
+
+    def __init__(self, call: EngineCall, note_migrated: Callable[[list[str], str], None] | None = None,
+                 defer_copy: bool = False):
+        self.call, self.note_migrated, self.defer_copy = call, note_migrated, defer_copy
         self.cut_engine_s = 0.0  # time the engine thread spent in cuts (the decode it held up), all together
         self._model: tuple[LLMEngine, ModelRef] | None = None  # an engine's model never changes: built once
 
     @classmethod
-    def of(cls, aengine: AsyncEngine) -> EngineThreadOps:
-        return cls(aengine.call, aengine.note_migrated)
+    def of(cls, aengine: AsyncEngine, defer_copy: bool = False) -> EngineThreadOps:
+        return cls(aengine.call, aengine.note_migrated, defer_copy)
 
     async def cut(self, sessions: list[str] | None, pause: bool, sent: dict[str, int],
                   max_tokens: int | None) -> Cut:
@@ -44,7 +49,7 @@ class EngineThreadOps:
                     # one that finished since the last round has nothing left to move
                     paused = [sid for sid in sessions if not e.sessions[sid].is_finished]
                 e.pause(paused)
-            snaps = take_snapshot(e, paused if pause else sessions, sent, max_tokens)
+            snaps = take_snapshot(e, paused if pause else sessions, sent, max_tokens, self.defer_copy)
             if self._model is None or self._model[0] is not e:
                 self._model = (e, model_ref(e))
             out = Cut(paused, snaps, self._model[1], e.layout.to_dict(), geometry(e))

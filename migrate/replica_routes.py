@@ -189,7 +189,7 @@ def install_replica_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
     """Mount the session-moving routes on a replica's app; returns the replica's TransferTable."""
     token = token if token is not None else env_token()
     import_limit, frame_limit = import_limits(aengine.engine)
-    table = TransferTable(EngineThreadOps.of(aengine), source_asker(token), import_limit=import_limit,
+    table = TransferTable(EngineThreadOps.of(aengine, defer_copy=True), source_asker(token), import_limit=import_limit,
                           frame_limit=frame_limit)
     r = APIRouter(dependencies=[Depends(bearer_auth(token))])
     transport: Transport = HttpTransport(token)

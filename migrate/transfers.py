@@ -22,12 +22,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from relayout.engine.snapshot import SessionSnapshot, write_snapshot
+from relayout.engine.snapshot import SessionSnapshot, write_snapshot_steps
 from relayout.migrate.frame_sink import FrameSink
+from relayout.migrate.received import ReceivedChunks
 from relayout.storage.checkpoint import CheckpointWriter
 from relayout.storage.manifest import KVEntry, KVGeometry, Manifest, ModelRef
-from relayout.storage.store_base import Store
-from relayout.storage.stores import MemoryStore
 from relayout.storage.stream import StreamReceiver, encode_abort_frame
 
 MAX_TRANSFERS = 64  # incoming transfers in flight at once
@@ -90,11 +89,10 @@ class Cut:
 
 @dataclass
 class SentRound:
-    """What one framed round sent: its cumulative manifest entries, chunk hashes, KV tokens per session."""
+    """What one framed round sent: its cumulative manifest entries, KV tokens per session."""
 
     epoch: int
     entries: list[KVEntry]
-    hashes: set[str]
     upto: dict[str, int]
 
 
@@ -106,7 +104,9 @@ class Outgoing:
     last: float  # clock time of the last sign of life (a round started or produced bytes)
     sent_upto: dict[str, int] = field(default_factory=dict)  # session -> KV tokens sent
     entries: list[KVEntry] = field(default_factory=list)  # every chunk sent by completed rounds
-    sent_hashes: set[str] = field(default_factory=set)
+    # chunks whose bytes the target holds (acknowledged by a resumed round), not sent again; the
+    # target drops a round's bytes once imported, so chunks of completed rounds are not among them
+    target_holds: set[str] = field(default_factory=set)
     rounds: int = 0
     paused: list[str] = field(default_factory=list)  # held by the final round, until release or resume
     pushing: asyncio.Future | None = None  # the round being sent to the target (push mode), if any
@@ -117,7 +117,7 @@ class Outgoing:
         if r is self.framed:
             self.framed = None
         if r is not None and r.epoch == self.epoch:  # not overtaken by a retry (whose cut covers this one's)
-            self.entries, self.sent_hashes = r.entries, self.sent_hashes | r.hashes
+            self.entries, self.target_holds = r.entries, set()
             self.sent_upto.update(r.upto)
 
 
@@ -129,7 +129,7 @@ class Incoming:
     transfer_id: str
     last: float
     source: str | None = None  # whom to ask how the transfer ended, if its migrator disappears
-    store: Store = field(default_factory=MemoryStore)
+    store: ReceivedChunks = field(default_factory=ReceivedChunks)
     blocks: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
     upto: dict[str, int] = field(default_factory=dict)
     placed: list[str] = field(default_factory=list)
@@ -212,10 +212,8 @@ class TransferTable:
         sent = dict(o.sent_upto)
         if have is not None:
             # the previous round was cut: what it sent may not have arrived; resend all but the
-            # chunks of completed rounds and those the target says it holds
-            o.sent_hashes.clear()
-            o.sent_hashes.update(e.chunk.hash for e in o.entries)
-            o.sent_hashes.update(h for h in have if isinstance(h, str) and len(h) == 32)
+            # chunks the target says it holds (completed rounds' chunks are carried, not resent)
+            o.target_holds = {h for h in have if isinstance(h, str) and len(h) == 32}
         try:
             cut = await self.ops.cut(sessions, pause, sent, None if pause else max_tokens)
         except KeyError as e:
@@ -232,14 +230,13 @@ class TransferTable:
         rnd = o.rounds
         try:
             # its own copy: a cut round's producer may still run when its retry starts (merged by mark_sent)
-            sink = FrameSink(set(o.sent_hashes), codec)
+            sink = FrameSink(set(o.target_holds), codec)
             w = CheckpointWriter(sink, f"{o.transfer_id}-r{rnd}", codec=codec)
             # earlier rounds' chunks, of the sessions still moving (one that finished since has no
             # entry in this manifest; the target frees its reservation)
             moving = {snap.state.session_id for snap in cut.snaps}
             w.carry([e for e in o.entries if e.session_id in moving])
-            for snap in cut.snaps:
-                write_snapshot([snap], w, sent)
+            for _ in write_snapshot_steps(cut.snaps, w, sent):  # a batch of chunks at a time
                 o.last = self.clock()
                 yield from sink.take()
             m = w.commit(cut.model, cut.layout, cut.geometry, {"transfer": o.transfer_id, "round": rnd,
@@ -247,7 +244,7 @@ class TransferTable:
         except Exception as e:  # noqa: BLE001 - tell the receiver why, in-band, instead of a torn stream
             yield encode_abort_frame(f"source failed to export round {rnd}: {type(e).__name__}: {e}")
             return
-        done = SentRound(epoch, list(m.kv_entries), sink.sent,
+        done = SentRound(epoch, list(m.kv_entries),
                          {snap.state.session_id: snap.num_kv_tokens for snap in cut.snaps})
         o.framed = done
         if not confirm_on_delivery:
@@ -331,6 +328,7 @@ class TransferTable:
                     recv.feed(piece)
             manifest = recv.close()
             res = await self.ops.receive(i, manifest, final)
+            i.store.forget_imported(manifest, i.upto, recv.bytes_received)
         except RoundCut:
             if final:
                 await asyncio.shield(self.drop_incoming(tid, "aborted"))

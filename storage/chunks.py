@@ -146,6 +146,12 @@ def _bytearray(n: int) -> bytearray:
     return bytearray(n) if _new_bytearray is None else _new_bytearray(None, n)
 
 
+def new_buffer(n: int) -> bytearray:
+    """A bytearray of `n` bytes whose contents are undefined (not zero-filled): for a buffer every
+    byte of which is written before it is read (a received frame's payload)."""
+    return _bytearray(n)
+
+
 @functools.lru_cache(maxsize=1024)
 def _st_prefix(shape: tuple[int, ...], code: str, nbytes: int) -> bytes:
     """The 8-byte length + JSON header safetensors.torch.save writes for one tensor "kv"."""
@@ -286,12 +292,19 @@ def kv_view(
     expect_shape: tuple[int, ...] | torch.Size,
     expect_dtype: torch.dtype | str,
     format_version: int = FORMAT_VERSION,
+    verified: bool = False,
 ) -> torch.Tensor:
     """``unpack_kv`` without the final copy: the tensor may share memory with `data` (or with
     the store holding it), so treat it as read-only and copy out of it. Same checks, same errors.
     `expect_shape` is the logical [2, heads, tokens, head_dim]; `format_version` (the manifest's)
-    says how the chunk stores it, and the result is that logical view of it either way."""
-    verify_chunk(data, ref)  # hash first: never decode bytes we cannot vouch for
+    says how the chunk stores it, and the result is that logical view of it either way.
+    `verified`: the caller checked these very bytes against `ref` already (their hash is not
+    computed twice); the size is checked either way."""
+    if verified:
+        if len(data) != ref.size:
+            raise CorruptCheckpoint(f"chunk {ref.hash}: {len(data)} bytes stored, manifest says {ref.size}")
+    else:
+        verify_chunk(data, ref)  # hash first: never decode bytes we cannot vouch for
     return _logical(_stored_view(data, ref, stored_shape(tuple(expect_shape), format_version), expect_dtype),
                     format_version)
 
@@ -348,10 +361,11 @@ def _stored_view(data: bytes, ref: ChunkRef, shape: tuple[int, ...], expect_dtyp
 
 
 def kv_scaled_view(data: bytes, ref: ChunkRef, expect_shape: tuple[int, ...] | torch.Size,
-                   expect_dtype: torch.dtype | str) -> tuple[torch.Tensor, torch.Tensor]:
+                   expect_dtype: torch.dtype | str, verified: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """A chunk of quantised KV (format version 2 with scales): the [2, heads, tokens, head_dim] values
-    and their float32 [2, heads, tokens] scales, verified and checked like kv_view."""
-    verify_chunk(data, ref)
+    and their float32 [2, heads, tokens] scales, verified (unless `verified`) and checked like kv_view."""
+    if not verified:
+        verify_chunk(data, ref)
     dtype = _as_dtype(expect_dtype)
     st = stored_shape(tuple(expect_shape))
     got = _parsed(_decoded(data, ref, dtype), ref, {TENSOR_NAME: (st, dtype), SCALE_NAME: (st[:3], torch.float32)})

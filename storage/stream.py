@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
-from relayout.storage.chunks import verify_chunk
+from relayout.storage.chunks import new_buffer, verify_chunk
 from relayout.storage.errors import ChunkMissing, CorruptCheckpoint, StorageError
 from relayout.storage.manifest import MAX_MANIFEST_BYTES, ChunkRef, Manifest
 from relayout.storage.store_base import Store
@@ -178,7 +178,7 @@ class FrameDecoder:
                 self._magic, self._hlen, self._plen = parse_frame_prefix(buf, _KINDS, self.max_frame_bytes)
             if len(buf) >= FRAME_PREFIX_BYTES and len(buf) == FRAME_PREFIX_BYTES + self._hlen:
                 self._hraw = bytes(buf[FRAME_PREFIX_BYTES:])
-                self._payload, self._got = bytearray(self._plen), 0
+                self._payload, self._got = new_buffer(self._plen), 0  # every byte is written before use
                 self._buf = bytearray()
                 return mv
         return mv
@@ -210,8 +210,9 @@ class FrameDecoder:
 class StreamReceiver:
     """Feeds a framed stream into a Store; returns the Manifest once it is committed.
 
-    Every chunk is hash-checked on receipt; the manifest is committed only after every
-    chunk it references is present (received now, or already held from a pre-copy round).
+    Every chunk is hash-checked on receipt (once: the store is told so, and keeps the buffer it
+    was received into); the manifest is committed only after every chunk it references is
+    present (received now, or already held from a pre-copy round).
     """
 
     def __init__(self, store: Store, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
@@ -252,7 +253,7 @@ class StreamReceiver:
             verify_chunk(frame.payload, frame.ref)
             self.store.pin(frame.ref.hash)
             self._pinned.append(frame.ref.hash)
-            self.store.put_chunk(frame.ref.hash, frame.payload)
+            self.store.put_chunk(frame.ref.hash, frame.payload, hashed=True)  # verified just above
             self._received.add(frame.ref.hash)
             self.chunks_received += 1
             return

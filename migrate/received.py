@@ -1,0 +1,51 @@
+"""What a target holds of an incoming transfer between its rounds: the chunks received (each
+verified on receipt), until their KV is in the pool."""
+
+from __future__ import annotations
+
+from relayout.storage.chunks import keep_freed_memory
+from relayout.storage.manifest import ChunkRef, Manifest
+from relayout.storage.store_base import check_hash
+from relayout.storage.stores import MemoryStore
+
+
+class ReceivedChunks(MemoryStore):
+    """A MemoryStore that lets go of a chunk's bytes once every token it carries is imported into
+    the pool (`forget_imported`), keeping its hash: the transfer still holds that chunk (a later
+    round's manifest lists it, a resumed round does not resend it), the bytes are just not needed
+    again, since each round imports only the tokens after those already imported. So a transfer
+    stages about one round, not the whole KV, and the next round reuses that memory."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._imported: set[str] = set()
+
+    def has_chunk(self, h: str) -> bool:
+        return super().has_chunk(h) or check_hash(h) in self._imported
+
+    def chunk_hashes(self) -> list[str]:
+        """Only the chunks whose bytes are held: a resumed round resends the others."""
+        return super().chunk_hashes()
+
+    def put_chunk(self, h: str, data: bytes, *, hashed: bool = False, ref: ChunkRef | None = None) -> None:
+        # the same bytes again (another session's identical chunk in a later round): hold them anew,
+        # or their import would find only the hash
+        imported = check_hash(h) in self._imported and not super().has_chunk(h)
+        self._imported.discard(h)
+        try:
+            super().put_chunk(h, data, hashed=hashed, ref=ref)
+        except BaseException:
+            if imported:
+                self._imported.add(h)
+            raise
+
+    def forget_imported(self, manifest: Manifest, upto: dict[str, int], round_bytes: int) -> None:
+        """Drop the bytes of chunks all of whose entries lie below their session's imported tokens."""
+        done, needed = set(), set()
+        for e in manifest.kv_entries:
+            (done if e.tok_hi <= upto.get(e.session_id, 0) else needed).add(e.chunk.hash)
+        for h in done - needed:
+            self._imported.add(h)
+            self._delete_chunk(h)
+        # the freed buffers stay with this process's malloc for the next round (no page faults anew)
+        keep_freed_memory(round_bytes)
