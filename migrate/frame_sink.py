@@ -18,8 +18,8 @@ class FrameSink(Store):
 
     identity = "frame-sink"
 
-    def __init__(self, sent: set[str], codec: str):
-        self.sent, self.codec = sent, codec
+    def __init__(self, sent: set[str]):
+        self.sent = sent
         self._lock = threading.Lock()  # the writer puts chunks from several threads
         self._frames: list[bytes | memoryview] = []
 

@@ -177,7 +177,7 @@ class Replicator:
         """One round's frames: the new chunks, then the cumulative manifest (any thread). Earlier
         rounds' chunks are listed, not sent; a new chunk is sent even when an earlier one has the
         same bytes (another session's identical KV): the standby frees each chunk once imported."""
-        sink = FrameSink(set(), self.cfg.codec)
+        sink = FrameSink(set())
         w = CheckpointWriter(sink, f"{self.pid}-r{rnd}", codec=self.cfg.codec)
         live = {snap.state.session_id for snap in cut.snaps}
         w.carry([e for e in self.entries if e.session_id in live])  # a finished session's copy is dropped

@@ -230,7 +230,7 @@ class TransferTable:
         rnd = o.rounds
         try:
             # its own copy: a cut round's producer may still run when its retry starts (merged by mark_sent)
-            sink = FrameSink(set(o.target_holds), codec)
+            sink = FrameSink(set(o.target_holds))
             w = CheckpointWriter(sink, f"{o.transfer_id}-r{rnd}", codec=codec)
             # earlier rounds' chunks, of the sessions still moving (one that finished since has no
             # entry in this manifest; the target frees its reservation)

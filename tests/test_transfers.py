@@ -386,7 +386,7 @@ def test_garbled_round_drops_the_transfer():
 # ---- the frame sink ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("codec", ["none", "zstd", "zstd-planes"])
 def test_frame_sink_frames_what_the_plain_writer_writes(codec):
-    sink = FrameSink(set(), codec)
+    sink = FrameSink(set())
     w = CheckpointWriter(sink, "c1", codec=codec)
     for layer in range(2):
         w.put_kv("s1", layer, 0, 2, 0, 16, torch.randn(2, 2, 16, 16))
