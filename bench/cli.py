@@ -28,6 +28,7 @@ def bench_engine(
     prompt_len: str = typer.Option("32,512", "--prompt-len", help="prompt lengths to measure, comma-separated"),
     threads: int = typer.Option(None, "--threads", help="torch CPU threads for both sides (default: torch's)"),
     reps: int = typer.Option(2, "--reps", help="best of this many runs per figure"),
+    dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16, both sides"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object on the last line"),
 ) -> None:
     """Decode tokens/s of this engine vs Hugging Face transformers generate (batch 1 and 16)."""
@@ -36,8 +37,10 @@ def bench_engine(
     try:
         lens = [int(x) for x in prompt_len.split(",") if x.strip()]
         res = be.run(model, new_tokens=new_tokens, prompt_len=lens, threads=threads, reps=max(1, reps),
-                     log=err.print)
+                     log=err.print, dtype=dtype)
     except be.MissingDependency as e:
+        _fail(str(e))
+    except ValueError as e:
         _fail(str(e))
     be.print_table(res, Console())
     if as_json:

@@ -1,9 +1,11 @@
 """`relayout bench engine`: decode tokens/s of this engine vs transformers `generate`.
 
 Both run greedy decoding of the same prompts (equal lengths, so transformers needs no
-padding) on the same weights, float32, in one process, one after the other. Decode
-throughput is isolated from prefill the same way for both: time a run with 1 new token
-and a run with N, then decode tok/s = batch * (N - 1) / (t_N - t_1).
+padding) on the same weights, in one dtype (float32 or bfloat16), in one process, one after
+the other. Decode is timed inside one run the same way for both: from the moment every
+sequence has its first token (prefill done) to the last token, so decode tok/s = tokens
+generated in that span / its seconds. (Timing a 1-token and an N-token run and subtracting
+them, as 0.3.0 did, goes negative or absurd when a loaded machine slows one run more than the other.)
 """
 
 from __future__ import annotations
@@ -28,37 +30,58 @@ def _prompts(batch: int, length: int, seed: int = 0) -> list[list[int]]:
 
 
 def _ours(eng: LLMEngine, prompts: list[list[int]], n: int) -> tuple[float, list[list[int]]]:
-    t = time.perf_counter()
-    out = eng.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True))
-    return time.perf_counter() - t, out
+    """Decode tok/s of one run: tokens after every session has its first one, over that span."""
+    ss = [eng.add_session(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p in prompts]
+    while not all(s.output_token_ids for s in ss):
+        eng.step()
+    t0, done = time.perf_counter(), sum(len(s.output_token_ids) for s in ss)
+    while eng.has_work():
+        eng.step()
+    t1 = time.perf_counter()
+    return (sum(len(s.output_token_ids) for s in ss) - done) / max(t1 - t0, 1e-9), [s.output_token_ids for s in ss]
 
 
 def _hf(model, prompts: list[list[int]], n: int) -> tuple[float, list[list[int]]]:
+    """The same span for transformers: its logits processors run once per step, after the forward,
+    so the first call is the end of prefill and the last the end of the n-th token's forward."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    stamps: list[float] = []
+
+    class _Stamp(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            stamps.append(time.perf_counter())
+            return scores
+
     ids = torch.tensor(prompts)
-    t = time.perf_counter()
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                             do_sample=False, use_cache=True, pad_token_id=0)
-    return time.perf_counter() - t, out[:, ids.shape[1]:].tolist()
+                             do_sample=False, use_cache=True, pad_token_id=0,
+                             logits_processor=LogitsProcessorList([_Stamp()]))
+    return len(prompts) * (len(stamps) - 1) / max(stamps[-1] - stamps[0], 1e-9), out[:, ids.shape[1]:].tolist()
 
 
 def _decode_tps(run: Callable[[list[list[int]], int], tuple[float, list[list[int]]]], prompts: list[list[int]],
                 n: int, reps: int) -> tuple[float, list[list[int]]]:
     # best of `reps`: on a shared machine the fastest run is the least disturbed one
-    t1 = min(run(prompts, 1)[0] for _ in range(reps))
-    tn, out = min((run(prompts, n) for _ in range(reps)), key=lambda r: r[0])
-    return len(prompts) * (n - 1) / max(tn - t1, 1e-9), out
+    return max((run(prompts, n) for _ in range(reps)), key=lambda r: r[0])
+
+
+DTYPES = ("float32", "bfloat16")
 
 
 def run(model: str = "builtin:bench", new_tokens: int = 32, prompt_len: int | list[int] = (32, 512),
-        threads: int | None = None, reps: int = 2, log: Callable[[str], None] = print) -> dict:
+        threads: int | None = None, reps: int = 2, log: Callable[[str], None] = print,
+        dtype: str = "float32") -> dict:
     """Top-level keys are for the longest prompt; `by_prompt_len` has every length measured
     (short contexts are bound by the weight matmuls both engines share; long ones show the
     cost of transformers' growing cache, which we avoid with preallocated paged blocks)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
     lens = [prompt_len] if isinstance(prompt_len, int) else list(prompt_len)
     out: dict = {}
     for L in lens:
-        out[L] = _run_one(model, new_tokens, L, threads, reps, log)
+        out[L] = _run_one(model, new_tokens, L, threads, reps, log, dtype)
     res = dict(out[max(lens)])
     res["by_prompt_len"] = {str(L): {k: v for k, v in r.items() if k.startswith(("ours", "hf", "speedup", "same"))}
                             for L, r in out.items()}
@@ -66,7 +89,7 @@ def run(model: str = "builtin:bench", new_tokens: int = 32, prompt_len: int | li
 
 
 def _run_one(model: str, new_tokens: int, prompt_len: int, threads: int | None, reps: int,
-             log: Callable[[str], None]) -> dict:
+             log: Callable[[str], None], dtype: str) -> dict:
     if threads:
         torch.set_num_threads(threads)
     try:
@@ -82,9 +105,9 @@ def _run_one(model: str, new_tokens: int, prompt_len: int, threads: int | None, 
     if new_tokens < 2:
         raise ValueError("new_tokens must be at least 2")
     log(f"loading {model} (ours and transformers)…")
-    eng = LLMEngine(model)
-    hf = AutoModelForCausalLM.from_pretrained(str(eng.model_dir), dtype=torch.float32).eval()
-    res: dict = {"model": model, "device": str(eng.device), "threads": torch.get_num_threads(),
+    eng = LLMEngine(model, dtype=dtype)
+    hf = AutoModelForCausalLM.from_pretrained(str(eng.model_dir), dtype=getattr(torch, dtype)).eval()
+    res: dict = {"model": model, "device": str(eng.device), "dtype": dtype, "threads": torch.get_num_threads(),
                  "prompt_len": prompt_len, "new_tokens": new_tokens}
     try:
         warm = _prompts(2, prompt_len, seed=99)
@@ -109,7 +132,7 @@ def _run_one(model: str, new_tokens: int, prompt_len: int, threads: int | None, 
 def print_table(res: dict, console) -> None:
     from rich.table import Table
 
-    t = Table(title=f"decode tokens/s — {res['model']} on {res['device']} ({res['threads']} threads), "
+    t = Table(title=f"decode tokens/s — {res['model']}, {res['dtype']}, on {res['device']} ({res['threads']} threads), "
                     f"prompt {res['prompt_len']}, {res['new_tokens']} new tokens, greedy")
     for col in ("batch", "relayout", "transformers", "speedup", "same tokens"):
         t.add_column(col, justify="right")

@@ -217,6 +217,9 @@ class LLMEngine:
         self.num_steps += 1
         events: list[TokenEvent] = []
         for g, seqs in enumerate(plan):
+            # greedy picks of every row in one argmax and one sync, not one per session
+            greedy = (logits[g].argmax(-1).tolist() if any(x.sample and x.session.sampling.greedy for x in seqs)
+                      else [])
             row = 0
             for x in seqs:
                 s = x.session
@@ -227,7 +230,7 @@ class LLMEngine:
                     continue
                 if self.logits_hook is not None:
                     self.logits_hook(s.session_id, logits[g][row])
-                tok = sample(logits[g][row], s)
+                tok = greedy[row] if s.sampling.greedy else sample(logits[g][row], s)
                 if s.sampling.logprobs is not None:  # only sessions that asked pay for it
                     s.logprobs.append(token_logprobs(logits[g][row], tok, s.sampling.logprobs))
                 row += 1

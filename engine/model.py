@@ -27,6 +27,14 @@ class AttnMeta:
     block_tables: torch.Tensor  # [B, max_blocks] (padded with 0)
     context_lens: torch.Tensor  # [B] tokens in cache after this step
     query_lens: list[int]
+    # decode: [B, 1, 1, max_ctx] True where a cached position is attended (built once per step, not per layer)
+    decode_mask: torch.Tensor | None = None
+
+
+def decode_mask(context_lens: torch.Tensor, max_ctx: int) -> torch.Tensor:
+    """[B, 1, 1, max_ctx]: True for the cached positions each decoding session attends to."""
+    B = context_lens.shape[0]
+    return (torch.arange(max_ctx, device=context_lens.device)[None, :] < context_lens[:, None]).view(B, 1, 1, max_ctx)
 
 
 class RMSNorm(torch.nn.Module):
@@ -99,8 +107,9 @@ class Attention(torch.nn.Module):
             kb, vb = kv.gather_blocks(self.layer, meta.block_tables.reshape(-1))
             kc = kb.view(B, -1, self.n_kv, d).transpose(1, 2)  # [B, kv, ctx, d]
             vc = vb.view(B, -1, self.n_kv, d).transpose(1, 2)
-            ctx = kc.shape[2]
-            mask = (torch.arange(ctx, device=x.device)[None, :] < meta.context_lens[:, None]).view(B, 1, 1, ctx)
+            mask = meta.decode_mask
+            if mask is None:
+                mask = decode_mask(meta.context_lens, kc.shape[2])
             o = F.scaled_dot_product_attention(q.view(B, self.n_heads, 1, d), kc, vc, attn_mask=mask, enable_gqa=gqa)
             o = o.reshape(B, self.n_heads * d)
         else:

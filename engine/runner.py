@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from relayout.engine.config import ModelConfig
 from relayout.engine.kv_cache import BLOCK_SIZE, KVCache
-from relayout.engine.model import AttnMeta, MoEModel
+from relayout.engine.model import AttnMeta, MoEModel, decode_mask
 from relayout.engine.moe import SparseMoE
 from relayout.engine.parallel import ParallelState
 from relayout.engine.staging import KVStager
@@ -70,6 +70,8 @@ class ModelRunner:
             context_lens=torch.tensor(b.context_lens, dtype=torch.long, device=dev),
             query_lens=b.query_lens,
         )
+        if decode:
+            meta.decode_mask = decode_mask(meta.context_lens, maxb * BLOCK_SIZE)
         ids = torch.tensor(b.input_ids, dtype=torch.long, device=dev)
         pos = torch.tensor(b.positions, dtype=torch.long, device=dev)
         at = torch.tensor(b.logits_at, dtype=torch.long, device=dev)

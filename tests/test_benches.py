@@ -37,3 +37,17 @@ def test_bench_overlap_quick():
         assert 0.0 <= c["hidden_fraction"] <= 1.0
         assert c["tokens_match"] is True
         assert c["decode_steps"] > 0 and c["off_total_ms"] > 0 and c["on_exposed_ms"] >= 0
+
+
+def test_bench_engine_bfloat16_tiny():
+    from relayout.bench import engine as bench_engine
+
+    res = bench_engine.run("builtin:tiny", new_tokens=3, prompt_len=[4, 8], reps=1, log=lambda _: None,
+                           dtype="bfloat16")
+    json.dumps(res)
+    assert res["dtype"] == "bfloat16" and res["prompt_len"] == 8
+    assert set(res["by_prompt_len"]) == {"4", "8"}
+    for b in bench_engine.BATCHES:
+        assert res[f"ours_tps_batch{b}"] > 0 and res[f"hf_tps_batch{b}"] > 0
+        assert res[f"speedup_batch{b}"] > 0
+        assert 0.0 <= res[f"same_tokens_batch{b}"] <= 1.0
