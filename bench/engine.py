@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import torch
 from relayout.engine.engine import LLMEngine
+from relayout.engine.kv_cache import blocks_needed
 from relayout.engine.session import SamplingParams
 
 BATCHES = (1, 16)
@@ -83,7 +84,7 @@ def run(model: str = "builtin:bench", new_tokens: int = 32, prompt_len: int | li
     for L in lens:
         out[L] = _run_one(model, new_tokens, L, threads, reps, log, dtype)
     res = dict(out[max(lens)])
-    res["by_prompt_len"] = {str(L): {k: v for k, v in r.items() if k.startswith(("ours", "hf", "speedup", "same"))}
+    res["by_prompt_len"] = {str(L): {k: v for k, v in r.items() if k.startswith(("ours", "hf", "speedup", "same", "preemptions", "kv_blocks"))}
                             for L, r in out.items()}
     return res
 
@@ -105,14 +106,18 @@ def _run_one(model: str, new_tokens: int, prompt_len: int, threads: int | None, 
     if new_tokens < 2:
         raise ValueError("new_tokens must be at least 2")
     log(f"loading {model} (ours and transformers)…")
-    eng = LLMEngine(model, dtype=dtype)
+    # a pool that holds the largest batch whole, as transformers' cache grows to hold it: the serving
+    # default (RELAYOUT_KV_BYTES, 256 MiB) holds ~7 of 16 sessions of 512 tokens on builtin:bench: the
+    # rest waited for the first ones to finish, and "batch 16" timed a second wave of ~9
+    eng = LLMEngine(model, dtype=dtype, num_blocks=max(BATCHES) * blocks_needed(prompt_len + new_tokens) + 4)
     hf = AutoModelForCausalLM.from_pretrained(str(eng.model_dir), dtype=getattr(torch, dtype)).eval()
     res: dict = {"model": model, "device": str(eng.device), "dtype": dtype, "threads": torch.get_num_threads(),
-                 "prompt_len": prompt_len, "new_tokens": new_tokens}
+                 "prompt_len": prompt_len, "new_tokens": new_tokens, "kv_blocks": eng.num_blocks}
     try:
         warm = _prompts(2, prompt_len, seed=99)
         _ours(eng, warm, 4)
         _hf(hf, warm, 4)
+        preempted = eng.scheduler.num_preemptions
         for b in BATCHES:
             prompts = _prompts(b, prompt_len, seed=b)
             log(f"batch {b}: ours…")
@@ -124,6 +129,8 @@ def _run_one(model: str, new_tokens: int, prompt_len: int, threads: int | None, 
             res[f"speedup_batch{b}"] = round(ours / theirs, 3)
             # sanity, not a gate: transformers suppresses EOS for min_new_tokens, we ignore it
             res[f"same_tokens_batch{b}"] = sum(a == h for a, h in zip(ours_out, hf_out, strict=True)) / b
+        # sessions prefilled again for want of blocks during the timed runs (0: the decode was timed alone)
+        res["preemptions"] = eng.scheduler.num_preemptions - preempted
     finally:
         eng.shutdown()
     return res
