@@ -40,6 +40,13 @@ class ExpertShard(torch.nn.Module):
         order = torch.argsort(local_slot, stable=True)
         counts = torch.bincount(local_slot, minlength=self.w_gate_up.shape[0])
         xs = x[order]
+        if x.dtype == torch.float32 and x.device.type == "cpu":
+            n = x.shape[0]
+            if n <= 8:  # a handful of rows: one small GEMM per expert hit is the cheapest
+                return self._per_expert(xs, counts, order, out)
+            most = int(counts.max())
+            if n <= 256 and most * counts.shape[0] <= 4 * n:
+                return self._padded(xs, counts, order, local_slot, most, out)
         if _GROUPED_MM is not None and x.dtype in (torch.float32, torch.bfloat16):
             # one grouped GEMM per projection over every slot's rows (no per-expert Python loop)
             offs = torch.cumsum(counts, 0).to(torch.int32)
@@ -47,6 +54,9 @@ class ExpertShard(torch.nn.Module):
             h = F.silu(gu[:, : self.inter]) * gu[:, self.inter :]
             out[order] = _GROUPED_MM(h, self.w_down.transpose(1, 2), offs=offs)
             return out
+        return self._per_expert(xs, counts, order, out)
+
+    def _per_expert(self, xs: torch.Tensor, counts: torch.Tensor, order: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         ys = []
         start = 0
         for s, n in enumerate(counts.tolist()):
@@ -57,6 +67,22 @@ class ExpertShard(torch.nn.Module):
             ys.append(h @ self.w_down[s].T)
             start += n
         out[order] = torch.cat(ys)
+        return out
+
+    def _padded(self, xs: torch.Tensor, counts: torch.Tensor, order: torch.Tensor, local_slot: torch.Tensor,
+                most: int, out: torch.Tensor) -> torch.Tensor:
+        """A decode step's few rows per slot, padded to the busiest slot's count: two batched GEMMs
+        over every slot. On the CPU a decode step streams each slot's weights from memory, and one
+        bmm splits the slots across the cores where the per-slot loop splits each small GEMM
+        (measured on builtin:bench, 16 sessions: 1.05 ms per layer against 1.77 ms)."""
+        slots = local_slot[order]
+        # row j of slot s sits at [s, j]; padding rows are zeros and their outputs are never read
+        pos = torch.arange(xs.shape[0]) - (torch.cumsum(counts, 0) - counts)[slots]
+        buf = xs.new_zeros((counts.shape[0], most, xs.shape[1]))
+        buf[slots, pos] = xs
+        gu = torch.bmm(buf, self.w_gate_up.transpose(1, 2))
+        h = F.silu(gu[..., : self.inter]) * gu[..., self.inter :]
+        out[order] = torch.bmm(h, self.w_down.transpose(1, 2))[slots, pos]
         return out
 
 
