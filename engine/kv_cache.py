@@ -176,7 +176,9 @@ class KVCache:
         return kb.flatten(0, 1)[:num_tokens], vb.flatten(0, 1)[:num_tokens]
 
     def export_tokens(self, blocks: list[int], tok_lo: int, tok_hi: int) -> torch.Tensor:
-        """KV of tokens [tok_lo, tok_hi) for every layer: [layers, 2, kv_heads, tokens, head_dim].
+        """KV of tokens [tok_lo, tok_hi) for every layer: [layers, 2, kv_heads, tokens, head_dim], a
+        view of token-major memory ([layers, 2, tokens, kv_heads, head_dim], the pool's and the
+        chunks' order: `.transpose(2, 3)` of the result is contiguous).
 
         One copy per layer and K/V into the result (a second, into a reused buffer, only when
         the blocks are not consecutive in the pool)."""
@@ -186,7 +188,7 @@ class KVCache:
         ids = blocks[b0:b1]
         off, n = tok_lo - b0 * bs, tok_hi - tok_lo
         k0 = self.k[0]
-        out = torch.empty((len(self.k), 2, k0.shape[2], n, k0.shape[3]), dtype=k0.dtype, device=k0.device)
+        out = torch.empty((len(self.k), 2, n, k0.shape[2], k0.shape[3]), dtype=k0.dtype, device=k0.device)
         consecutive = all(b == ids[0] + i for i, b in enumerate(ids))
         idx = None if consecutive else torch.tensor(ids, dtype=torch.long, device=k0.device)
         for layer in range(len(self.k)):
@@ -194,9 +196,9 @@ class KVCache:
                 kk, vv = self.k[layer][ids[0] : ids[0] + len(ids)], self.v[layer][ids[0] : ids[0] + len(ids)]
             else:
                 kk, vv = self.gather_blocks(layer, idx)
-            out[layer, 0].copy_(kk.flatten(0, 1)[off : off + n].transpose(0, 1))
-            out[layer, 1].copy_(vv.flatten(0, 1)[off : off + n].transpose(0, 1))
-        return out
+            copy_into(out[layer, 0], kk.flatten(0, 1)[off : off + n])
+            copy_into(out[layer, 1], vv.flatten(0, 1)[off : off + n])
+        return out.transpose(2, 3)
 
     def _runs(self, blocks: list[int], tok_lo: int, tok_hi: int):
         """Tokens [tok_lo, tok_hi) as runs in consecutive pool blocks: (a, b, first_block, offset) for

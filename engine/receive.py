@@ -11,7 +11,7 @@ from typing import Protocol
 
 import torch
 from relayout.engine.engine import LLMEngine
-from relayout.engine.kv_cache import blocks_needed
+from relayout.engine.kv_cache import blocks_needed, copy_into
 from relayout.engine.session import SessionState, SessionStatus
 from relayout.engine.snapshot import RestoreError, check_compatible, host_pool
 from relayout.storage.errors import CorruptCheckpoint
@@ -64,17 +64,19 @@ def import_range(engine: LLMEngine, store: Store, manifest: Manifest, sid: str, 
                                 None if scale is None else scale[:, :, lo - e.tok_lo : hi - e.tok_lo])
         return
     # through the executor, IMPORT_SLICE_TOKENS at a time through one reused buffer: a whole round
-    # assembled at once would be that much fresh memory (page faults) here and in every rank
-    buf = torch.empty((c.num_layers, 2, c.num_kv_heads, min(IMPORT_SLICE_TOKENS, b - a), c.head_dim),
+    # assembled at once would be that much fresh memory (page faults) here and in every rank. The
+    # buffer is token-major like the chunks and the pool, so every copy on the way moves whole rows.
+    buf = torch.empty((c.num_layers, 2, min(IMPORT_SLICE_TOKENS, b - a), c.num_kv_heads, c.head_dim),
                       dtype=engine.dtype)
     for s0 in range(a, b, IMPORT_SLICE_TOKENS):
         s1 = min(b, s0 + IMPORT_SLICE_TOKENS)
-        kv = buf[:, :, :, : s1 - s0]
+        rows = buf[:, :, : s1 - s0]
         for e, t, _ in views:
             lo, hi = max(s0, e.tok_lo), min(s1, e.tok_hi)
             if lo < hi:
-                kv[e.layer, :, e.head_lo : e.head_hi, lo - s0 : hi - s0] = t[:, :, lo - e.tok_lo : hi - e.tok_lo]
-        engine.executor.import_kv(group, blocks, s0, kv)
+                copy_into(rows[e.layer, :, lo - s0 : hi - s0, e.head_lo : e.head_hi],
+                          t[:, :, lo - e.tok_lo : hi - e.tok_lo].transpose(1, 2))
+        engine.executor.import_kv(group, blocks, s0, rows.transpose(2, 3))
 
 
 def receive_round(engine: LLMEngine, t: IncomingKV, manifest: Manifest, final: bool) -> dict:

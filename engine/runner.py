@@ -97,7 +97,8 @@ class ModelRunner:
             # returns at once: the compute stream waits for the copy before the next step
             self.stager.import_(self.kv, blocks, tok_lo, mine)
             return
-        self.kv.import_tokens(blocks, tok_lo, mine)
+        for layer in range(mine.shape[0]):  # run by run of consecutive blocks, as the host restore does
+            self.kv.import_from(blocks, layer, tok_lo, mine[layer])
 
     # ---- measurements --------------------------------------------------
     def moe_stats(self) -> dict:

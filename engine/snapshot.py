@@ -21,7 +21,7 @@ from collections.abc import Iterator
 import torch
 from relayout.engine.engine import LLMEngine
 from relayout.engine.executor import LocalExecutor
-from relayout.engine.kv_cache import FP8_KV, KVCache, blocks_needed
+from relayout.engine.kv_cache import FP8_KV, KVCache, blocks_needed, copy_into
 from relayout.engine.session import SessionState, SessionStatus
 from relayout.storage.checkpoint import CheckpointReader, CheckpointWriter
 from relayout.storage.chunks import dtype_name, keep_freed_memory, new_kv_chunk, parallel_map, seal_kv_chunk
@@ -425,11 +425,12 @@ def _import_session(engine: LLMEngine, reader: CheckpointReader, sid: str, group
 
         parallel_map(one_layer, range(c.num_layers))
         return
-    kv = torch.empty((c.num_layers, 2, c.num_kv_heads, n_kv, c.head_dim), dtype=reader.dtype)
+    # token-major, as the chunks, the ranks' messages and the pool are: every copy moves whole rows
+    kv = torch.empty((c.num_layers, 2, n_kv, c.num_kv_heads, c.head_dim), dtype=reader.dtype)
     for layer in range(c.num_layers):
         for e, t in reader.kv_pieces(sid, layer, 0, c.num_kv_heads):
-            kv[layer, :, e.head_lo : e.head_hi, e.tok_lo : e.tok_hi] = t
-    engine.executor.import_kv(group, blocks, 0, kv)
+            copy_into(kv[layer, :, e.tok_lo : e.tok_hi, e.head_lo : e.head_hi], t.transpose(1, 2))
+    engine.executor.import_kv(group, blocks, 0, kv.transpose(2, 3))
 
 
 def release(engine: LLMEngine, session_ids: list[str], status: SessionStatus = SessionStatus.MIGRATED) -> None:

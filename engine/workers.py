@@ -160,9 +160,10 @@ def _serve(ch: RankChannel, runner: ModelRunner, first_tp: bool) -> None:
             ch.send("ok", None, [out] if first_tp else [])  # the other TP ranks hold the same logits
         elif m.op == "export":
             kv = runner.export_kv(a["blocks"], a["tok_lo"], a["tok_hi"])
-            ch.send("ok", {"kv_range": list(runner.kv_range)}, [kv])
+            ch.send("ok", {"kv_range": list(runner.kv_range)}, [kv.transpose(2, 3)])  # token-major on the wire
         elif m.op == "import":
-            runner.import_kv(a["blocks"], a["tok_lo"], m.tensors[0], a.get("heads"))
+            # token-major on the wire ([layers, 2, tokens, heads, head_dim], the pool's order)
+            runner.import_kv(a["blocks"], a["tok_lo"], m.tensors[0].transpose(2, 3), a.get("heads"))
             ch.send("ok")
         elif m.op == "stats":
             ch.send("ok", runner.moe_stats())
@@ -352,17 +353,18 @@ class RankExecutor:
         seen: dict[tuple[int, int], torch.Tensor] = {}
         for r in ranks:
             lo, hi = res[r].meta["kv_range"]
-            seen.setdefault((lo, hi), res[r].tensors[0])  # replicated KV heads are exported once
+            seen.setdefault((lo, hi), res[r].tensors[0].transpose(2, 3))  # replicated KV heads are exported once
         return [(lo, hi, t) for (lo, hi), t in sorted(seen.items())]
 
     def import_kv(self, group: int, blocks: list[int], tok_lo: int, kv: torch.Tensor) -> None:
         ranks = self._group_ranks(group)
         sent: dict[tuple[int, int], bytes] = {}  # ranks holding the same (replicated) heads share one message
+        tokens_major = kv.transpose(2, 3)  # the wire's order: a rank copies whole pool rows from it
         for r in ranks:
             lo, hi = self.layout.kv_head_range(r, self.num_kv_heads)
             if (lo, hi) not in sent:
                 # each TP rank gets only the KV heads it holds: 1/attn_tp of the bytes, not all of them
-                part = kv[:, :, lo:hi] if hi - lo < kv.shape[2] else kv
+                part = tokens_major[:, :, :, lo:hi] if hi - lo < kv.shape[2] else tokens_major
                 sent[(lo, hi)] = encode("import", {"blocks": blocks, "tok_lo": tok_lo, "heads": [lo, hi]},
                                         [part.contiguous()])
             self._send_encoded(r, sent[(lo, hi)])
