@@ -31,7 +31,7 @@ from relayout.agent.schema import (
     validate_layout,
 )
 from relayout.engine import tracing, web
-from relayout.engine.web import HTTPError
+from relayout.engine.web import HTTPError, tls_context
 
 
 def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "127.0.0.1") -> FastAPI:
@@ -260,7 +260,7 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
             raise HTTPError(409, f"a drain is already running: operation {ag.drain_op}")
         target = body.target_agent.rstrip("/")
         try:
-            async with httpx.AsyncClient(timeout=httpx.Timeout(5.0)) as c:
+            async with httpx.AsyncClient(verify=tls_context(), timeout=httpx.Timeout(5.0)) as c:
                 h = (await c.get(f"{target}/healthz")).json()
         except (httpx.HTTPError, httpx.InvalidURL, ValueError, TypeError, UnicodeError, OSError) as e:
             raise HTTPError(400, f"target_agent {target} is unreachable: {type(e).__name__}") from None

@@ -16,7 +16,7 @@ from relayout.agent.metrics import AgentMetrics
 from relayout.agent.registry import Registry
 from relayout.agent.schema import OP_TIMEOUT
 from relayout.engine import tracing, web
-from relayout.engine.web import HTTPError
+from relayout.engine.web import HTTPError, tls_context
 from relayout.migrate import procs
 from relayout.migrate.procs import stop_process
 
@@ -76,7 +76,7 @@ class Agent:
     @staticmethod
     def client(timeout: float | httpx.Timeout) -> httpx.AsyncClient:
         """An HTTP client whose requests carry the current trace context (`traceparent`)."""
-        return httpx.AsyncClient(timeout=timeout, event_hooks=tracing.async_inject_hooks())
+        return httpx.AsyncClient(verify=tls_context(), timeout=timeout, event_hooks=tracing.async_inject_hooks())
 
     def file_roots(self) -> list[str]:
         roots = [str(self.data_dir)]

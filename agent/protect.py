@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from relayout.agent.node import Agent
 from relayout.agent.schema import OP_TIMEOUT
 from relayout.engine import web
-from relayout.engine.web import HTTPError
+from relayout.engine.web import HTTPError, tls_context
 
 
 class StandbyRef(BaseModel):
@@ -35,7 +35,7 @@ async def _standby_url(ag: Agent, source: dict, ref: StandbyRef) -> tuple[str, s
     if (ref.replica is None) == (ref.layout is None):
         raise HTTPError(400, "standby: give either replica or layout")
     base = ref.agent.rstrip("/")
-    async with httpx.AsyncClient(timeout=OP_TIMEOUT) as c:
+    async with httpx.AsyncClient(verify=tls_context(), timeout=OP_TIMEOUT) as c:
         if ref.replica is not None:
             web.check_id(ref.replica, "replica id")
             resp = await c.get(f"{base}/v1/replicas/{ref.replica}", headers=ag.headers())
@@ -49,7 +49,7 @@ async def _standby_url(ag: Agent, source: dict, ref: StandbyRef) -> tuple[str, s
 
 
 async def _replica_call(ag: Agent, method: str, url: str, body: dict | None = None) -> dict:
-    async with httpx.AsyncClient(timeout=30) as c:
+    async with httpx.AsyncClient(verify=tls_context(), timeout=30) as c:
         resp = await c.request(method, f"{url}/v1/protection", json=body, headers=ag.headers())
     if resp.status_code >= 400:
         raise HTTPError(resp.status_code if resp.status_code < 500 else 502,
@@ -62,7 +62,7 @@ async def protection_of(ag: Agent, url: str | None, timeout: float = 5.0) -> dic
     if not url:
         return None
     try:
-        async with httpx.AsyncClient(timeout=timeout) as c:
+        async with httpx.AsyncClient(verify=tls_context(), timeout=timeout) as c:
             resp = await c.get(f"{url}/v1/protection", headers=ag.headers())
     except httpx.HTTPError:
         return None

@@ -8,7 +8,7 @@ import asyncio
 from typing import Any
 
 import httpx
-from relayout.engine.web import bearer_headers
+from relayout.engine.web import bearer_headers, tls_context
 from rich.console import Group
 from rich.progress_bar import ProgressBar
 from rich.table import Table
@@ -70,7 +70,7 @@ def progress_of(op: dict) -> tuple[float, float | None]:
 
 async def gather_async(agents: list[str], token: str | None, timeout: float = 10.0) -> dict[str, Any]:
     headers = bearer_headers(token)
-    async with httpx.AsyncClient(timeout=timeout) as c:
+    async with httpx.AsyncClient(verify=tls_context(), timeout=timeout) as c:
         nodes = await asyncio.gather(*(_node(c, a.rstrip("/"), headers) for a in agents))
     return {"nodes": list(nodes)}
 

@@ -10,10 +10,12 @@ HTTP status); the agent gives a short slug in both (`not_found`, `conflict`, ...
 
 from __future__ import annotations
 
+import functools
 import hmac
 import json
 import os
 import re
+import ssl
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -109,6 +111,16 @@ def check_ids(values: Iterable[Any] | None, what: str = "session id") -> list[st
 # ---- auth -------------------------------------------------------------------------------------
 def env_token() -> str | None:
     return os.environ.get("RELAYOUT_TOKEN") or None
+
+
+@functools.lru_cache(maxsize=1)
+def tls_context() -> ssl.SSLContext:
+    """One TLS context for every HTTP client this process makes. httpx builds a fresh one (loading
+    the CA bundle: ~40-80 ms of CPU here) for each client made without one, and the source makes a
+    client per migration round, the final round included: that was most of a short stall."""
+    import httpx
+
+    return httpx.create_ssl_context()
 
 
 def bearer_headers(token: str | None) -> dict[str, str]:

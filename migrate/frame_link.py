@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from urllib.parse import urlsplit
 
 import httpx
-from relayout.engine.web import bearer_headers, error_message
+from relayout.engine.web import bearer_headers, error_message, tls_context
 
 LINK_PATH = "/v1/sessions/import/link"
 LINK_MAGIC = b"RLK1"
@@ -150,7 +150,7 @@ class TcpTransport:
         writer = reply = send = None
         try:
             try:
-                async with httpx.AsyncClient(timeout=timeout_s) as c:
+                async with httpx.AsyncClient(verify=tls_context(), timeout=timeout_s) as c:
                     resp = await c.get(f"{target.rstrip('/')}{LINK_PATH}", headers=bearer_headers(self.token))
             except httpx.TransportError as e:
                 raise self.failed(f"target link: {type(e).__name__}: {e or 'no detail'}", True) from None

@@ -27,6 +27,7 @@ from relayout.engine.web import (
     env_token,
     error_response,
     install_error_handlers,
+    tls_context,
 )
 from relayout.migrate.gateway_chat import install_chat_gateway_route, join_completion_logprobs
 from relayout.migrate.gateway_sessions import (
@@ -53,7 +54,7 @@ def create_gateway_app(agents: list[str], replicas: list[str] | None = None, tok
     install_tracing(app)  # traces (when OTEL_* configure them) continue into the replicas: traceparent
     keys = env_api_keys() if api_keys is None else api_keys
     app.add_middleware(ClientKeyAuth, keys=keys, protects=gateway_client_route)
-    client = httpx.AsyncClient(timeout=httpx.Timeout(600, connect=10), event_hooks=async_inject_hooks())
+    client = httpx.AsyncClient(verify=tls_context(), timeout=httpx.Timeout(600, connect=10), event_hooks=async_inject_hooks())
 
     @app.get("/health")
     async def health():

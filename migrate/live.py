@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import httpx
 from relayout.engine.tracing import inject_hooks
-from relayout.engine.web import bearer_headers, check_response
+from relayout.engine.web import bearer_headers, check_response, tls_context
 from relayout.migrate.observe import phase_boundary, round_bytes, traced_migration
 
 
@@ -160,7 +160,7 @@ def migrate_live(source_url: str, target_url: str, sessions: list[str] | None = 
         phase_boundary(name)
         if on_phase:
             on_phase(name)
-    with httpx.Client(timeout=timeout_s, event_hooks=inject_hooks()) as client:
+    with httpx.Client(verify=tls_context(), timeout=timeout_s, event_hooks=inject_hooks()) as client:
         try:
             ids = sessions
             if ids is None:  # name them now, so an abort knows exactly what to resume

@@ -21,7 +21,7 @@ import httpx
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from relayout.engine import tracing
-from relayout.engine.web import bearer_headers
+from relayout.engine.web import bearer_headers, tls_context
 
 FIRST_TOKEN_TIMEOUT_S = 60.0
 
@@ -110,7 +110,7 @@ def watch_first_token(source: str, target: str, sid: str, token: str | None, par
         outcome = "timeout"
         try:
             with trace.use_span(s, end_on_exit=False), \
-                    httpx.Client(timeout=FIRST_TOKEN_TIMEOUT_S, event_hooks=tracing.inject_hooks()) as c:
+                    httpx.Client(verify=tls_context(), timeout=FIRST_TOKEN_TIMEOUT_S, event_hooks=tracing.inject_hooks()) as c:
                 # the source keeps a released session's tokens: where the target takes over
                 handed = len(c.get(f"{source.rstrip('/')}/v1/sessions/{sid}",
                                    headers=bearer_headers(token)).json().get("token_ids") or [])

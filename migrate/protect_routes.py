@@ -23,6 +23,7 @@ from relayout.engine.web import (
     check_id,
     env_token,
     error_response,
+    tls_context,
 )
 from relayout.migrate.engine_ops import EngineThreadOps, import_limits
 from relayout.migrate.replication import ProtectConfig, Replicator, engine_progress
@@ -57,7 +58,7 @@ def source_answer(token: str | None):
     """How a standby asks a source about a protection (raises when the source does not answer)."""
 
     async def ask(source: str, pid: str) -> str | None:
-        async with httpx.AsyncClient(timeout=httpx.Timeout(1.0)) as c:
+        async with httpx.AsyncClient(verify=tls_context(), timeout=httpx.Timeout(1.0)) as c:
             r = await c.get(f"{source}/v1/protection/{pid}", headers=bearer_headers(token))
         if r.status_code == 404:
             return None

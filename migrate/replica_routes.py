@@ -44,6 +44,7 @@ from relayout.engine.web import (
     check_ids,
     env_token,
     error_response,
+    tls_context,
 )
 from relayout.migrate.engine_ops import EngineThreadOps, import_limits
 from relayout.migrate.frame_link import LINK_PATH, FrameLinkServer, TcpTransport
@@ -154,7 +155,7 @@ def source_asker(token: str | None):
     """How a target in doubt asks its source replica for the transfer's outgoing state."""
 
     async def ask(source: str, tid: str) -> str | None:
-        async with httpx.AsyncClient(timeout=5.0) as c:
+        async with httpx.AsyncClient(verify=tls_context(), timeout=5.0) as c:
             resp = await c.get(f"{source.rstrip('/')}/v1/sessions/transfers/{tid}", headers=bearer_headers(token))
         if resp.status_code != 200:
             raise RuntimeError(f"source answered HTTP {resp.status_code}")

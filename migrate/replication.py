@@ -22,7 +22,7 @@ import httpx
 from relayout.engine.engine import LLMEngine
 from relayout.engine.snapshot import write_snapshot
 from relayout.engine.tracing import span
-from relayout.engine.web import bearer_headers, error_message
+from relayout.engine.web import bearer_headers, error_message, tls_context
 from relayout.migrate.engine_ops import EngineThreadOps
 from relayout.migrate.frame_sink import FrameSink
 from relayout.migrate.transfers import Cut
@@ -92,7 +92,7 @@ class Replicator:
         self.state = "stopped"
         standby_state = None
         try:
-            async with httpx.AsyncClient(timeout=5.0) as c:
+            async with httpx.AsyncClient(verify=tls_context(), timeout=5.0) as c:
                 r = await c.delete(f"{self.cfg.standby}/v1/standby/{self.pid}", headers=bearer_headers(self.token))
             standby_state = r.json().get("state") if r.status_code == 200 else None
         except (httpx.HTTPError, ValueError):
@@ -129,7 +129,7 @@ class Replicator:
 
     async def _rounds(self) -> None:
         limits = httpx.Timeout(60.0, connect=max(0.2, self.cfg.lease_s / 2))
-        async with httpx.AsyncClient(timeout=limits) as client:
+        async with httpx.AsyncClient(verify=tls_context(), timeout=limits) as client:
             while self.state in ("active", "fenced"):
                 while not self._due():
                     await asyncio.sleep(WATCH_S / 2)

@@ -23,7 +23,7 @@ from typing import Protocol
 
 import httpx
 from relayout.engine.tracing import async_inject_hooks
-from relayout.engine.web import bearer_headers, error_message
+from relayout.engine.web import bearer_headers, error_message, tls_context
 
 IMPORT_PATH = "/v1/sessions/import"
 PUMP_DEPTH = 6  # frames produced ahead of the sender (each at most a chunk: a few MiB)
@@ -59,7 +59,7 @@ class HttpTransport:
             params["source"] = source  # whom the target asks if the migrator disappears
         try:
             # traceparent: the target's import continues the migrator's trace, under this export
-            async with httpx.AsyncClient(timeout=timeout_s, event_hooks=async_inject_hooks()) as client:
+            async with httpx.AsyncClient(verify=tls_context(), timeout=timeout_s, event_hooks=async_inject_hooks()) as client:
                 resp = await client.post(f"{target.rstrip('/')}{IMPORT_PATH}", params=params, content=frames,
                                          headers=bearer_headers(self.token))
                 await resp.aread()
