@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -87,6 +88,8 @@ class LLMEngine:
         self.num_steps = 0
         self.tokens_generated = 0
         self._fingerprint: str | None = None
+        # hashed now, off the engine thread: the first checkpoint or migration round would wait for it
+        threading.Thread(target=lambda: self.fingerprint, name="model-fingerprint", daemon=True).start()
         # tests use this to compare logits with a reference implementation
         self.logits_hook: Callable[[str, torch.Tensor], None] | None = None
 
