@@ -17,8 +17,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from relayout.engine.async_engine import AsyncEngine, EngineDeadError
 from relayout.engine.chat import install_chat_routes, shape_for
 from relayout.engine.engine import RequestError
+from relayout.engine.kv_cache import BLOCK_SIZE
 from relayout.engine.logprobs import MAX_TOP_LOGPROBS, CompletionLogprobs
 from relayout.engine.openai_request import OpenAIRequest
+from relayout.engine.runner import kv_block_bytes
 from relayout.engine.session import SamplingParams
 from relayout.engine.streaming import (
     CompletionShape,
@@ -217,6 +219,8 @@ def create_app(aengine: AsyncEngine, model_name: str, api_keys: list[str] | None
                 "a2a_total_s": st["total_s"],
                 "kv_blocks_used": e.kv_blocks_used(),
                 "num_blocks": e.num_blocks,
+                # one token's KV across every layer and KV head, as a checkpoint or a move carries it
+                "kv_bytes_per_token": kv_block_bytes(e.cfg, e.cfg.num_kv_heads, e.kv_dtype) // BLOCK_SIZE,
             }
 
         return await aengine.call(gather)

@@ -33,6 +33,21 @@ from relayout.engine.tracing import inject_hooks
 from relayout.engine.web import bearer_headers, check_response, tls_context
 from relayout.migrate.observe import phase_boundary, round_bytes, traced_migration
 
+PRECOPY_ROUND_BYTES = 256 << 20  # a pre-copy round's KV over all its sessions (the target stages about a round)
+SLICE_GRAIN = 256  # tokens: the chunks' alignment, so a round ends where a chunk does
+
+
+def round_slice_tokens(round_bytes: int | None, bytes_per_token: int | None, sessions: int) -> int | None:
+    """Tokens per session per pre-copy round: `round_bytes` shared by the sessions, in whole chunks.
+    Each round waits for a step boundary on the source (hundreds of ms at long contexts on a CPU),
+    so rounds should be few and large; the copy itself is off the engine thread, so their size
+    costs the decode nothing, and the bound is the memory both sides hold for a round. None (no
+    budget, or a source too old to say its KV size): 1024 tokens, 0.2.0's fixed slice."""
+    if not round_bytes or not bytes_per_token:
+        return 1024 if round_bytes else None
+    per_session = round_bytes // bytes_per_token // max(1, sessions)
+    return max(SLICE_GRAIN, per_session // SLICE_GRAIN * SLICE_GRAIN)
+
 
 class MigrationError(RuntimeError):
     def __init__(self, phase: str, message: str, committed_sessions: list[str] | None = None):
@@ -133,13 +148,15 @@ def _commit_target(client: httpx.Client, dst: str, t: str, token: str | None, tr
 @traced_migration  # the migration's trace: a span per phase (migrate.observe)
 def migrate_live(source_url: str, target_url: str, sessions: list[str] | None = None, *, token: str | None = None,
                  mode: str = "live", max_rounds: int = 64, small_bytes: int = 1 << 20, codec: str = "none",
-                 precopy_slice_tokens: int | None = 1024, retries: int = 3,
+                 precopy_slice_tokens: int | None = None, precopy_round_bytes: int | None = PRECOPY_ROUND_BYTES,
+                 retries: int = 3,
                  progress: Progress | None = None, timeout_s: float = 300.0, on_phase: OnPhase | None = None,
                  source_for_target: str | None = None, target_for_source: str | None = None) -> MigrationResult:
     """Move `sessions` (default: all) from the source replica to the target replica.
 
-    Pre-copy rounds send at most `precopy_slice_tokens` tokens per session each, until a round
-    is at most `small_bytes` (caught up) or `max_rounds` ran; then the stop-and-copy round.
+    Pre-copy rounds send at most `precopy_slice_tokens` tokens per session each (default: as many
+    as make `precopy_round_bytes` over all the sessions, see `round_slice_tokens`), until a round is at
+    most `small_bytes` (caught up) or `max_rounds` ran; then the stop-and-copy round.
     A pre-copy round cut by a network error is retried (`retries` times) from the chunks the
     target acknowledges holding; the final round is not retried (the sessions are paused).
     The source pushes each round to the target itself; this process sees only control messages.
@@ -163,9 +180,13 @@ def migrate_live(source_url: str, target_url: str, sessions: list[str] | None = 
     with httpx.Client(verify=tls_context(), timeout=timeout_s, event_hooks=inject_hooks()) as client:
         try:
             ids = sessions
-            if ids is None:  # name them now, so an abort knows exactly what to resume
+            rep: dict = {}
+            if ids is None or (mode == "live" and precopy_slice_tokens is None):
                 rep = check_response(client.get(f"{src}/v1/replica", headers=bearer_headers(token)), "source replica")
+            if ids is None:  # name them now, so an abort knows exactly what to resume
                 ids = [s["id"] for s in rep["sessions"]]
+            if precopy_slice_tokens is None:
+                precopy_slice_tokens = round_slice_tokens(precopy_round_bytes, rep.get("kv_bytes_per_token"), len(ids))
             if mode == "live":
                 for i in range(max_rounds):
                     at(f"pre-copy:{i}")

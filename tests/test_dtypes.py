@@ -218,6 +218,8 @@ def test_cli_and_agent_refuse_bad_dtypes_and_launch_bf16(tmp_path):
         url = r.json()["url"]
         info = httpx.get(f"{url}/v1/replica", headers=hdr, timeout=30).json()
         assert (info["dtype"], info["kv_dtype"]) == ("bfloat16", "auto")
+        # builtin:tiny: 2 layers x 2 KV heads x 16 dims x K and V, 2 bytes each
+        assert info["kv_bytes_per_token"] == 2 * 2 * 16 * 2 * 2
         out = httpx.post(f"{url}/v1/completions", headers=hdr, timeout=60, json={
             "prompt": "hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True, "return_token_ids": True}).json()
         assert len(out["choices"][0]["token_ids"]) == 4, out

@@ -10,7 +10,7 @@ import httpx
 import pytest
 from openai import OpenAI
 from relayout.migrate import procs
-from relayout.migrate.live import MigrationError, migrate_live
+from relayout.migrate.live import MigrationError, migrate_live, round_slice_tokens
 
 
 def launch(*args: str) -> tuple[subprocess.Popen, str]:
@@ -125,3 +125,12 @@ def test_target_short_of_blocks_refused_before_cutover(fleet):
         assert httpx.get(f"{small_url}/v1/replica").json()["kv_blocks_used"] == 0
     finally:
         stop(small)
+
+
+def test_precopy_rounds_are_sized_in_bytes_over_the_sessions():
+    mib = 1 << 20
+    assert round_slice_tokens(256 * mib, 64 * 1024, 1) == 4096  # builtin:bench, float32: 64 KiB a token
+    assert round_slice_tokens(256 * mib, 64 * 1024, 3) == 1280  # 1365 tokens each, down to whole chunks
+    assert round_slice_tokens(256 * mib, 64 * 1024, 5000) == 256  # never below one chunk
+    assert round_slice_tokens(256 * mib, None, 2) == 1024  # a source that does not say its KV size
+    assert round_slice_tokens(None, 64 * 1024, 2) is None  # no budget: the whole remainder per round

@@ -211,6 +211,7 @@ def test_disconnect_frees_blocks_and_metrics(server):
     s = httpx.get(f"{server}/v1/sessions/{sid}").json()
     assert s["state"] == "finished" and s["finish_reason"] == "abort" and len(s["token_ids"]) < 1500
     assert rep["layout"]["attn_dp"] == 1 and len(rep["expert_counts"]) == 2
+    assert rep["kv_bytes_per_token"] == 2 * 2 * 16 * 2 * 4  # tiny, float32: layers x KV heads x dims x K,V
     m = httpx.get(server + "/metrics").text
     assert "relayout_tokens_generated_total" in m and 'relayout_expert_tokens_total{expert="0",layer="0"}' in m
     assert httpx.get(server + "/health").json()["status"] == "ok"
