@@ -11,10 +11,6 @@ lose: a client reattaches on any gateway with `GET /v1/sessions/{id}/stream?from
 
 from __future__ import annotations
 
-import time
-from collections.abc import AsyncIterator
-from typing import Any
-
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -29,7 +25,7 @@ from relayout.engine.web import (
     install_error_handlers,
     tls_context,
 )
-from relayout.migrate.gateway_chat import install_chat_gateway_route, join_completion_logprobs
+from relayout.migrate.gateway_chat import collect_completion, install_chat_gateway_route
 from relayout.migrate.gateway_sessions import (
     SessionStream,
     Upstreams,
@@ -112,7 +108,7 @@ def create_gateway_app(agents: list[str], replicas: list[str] | None = None, tok
         stream, events = opened
         if want_stream:
             return relay_sse(stream, events, body, want_ids)
-        answer = await unless_client_leaves(request, stream, _collect_completion(events, body, want_ids))
+        answer = await unless_client_leaves(request, stream, collect_completion(events, body, want_ids))
         return answer if answer is not None else Response(status_code=499)  # nobody reads it
 
     @app.on_event("shutdown")
@@ -120,28 +116,6 @@ def create_gateway_app(agents: list[str], replicas: list[str] | None = None, tok
         await client.aclose()
 
     return app
-
-
-async def _collect_completion(events: AsyncIterator[dict], body: dict, want_ids: bool) -> Any:
-    """One non-streamed completion from the upstream chunks."""
-    text, ids, finish, sid, created, model = [], [], None, None, int(time.time()), body.get("model")
-    logprobs, usage = None, {"completion_tokens": 0}
-    async for ev in events:
-        if "error" in ev:
-            return error_response(502, ev["error"].get("message", "upstream error"), "upstream_error")
-        sid = ev.get("id", sid)
-        model = ev.get("model", model)
-        usage = ev.get("usage") or usage
-        for c in ev.get("choices", []):
-            text.append(c.get("text", ""))
-            ids += c.get("token_ids") or []
-            finish = c.get("finish_reason") or finish
-            logprobs = join_completion_logprobs(logprobs, c.get("logprobs"))
-    choice = {"index": 0, "text": "".join(text), "logprobs": logprobs, "finish_reason": finish}
-    if want_ids:
-        choice["token_ids"] = ids
-    return {"id": sid, "object": "text_completion", "created": created, "model": model, "choices": [choice],
-            "usage": usage}
 
 
 def run_gateway(agents: list[str], replicas: list[str], host: str, port: int,

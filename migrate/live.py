@@ -180,12 +180,12 @@ def migrate_live(source_url: str, target_url: str, sessions: list[str] | None = 
     with httpx.Client(verify=tls_context(), timeout=timeout_s, event_hooks=inject_hooks()) as client:
         try:
             ids = sessions
-            rep: dict = {}
-            if ids is None or (mode == "live" and precopy_slice_tokens is None):
-                rep = check_response(client.get(f"{src}/v1/replica", headers=bearer_headers(token)), "source replica")
+            size_rounds = mode == "live" and precopy_slice_tokens is None  # from the source's KV size
+            rep = (check_response(client.get(f"{src}/v1/replica", headers=bearer_headers(token)), "source replica")
+                   if ids is None or size_rounds else {})
             if ids is None:  # name them now, so an abort knows exactly what to resume
                 ids = [s["id"] for s in rep["sessions"]]
-            if precopy_slice_tokens is None:
+            if size_rounds:
                 precopy_slice_tokens = round_slice_tokens(precopy_round_bytes, rep.get("kv_bytes_per_token"), len(ids))
             if mode == "live":
                 for i in range(max_rounds):
