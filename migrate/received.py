@@ -14,7 +14,8 @@ class ReceivedChunks(MemoryStore):
     the pool (`forget_imported`), keeping its hash: the transfer still holds that chunk (a later
     round's manifest lists it, a resumed round does not resend it), the bytes are just not needed
     again, since each round imports only the tokens after those already imported. So a transfer
-    stages about one round, not the whole KV, and the next round reuses that memory."""
+    stages about one round, not the whole KV, and the next round reuses that memory.
+    `chunk_hashes` (MemoryStore's) lists only chunks whose bytes are held: a resumed round resends the others."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -22,10 +23,6 @@ class ReceivedChunks(MemoryStore):
 
     def has_chunk(self, h: str) -> bool:
         return super().has_chunk(h) or check_hash(h) in self._imported
-
-    def chunk_hashes(self) -> list[str]:
-        """Only the chunks whose bytes are held: a resumed round resends the others."""
-        return super().chunk_hashes()
 
     def put_chunk(self, h: str, data: bytes, *, hashed: bool = False, ref: ChunkRef | None = None) -> None:
         # the same bytes again (another session's identical chunk in a later round): hold them anew,

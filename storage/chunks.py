@@ -260,10 +260,13 @@ def pack_kv(tensor: torch.Tensor, codec: str = "none", scale: torch.Tensor | Non
     return data, ref
 
 
-def verify_chunk(data: bytes, ref: ChunkRef) -> None:
-    """Check stored bytes against their reference (size, then hash)."""
+def verify_chunk(data: bytes, ref: ChunkRef, hashed: bool = False) -> None:
+    """Check stored bytes against their reference (size, then hash). `hashed`: the caller checked
+    these very bytes against `ref` already (on receipt), so only the size is checked again."""
     if len(data) != ref.size:
         raise CorruptCheckpoint(f"chunk {ref.hash}: {len(data)} bytes stored, manifest says {ref.size}")
+    if hashed:
+        return
     actual = chunk_hash(data)
     if actual != ref.hash:
         raise CorruptCheckpoint(f"chunk {ref.hash}: hash mismatch (stored bytes hash to {actual})")
@@ -300,11 +303,7 @@ def kv_view(
     says how the chunk stores it, and the result is that logical view of it either way.
     `verified`: the caller checked these very bytes against `ref` already (their hash is not
     computed twice); the size is checked either way."""
-    if verified:
-        if len(data) != ref.size:
-            raise CorruptCheckpoint(f"chunk {ref.hash}: {len(data)} bytes stored, manifest says {ref.size}")
-    else:
-        verify_chunk(data, ref)  # hash first: never decode bytes we cannot vouch for
+    verify_chunk(data, ref, hashed=verified)  # hash first: never decode bytes we cannot vouch for
     return _logical(_stored_view(data, ref, stored_shape(tuple(expect_shape), format_version), expect_dtype),
                     format_version)
 
@@ -364,8 +363,7 @@ def kv_scaled_view(data: bytes, ref: ChunkRef, expect_shape: tuple[int, ...] | t
                    expect_dtype: torch.dtype | str, verified: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """A chunk of quantised KV (format version 2 with scales): the [2, heads, tokens, head_dim] values
     and their float32 [2, heads, tokens] scales, verified (unless `verified`) and checked like kv_view."""
-    if not verified:
-        verify_chunk(data, ref)
+    verify_chunk(data, ref, hashed=verified)
     dtype = _as_dtype(expect_dtype)
     st = stored_shape(tuple(expect_shape))
     got = _parsed(_decoded(data, ref, dtype), ref, {TENSOR_NAME: (st, dtype), SCALE_NAME: (st[:3], torch.float32)})
