@@ -47,6 +47,7 @@ def test_bench_engine_bfloat16_tiny():
     json.dumps(res)
     assert res["dtype"] == "bfloat16" and res["prompt_len"] == 8
     assert set(res["by_prompt_len"]) == {"4", "8"}
+    assert res["preemptions"] == 0 and res["kv_blocks"] > 0  # no session prefilled again inside the timed span
     for b in bench_engine.BATCHES:
         assert res[f"ours_tps_batch{b}"] > 0 and res[f"hf_tps_batch{b}"] > 0
         assert res[f"speedup_batch{b}"] > 0
