@@ -86,6 +86,10 @@ def receive_round(engine: LLMEngine, t: IncomingKV, manifest: Manifest, final: b
     check_compatible(engine, manifest)
     c = engine.cfg
     states = {e.session_id: (SessionState.from_dict(e.state), e.num_kv_tokens) for e in manifest.sessions}
+    for e in manifest.sessions:  # a delta round must continue exactly what this replica holds
+        if e.kv_from > t.upto.get(e.session_id, 0):
+            raise CorruptCheckpoint(f"session {e.session_id}: this round's KV starts at token {e.kv_from}, this "
+                                    f"replica holds {t.upto.get(e.session_id, 0)} of it")
     # 1. room first, for every session, before importing anything
     for sid, (st, n_kv) in states.items():
         if any(x >= c.vocab_size for x in st.all_token_ids):

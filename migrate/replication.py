@@ -1,7 +1,7 @@
 """Protection, the source's half (docs/protocol.md, "Protection"): a `Replicator` sends every live
 session's new KV and state to a standby replica continuously, as rounds of one long-lived
-protection — the same frames as a live migration's pre-copy rounds (a cumulative manifest, only
-the chunks the standby lacks). A round goes when a session has `every_tokens` new tokens or
+protection — the same frames as a live migration's pre-copy rounds (the chunks the standby lacks, then a
+manifest: a delta one, listing each session's KV from what the standby holds on). A round goes when a session has `every_tokens` new tokens or
 `every_ms` passed since the last one, whichever first.
 
 Ownership is a lease: each round the standby accepts renews it for `lease_s` from the moment the
@@ -27,7 +27,7 @@ from relayout.migrate.engine_ops import EngineThreadOps
 from relayout.migrate.frame_sink import FrameSink
 from relayout.migrate.transfers import Cut
 from relayout.storage.checkpoint import CheckpointWriter
-from relayout.storage.manifest import KVEntry, Manifest
+from relayout.storage.manifest import Manifest
 
 PROMOTED = "protection_promoted"  # the error type a standby answers once it owns the sessions
 DROPPED = "protection_dropped"  # the error type for a protection the standby has dropped
@@ -62,7 +62,6 @@ class Replicator:
     clock: Callable[[], float] = time.monotonic
     state: str = "active"  # active | fenced | lost (the standby promoted) | stopped
     synced: dict[str, SyncedSession] = field(default_factory=dict)
-    entries: list[KVEntry] = field(default_factory=list)  # chunks the standby holds (last acknowledged round)
     rounds: int = 0
     round_bytes: int = 0
     lease_until: float = 0.0
@@ -161,12 +160,11 @@ class Replicator:
                 return
             if r.status_code != 200:
                 if 400 <= r.status_code < 500:  # the standby lost what it held (restarted): send it all again
-                    self.synced, self.entries = {}, []
+                    self.synced = {}
                 raise RuntimeError(f"standby refused round {rnd}: HTTP {r.status_code}: {error_message(r)}")
             self.lease_until = t0 + self.cfg.lease_s
             self.rounds, self.round_bytes = rnd, self.round_bytes + sum(len(f) for f in frames)
             sp.set_attribute("relayout.bytes", sum(len(f) for f in frames))
-            self.entries = list(manifest.kv_entries)
             self.synced = {e.session_id: SyncedSession(e.num_kv_tokens, len(e.state["prompt_token_ids"])
                                                        + len(e.state["output_token_ids"])) for e in manifest.sessions}
             if self.state == "fenced":
@@ -174,13 +172,15 @@ class Replicator:
                 await self.ops.resume(fenced)
 
     def _frames(self, cut: Cut, sent: dict[str, int], rnd: int) -> tuple[Manifest, list[bytes]]:
-        """One round's frames: the new chunks, then the cumulative manifest (any thread). Earlier
-        rounds' chunks are listed, not sent; a new chunk is sent even when an earlier one has the
-        same bytes (another session's identical KV): the standby frees each chunk once imported."""
+        """One round's frames: the new chunks, then a delta manifest (any thread): every live
+        session's state, and its KV from what the standby holds on (SessionEntry.kv_from). A
+        cumulative manifest, as a migration's pre-copy sends, would list every earlier round's
+        chunks again: its size, and the work on both ends, would grow with every round of a
+        protection that lasts as long as its sessions. A session missing from the round (finished)
+        is dropped by the standby; a new chunk is sent even when an earlier one had the same bytes
+        (the standby frees each chunk once imported)."""
         sink = FrameSink(set())
-        w = CheckpointWriter(sink, f"{self.pid}-r{rnd}", codec=self.cfg.codec)
-        live = {snap.state.session_id for snap in cut.snaps}
-        w.carry([e for e in self.entries if e.session_id in live])  # a finished session's copy is dropped
+        w = CheckpointWriter(sink, f"{self.pid}-r{rnd}", codec=self.cfg.codec, kv_from=sent)
         write_snapshot(cut.snaps, w, sent)
         m = w.commit(cut.model, cut.layout, cut.geometry, {"protection": self.pid, "round": rnd})
         return m, sink.take()

@@ -122,7 +122,8 @@ class Held:
         return {"protection": self.pid, "source": self.source, "state": self.state, "rounds": self.rounds,
                 "since_last_round_s": round(now - self.last, 3), "promote_after_s": promote_after(self.lease_s),
                 "sessions": [{"id": e.session_id, "kv_tokens": e.num_kv_tokens,
-                              "tokens": len(e.state["prompt_token_ids"]) + len(e.state["output_token_ids"])}
+                              "tokens": len(e.state["prompt_token_ids"]) + len(e.state["output_token_ids"]),
+                              "output_tokens": len(e.state["output_token_ids"])}
                              for e in (m.sessions if m else [])],
                 "tail_tokens": dict(self.promoted), "staged_bytes": self.store.staged_bytes()}
 

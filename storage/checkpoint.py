@@ -37,7 +37,10 @@ class CheckpointWriter:
         checkpoint_id: str,
         codec: str = "none",
         progress: ProgressFn | None = None,
+        kv_from: dict[str, int] | None = None,
     ) -> None:
+        """`kv_from` (session -> token): write one delta round of a protection stream, each such
+        session's KV listed from that token on (SessionEntry.kv_from); never a checkpoint."""
         self.store = store
         self.checkpoint_id = check_id(checkpoint_id)
         self.codec = codec
@@ -52,6 +55,7 @@ class CheckpointWriter:
         self._head_dim: int | None = None
         self._scaled = False
         self._closed = False
+        self._kv_from = dict(kv_from or {})
 
     def __enter__(self) -> CheckpointWriter:
         return self
@@ -120,7 +124,8 @@ class CheckpointWriter:
             state = json.loads(json.dumps(state, allow_nan=False))
         except (TypeError, ValueError) as exc:
             raise ValueError(f"session {session_id}: state is not plain JSON ({exc})") from None
-        entry = SessionEntry(session_id=session_id, state=state, num_kv_tokens=num_kv_tokens)
+        entry = SessionEntry(session_id=session_id, state=state, num_kv_tokens=num_kv_tokens,
+                             kv_from=min(num_kv_tokens, self._kv_from.get(session_id, 0)))
         with self._lock:
             self._check_open()
             if session_id in self._sessions:
@@ -157,7 +162,7 @@ class CheckpointWriter:
                 kv_entries=entries,
                 meta=dict(meta or {}),
             )
-            gap = manifest.coverage_error()
+            gap = manifest.coverage_error(from_kv_from=True)
             if gap is not None:
                 raise ValueError(f"checkpoint {self.checkpoint_id} is incomplete: {gap}")
             self.store.put_manifest(self.checkpoint_id, manifest.to_bytes())

@@ -14,7 +14,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
 from relayout.storage.errors import CorruptCheckpoint
 
 # 2: chunks store their tensor token-major, [2, tokens, heads, head_dim] (the KV pool's order);
@@ -87,6 +95,25 @@ class SessionEntry(BaseModel):
     session_id: Id
     state: dict[str, Any]  # opaque JSON written by the engine
     num_kv_tokens: Count
+    # > 0 only in one round of a protection stream (a "delta"): this manifest lists the session's KV
+    # from this token on, the receiver holds the rest from earlier rounds. Never in a checkpoint:
+    # a reader's coverage check counts from token 0, so a delta cannot be restored by mistake.
+    kv_from: Count = 0
+
+    @model_validator(mode="after")
+    def _kv_from_within(self) -> SessionEntry:
+        if self.kv_from > self.num_kv_tokens:
+            raise ValueError(f"session {self.session_id}: kv_from {self.kv_from} beyond its {self.num_kv_tokens} "
+                             "KV tokens")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _omit_zero_kv_from(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # a checkpoint's manifest stays byte-for-byte what earlier releases wrote and read
+        out = handler(self)
+        if not self.kv_from:
+            out.pop("kv_from", None)
+        return out
 
 
 class ModelRef(BaseModel):
@@ -128,10 +155,11 @@ class Manifest(BaseModel):
     @model_validator(mode="after")
     def _cross_refs(self) -> Manifest:
         tokens: dict[str, int] = {}
+        kv_from: dict[str, int] = {}
         for s in self.sessions:
             if s.session_id in tokens:
                 raise ValueError(f"session {s.session_id} declared twice")
-            tokens[s.session_id] = s.num_kv_tokens
+            tokens[s.session_id], kv_from[s.session_id] = s.num_kv_tokens, s.kv_from
         g = self.kv
         for e in self.kv_entries:
             where = f"session={e.session_id} layer={e.layer} chunk={e.chunk.hash}"
@@ -141,6 +169,9 @@ class Manifest(BaseModel):
                 raise ValueError(f"layer outside geometry ({g.num_layers} layers) ({where})")
             if e.head_hi > g.num_kv_heads:
                 raise ValueError(f"heads [{e.head_lo},{e.head_hi}) outside {g.num_kv_heads} KV heads ({where})")
+            if e.tok_lo < kv_from[e.session_id]:
+                raise ValueError(f"tokens [{e.tok_lo},{e.tok_hi}) before the session's kv_from "
+                                 f"{kv_from[e.session_id]} ({where})")
             if e.tok_hi > tokens[e.session_id]:
                 raise ValueError(
                     f"tokens [{e.tok_lo},{e.tok_hi}) beyond the session's {tokens[e.session_id]} ({where})"
@@ -179,8 +210,14 @@ class Manifest(BaseModel):
                 return s
         raise KeyError(session_id)
 
-    def coverage_error(self) -> str | None:
-        """First gap in KV coverage (every session × layer × head × token), or None."""
+    def is_delta(self) -> bool:
+        """One round of a protection stream: some session's KV starts after token 0 (SessionEntry.kv_from)."""
+        return any(s.kv_from for s in self.sessions)
+
+    def coverage_error(self, from_kv_from: bool = False) -> str | None:
+        """First gap in KV coverage (every session × layer × head × token), or None. Coverage counts
+        from token 0 (a checkpoint), or with `from_kv_from` from each session's kv_from (a stream's
+        round, whose receiver checks it continues what it holds)."""
         by_key: dict[tuple[str, int], list[KVEntry]] = {}
         for e in self.kv_entries:
             by_key.setdefault((e.session_id, e.layer), []).append(e)
@@ -188,19 +225,21 @@ class Manifest(BaseModel):
             if s.num_kv_tokens == 0:
                 continue
             for layer in range(self.kv.num_layers):
-                gap = coverage_gap(by_key.get((s.session_id, layer), []), 0, self.kv.num_kv_heads, s.num_kv_tokens)
+                gap = coverage_gap(by_key.get((s.session_id, layer), []), 0, self.kv.num_kv_heads, s.num_kv_tokens,
+                                   s.kv_from if from_kv_from else 0)
                 if gap is not None:
                     return f"session {s.session_id} layer {layer}: {gap}"
         return None
 
 
-def coverage_gap(entries: list[KVEntry], head_lo: int, head_hi: int, num_tokens: int) -> str | None:
-    """Describe the first cell of heads [head_lo, head_hi) × tokens [0, num_tokens) no entry covers.
+def coverage_gap(entries: list[KVEntry], head_lo: int, head_hi: int, num_tokens: int, tok_from: int = 0
+                 ) -> str | None:
+    """Describe the first cell of heads [head_lo, head_hi) × tokens [tok_from, num_tokens) no entry covers.
 
     Splits the head range at every entry boundary; within each elementary head interval the
-    covering entries' token intervals must union to [0, num_tokens).
+    covering entries' token intervals must union to [tok_from, num_tokens).
     """
-    if num_tokens == 0 or head_lo >= head_hi:
+    if num_tokens <= tok_from or head_lo >= head_hi:
         return None
     cuts = {head_lo, head_hi}
     for e in entries:
@@ -208,14 +247,14 @@ def coverage_gap(entries: list[KVEntry], head_lo: int, head_hi: int, num_tokens:
     bounds = sorted(cuts)
     by_tok = sorted(entries, key=lambda e: e.tok_lo)
     for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
-        reach = 0
+        reach = tok_from
         for e in by_tok:
             if e.head_lo <= lo and e.head_hi >= hi:
                 if e.tok_lo > reach:
                     break
                 reach = max(reach, e.tok_hi)
         if reach < num_tokens:
-            return f"heads [{lo},{hi}) tokens from {reach} not covered (need [0,{num_tokens}))"
+            return f"heads [{lo},{hi}) tokens from {reach} not covered (need [{tok_from},{num_tokens}))"
     return None
 
 

@@ -11,7 +11,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
@@ -154,11 +154,20 @@ def started(clients: list, source: str, rounds: int = 2, tokens: int = 24, heade
     return view
 
 
-def between_rounds(source: str, headers: dict | None = None) -> None:
-    """Wait until every session has a few tokens the standby does not (a kill right after a round
-    was acknowledged would leave no tail for the promotion to recompute)."""
-    assert wait_for(lambda: (lambda v: all(s["lag_tokens"] >= 3 for s in v["sessions"]) and v["sessions"])(
-        httpx.get(f"{source}/v1/protection", timeout=5, headers=headers).json()), 30, 0.005)
+def between_rounds(source: str, standby: str, pid: str, got: Callable[[], int], headers: dict | None = None
+                   ) -> None:
+    """Wait until every session has a few tokens the standby does not, and the clients got
+    (`got`: generated tokens, all clients together) more than the standby holds: a kill right after
+    a round was acknowledged, or while the clients' streams lag behind the last sync, would leave
+    no tail for the promotion to recompute."""
+    def ahead() -> bool:
+        v = httpx.get(f"{source}/v1/protection", timeout=5, headers=headers).json()
+        if not v["sessions"] or any(s["lag_tokens"] < 3 for s in v["sessions"]):
+            return False
+        held = httpx.get(f"{standby}/v1/standby/{pid}", timeout=5, headers=headers).json()
+        return got() >= sum(s["output_tokens"] for s in held["sessions"]) + 4
+
+    assert wait_for(ahead, 30, 0.005)
 
 
 def finish(clients: list[Client], refs: list[list[int]]) -> None:
@@ -193,7 +202,7 @@ def test_protect_kill9_failover(standby: procs.Proc, refs: list[list[int]]) -> N
         started(clients, src.url)
         for c in clients:
             c.standby, c.pid = standby.url, p["protection"]
-        between_rounds(src.url)
+        between_rounds(src.url, standby.url, p["protection"], lambda: sum(len(c.tokens) for c in clients))
         killed = time.monotonic()
         kill_all(src)
         assert wait_for(lambda: all(c.broke_at or c.done for c in clients), 30, 0.02)
@@ -391,7 +400,8 @@ def test_whole_agent_killed_through_the_gateway(node: procs.Proc, standby: procs
                 return got if isinstance(got, list) else list(range(10**6))
 
         started([Progress(i) for i in range(len(threads))], src_url, headers=HDR)
-        between_rounds(src_url, HDR)
+        progress = [Progress(i) for i in range(len(threads))]
+        between_rounds(src_url, standby.url, pid, lambda: sum(len(c.tokens) for c in progress), HDR)
         kill_tree(ag.pid)
         ag.kill()
         for t in threads:

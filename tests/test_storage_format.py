@@ -233,3 +233,57 @@ def test_put_chunk_checks_hash_and_is_idempotent(tmp_path: Path) -> None:
     store.put_chunk(h, data)  # present: no rewrite, but marked recently used
     assert store.get_chunk(h) == data
     assert store.cleanup_incomplete(max_age_s=3600) == 0
+
+
+# ---- delta rounds (a protection stream) ---------------------------------------------------------
+
+
+def _delta(store: MemoryStore, kv: torch.Tensor, kv_from: int) -> tuple[CheckpointWriter, KVGeometry]:
+    """A writer of one delta round: the session's KV from `kv_from` on only."""
+    w = CheckpointWriter(store, "round-2", kv_from={"s": kv_from})
+    for layer in range(L):
+        w.put_kv("s", layer, 0, H, kv_from, kv.shape[3], kv[layer, :, :, kv_from:])
+    w.add_session("s", {"prompt": [1], "generated": [2]}, kv.shape[3])
+    return w, KVGeometry(num_layers=L, num_kv_heads=H, head_dim=D, dtype="float32")
+
+
+def test_delta_round_lists_only_new_kv_and_is_never_a_checkpoint() -> None:
+    """A protection round's manifest lists each session's KV from what the standby holds on
+    (kv_from), so it does not grow with the rounds; coverage counts from kv_from for a stream's
+    receiver, from token 0 for a reader: a delta cannot be restored as if it were a checkpoint."""
+    store = MemoryStore()
+    kv = kv_tensor(7, 12)
+    w, geo = _delta(store, kv, 8)
+    m = w.commit(MODEL, LAYOUT, geo)
+    assert m.is_delta() and m.session("s").kv_from == 8
+    assert all(e.tok_lo >= 8 for e in m.kv_entries)
+    assert m.coverage_error(from_kv_from=True) is None
+    assert "tokens from 0 not covered" in (m.coverage_error() or "")
+    with pytest.raises(CorruptCheckpoint, match="incomplete"):
+        CheckpointReader(store, "round-2").verify()
+    with pytest.raises(CorruptCheckpoint, match="not covered"):
+        CheckpointReader(store, "round-2").read_kv("s", 0, 0, H)
+    # a whole checkpoint's manifest does not even name the field: byte-for-byte what 0.3 wrote
+    full = write_checkpoint(MemoryStore(), "ck", {"s": kv})
+    assert b"kv_from" not in full.to_bytes() and not full.is_delta()
+    assert b'"kv_from":8' in m.to_bytes()
+
+
+def test_delta_round_checks_its_own_coverage_and_bounds() -> None:
+    store = MemoryStore()
+    kv = kv_tensor(8, 12)
+    w = CheckpointWriter(store, "round-3", kv_from={"s": 4})
+    for layer in range(L):
+        w.put_kv("s", layer, 0, H, 6, 12, kv[layer, :, :, 6:])  # tokens 4-5 missing
+    w.add_session("s", {}, 12)
+    with pytest.raises(ValueError, match=r"need \[4,12\)"):
+        w.commit(MODEL, LAYOUT, KVGeometry(num_layers=L, num_kv_heads=H, head_dim=D, dtype="float32"))
+    w, geo = _delta(MemoryStore(), kv, 8)
+    m = w.commit(MODEL, LAYOUT, geo)
+    raw = m.model_dump()
+    raw["sessions"][0]["kv_from"] = 13  # beyond the session's 12 KV tokens
+    with pytest.raises(ValueError, match="kv_from 13 beyond"):
+        type(m).model_validate(raw)
+    raw["sessions"][0]["kv_from"] = 10  # an entry starts at 8, before it
+    with pytest.raises(ValueError, match="before the session's kv_from"):
+        type(m).model_validate(raw)

@@ -1,0 +1,74 @@
+"""Protection rounds as deltas (engine.receive + storage's SessionEntry.kv_from): each round lists a
+session's KV from what the receiver holds on; the receiver imports a chain of them into the same
+blocks, and refuses a round that does not continue what it holds, reserving nothing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+from relayout.engine.engine import LLMEngine
+from relayout.engine.receive import abort_incoming, receive_round
+from relayout.engine.session import SamplingParams
+from relayout.engine.snapshot import geometry, model_ref, take_snapshot, write_snapshot
+from relayout.storage.checkpoint import CheckpointWriter
+from relayout.storage.errors import CorruptCheckpoint
+from relayout.storage.manifest import Manifest
+from relayout.storage.stores import MemoryStore
+
+PROMPT = list(range(3, 40))
+PARAMS = SamplingParams(max_tokens=24, ignore_eos=True)
+
+
+@dataclass
+class Incoming:  # engine.receive.IncomingKV
+    store: MemoryStore = field(default_factory=MemoryStore)
+    blocks: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
+    upto: dict[str, int] = field(default_factory=dict)
+    placed: list[str] = field(default_factory=list)
+
+
+def _round(e: LLMEngine, store: MemoryStore, rnd: int, sent: dict[str, int]) -> Manifest:
+    snaps = take_snapshot(e, ["s"], sent)
+    w = CheckpointWriter(store, f"r{rnd}", kv_from=sent)
+    write_snapshot(snaps, w, sent)
+    return w.commit(model_ref(e), e.layout.to_dict(), geometry(e))
+
+
+def test_delta_chain_continues_token_for_token_and_a_gap_is_refused() -> None:
+    src, dst = LLMEngine("builtin:tiny"), LLMEngine("builtin:tiny")
+    try:
+        undisturbed = LLMEngine("builtin:tiny")
+        want = undisturbed.generate([PROMPT], [PARAMS])[0]
+        undisturbed.shutdown()
+        src.add_session(PROMPT, PARAMS, session_id="s")
+        t = Incoming()
+        sent: dict[str, int] = {}
+        for rnd in range(3):  # three rounds, a few decode steps apart
+            for _ in range(4):
+                src.step()
+            m = _round(src, t.store, rnd, sent)
+            assert m.session("s").kv_from == sent.get("s", 0)
+            assert all(x.tok_lo >= sent.get("s", 0) for x in m.kv_entries)
+            receive_round(dst, t, m, final=False)
+            sent = {"s": m.session("s").num_kv_tokens}
+        assert t.upto["s"] == sent["s"] > 0
+        # a delta into a receiver that holds nothing of the session: refused, nothing reserved
+        fresh, free = Incoming(), dst.allocators[0].num_free
+        m = _round(src, fresh.store, 9, sent)
+        with pytest.raises(CorruptCheckpoint, match=f"starts at token {sent['s']}, this replica holds 0"):
+            receive_round(dst, fresh, m, final=False)
+        assert fresh.blocks == {} and dst.allocators[0].num_free == free
+        # the last round places the session: it continues exactly where the source was
+        src.pause(["s"])
+        m = _round(src, t.store, 10, sent)
+        receive_round(dst, t, m, final=True)
+        src.release(["s"])
+        dst.resume(["s"])
+        while not dst.sessions["s"].is_finished:
+            dst.step()
+        assert dst.sessions["s"].output_token_ids == want
+        abort_incoming(dst, fresh)
+    finally:
+        src.shutdown()
+        dst.shutdown()
