@@ -81,12 +81,17 @@ def bench_replication(
     max_tokens: int = typer.Option(256, "--max-tokens", help="tokens per session in the decode measurement"),
     reps: int = typer.Option(2, "--reps", help="best of this many runs per figure"),
     device: str = typer.Option(None, "--device", help="the replicas' device (default: cuda when present)"),
+    hosts: str = typer.Option("split", "--hosts", help="split: the source on half the CPUs, the standby and "
+                              "clients on the other half (two hosts); shared: all on every CPU"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object on the last line"),
 ) -> None:
     """Decode tokens/s protected vs unprotected, replication lag, and a kill -9 failover (lost/repeated/changed)."""
     from relayout.bench import replication as br
 
-    res = br.run(model, every_tokens, max(1, sessions), max(16, max_tokens), max(1, reps), device, log=err.print)
+    if hosts not in ("split", "shared"):
+        _fail(f"--hosts must be split or shared, not {hosts!r}", 2)
+    res = br.run(model, every_tokens, max(1, sessions), max(16, max_tokens), max(1, reps), device, log=err.print,
+                 hosts=hosts)
     br.print_table(res, Console(stderr=as_json))
     if as_json:
         print(json.dumps(res), flush=True)

@@ -3,6 +3,10 @@ what it saves (docs/benchmarks.md).
 
 - decode tokens/s of one replica serving 8 concurrent sessions, unprotected vs protected at
   `every_tokens`, in the same run (best of `reps` each, interleaved): `decode_ratio_with_replication`;
+  with `hosts="split"` (the default where there are 2 or more CPUs) the source replica runs on the
+  first half of this process's CPUs and the standby and the clients on the other half, as on two
+  hosts: the ratio is then what replication costs the source itself, not the standby's import
+  competing with the source's decode for the same cores (`hosts="shared"` measures that);
 - the replication lag seen meanwhile (max over sessions, sampled);
 - a `kill -9` of the protected source (every process) mid-stream: the client tells the standby the
   tokens it got, promotes, reattaches; `failover_ms` is kill -> first token from the standby,
@@ -147,11 +151,38 @@ def compare(got: list[int], ref: list[int]) -> dict[str, int]:
             "changed": sum(1 for a, b in zip(got[:n], ref[:n], strict=True) if a != b)}
 
 
+def split_cpus(cpus: set[int]) -> tuple[set[int], set[int]]:
+    """(the source's CPUs, the standby's and the clients'): two halves, standing for two hosts."""
+    ordered = sorted(cpus)
+    half = max(1, len(ordered) // 2)
+    return set(ordered[:half]), set(ordered[half:]) or set(ordered)
+
+
+def _start_replicas(model: str, args: tuple[str, ...], hosts: str) -> tuple[procs.Proc, procs.Proc, dict]:
+    """The source and the standby; with `hosts="split"` each starts with (inherits) its own CPUs
+    and this process keeps the standby's, so the clients do not run on the source's either."""
+    mine = os.sched_getaffinity(0)
+    if hosts == "split" and len(mine) >= 2:
+        src_cpus, other = split_cpus(mine)
+        os.sched_setaffinity(0, src_cpus)
+        try:
+            src = procs.replica(model=model, args=args)
+        finally:
+            os.sched_setaffinity(0, other)
+        return src, procs.replica(model=model, args=args), {"hosts": "split", "source_cpus": sorted(src_cpus),
+                                                            "standby_and_client_cpus": sorted(other)}
+    return (procs.replica(model=model, args=args), procs.replica(model=model, args=args),
+            {"hosts": "shared", "source_cpus": sorted(mine), "standby_and_client_cpus": sorted(mine)})
+
+
 def run(model: str = "builtin:tiny", every_tokens: int = 16, sessions: int = 8, max_tokens: int = 256,
-        reps: int = 2, device: str | None = None, log: Log = print) -> dict:
+        reps: int = 2, device: str | None = None, log: Log = print, hosts: str = "split") -> dict:
+    if hosts not in ("split", "shared"):
+        raise ValueError(f"hosts must be 'split' or 'shared', not {hosts!r}")
     args = ("--device", device) if device else ()
-    log(f"starting two {model} replicas")
-    src, sb = procs.replica(model=model, args=args), procs.replica(model=model, args=args)
+    log(f"starting two {model} replicas ({hosts} CPUs)")
+    mine = os.sched_getaffinity(0)
+    src, sb, placement = _start_replicas(model, args, hosts)
     try:
         bodies = _bodies(sessions, max_tokens)
         _decode_rate(src.url, bodies[:2])  # warm up
@@ -185,7 +216,7 @@ def run(model: str = "builtin:tiny", every_tokens: int = 16, sessions: int = 8, 
         diffs = [compare(c.tokens, r) for c, r in zip(clients, refs, strict=True)]
         firsts = [c.first_after - killed for c in clients if c.first_after is not None]
         return {
-            "model": model, "sessions": sessions, "every_tokens": every_tokens,
+            "model": model, "sessions": sessions, "every_tokens": every_tokens, **placement,
             "decode_tok_s": round(max(plain), 1), "decode_tok_s_protected": round(max(protected), 1),
             "decode_ratio_with_replication": round(max(protected) / max(plain), 3),
             "replication_lag_tokens_max": max(lag, default=0),
@@ -199,12 +230,14 @@ def run(model: str = "builtin:tiny", every_tokens: int = 16, sessions: int = 8, 
             "client_errors": [c.error for c in clients if c.error],
         }
     finally:
+        os.sched_setaffinity(0, mine)
         _kill_tree(src)
         sb.stop()
 
 
 def print_table(res: dict, console) -> None:
-    console.print(f"replication ({res['model']}, {res['sessions']} sessions, every {res['every_tokens']} tokens)")
+    console.print(f"replication ({res['model']}, {res['sessions']} sessions, every {res['every_tokens']} tokens; "
+                  f"source on CPUs {res['source_cpus']}, standby and clients on {res['standby_and_client_cpus']})")
     console.print(f"  decode tok/s: {res['decode_tok_s']} unprotected, {res['decode_tok_s_protected']} protected "
                   f"-> ratio {res['decode_ratio_with_replication']}")
     console.print(f"  lag tokens: median {res['replication_lag_tokens_median']}, max {res['replication_lag_tokens_max']}; "

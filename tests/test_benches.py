@@ -52,3 +52,16 @@ def test_bench_engine_bfloat16_tiny():
         assert res[f"ours_tps_batch{b}"] > 0 and res[f"hf_tps_batch{b}"] > 0
         assert res[f"speedup_batch{b}"] > 0
         assert 0.0 <= res[f"same_tokens_batch{b}"] <= 1.0
+
+
+def test_replication_bench_splits_cpus_like_two_hosts() -> None:
+    """`bench replication --hosts split`: the source gets the first half of the CPUs, the standby and
+    the clients the rest; one CPU cannot be split (both get it)."""
+    import pytest
+    from relayout.bench.replication import run, split_cpus
+
+    assert split_cpus({0, 1}) == ({0}, {1})
+    assert split_cpus({2, 3, 5, 7}) == ({2, 3}, {5, 7})
+    assert split_cpus({4}) == ({4}, {4})
+    with pytest.raises(ValueError, match="hosts must be"):
+        run(hosts="both")
