@@ -15,6 +15,7 @@ us allocate more than it honestly decodes to (zstd frames may claim any content 
 from __future__ import annotations
 
 import struct
+import threading
 import time
 from collections.abc import Sequence
 
@@ -39,20 +40,48 @@ _PLANE_RAW, _PLANE_ZSTD = 0, 1
 _HEADER = struct.Struct("<BBI")
 _RECORD = np.dtype([("mode", "u1"), ("size", "<u4")])  # packed: 5 bytes
 # Which zstd settings a plane gets is decided on a sample: an eighth of the plane, in windows
-# spread over it (at least four: a KV chunk's K half and V half differ). Sign/exponent planes compress by their skewed byte
-# histogram, not by repeats: zstd level 1 with its smallest match table finds few matches and
-# Huffman-codes the rest, which is both ~2x faster and a few % denser than plain level 1 there.
-# Plain level 1 is taken where the sample shows it finding repeats the other misses (rows of KV
-# repeat whole: layer-0 V of a repeated token, even in its noisy low mantissa bytes); a plane
-# that neither shrinks is stored raw: noise then costs a copy, not a zstd pass.
+# spread over it (at least four: a KV chunk's K half and V half differ). Sign/exponent planes
+# compress by their skewed byte histogram: zstd level 1 with its smallest match table finds few
+# matches and Huffman-codes the rest (~2x faster and a few % denser than plain level 1 there).
+# Where the sample shows repeats too (rows of KV repeat whole: layer-0 V of a repeated token; all
+# of an fp8 value is one plane), a double-fast match finder with 4-byte matches is taken: denser
+# and faster than plain level 1 there. Noise planes (low mantissa bytes) shrink only by those
+# repeats: a negative level finds them without Huffman-coding the noise, 2-3x faster than level 1
+# and as dense, cut into blocks of _MATCH_BLOCK_BYTES (a block start ends the skipping that fast
+# match finders do through input without matches). A plane that shrinks by none is stored raw:
+# noise then costs a copy, not a zstd pass. The frames are plain zstd: any reader decodes them.
 _SAMPLE_MIN_WINDOWS, _SAMPLE_WINDOW_BYTES, _SAMPLE_FRACTION = 4, 16 * 1024, 8
 _SAMPLE_WHOLE_BELOW = 32 * 1024  # a plane this small is its own sample
 _HISTOGRAM_PARAMS = zstandard.ZstdCompressionParameters.from_level(ZSTD_LEVEL, min_match=7, hash_log=6)
-_MATCH_PARAMS = zstandard.ZstdCompressionParameters.from_level(ZSTD_LEVEL)
-_MIN_HISTOGRAM_RATIO = 1.1  # below this a sign/exponent-like plane is not worth the literal coder
-_MIN_MATCH_RATIO = 1.03  # below this a plane is stored raw
-_MATCH_BLOCK_BYTES = 32 * 1024
-_MATCH_PREMIUM = 1.05  # plain level 1 is taken over the histogram coder if its sample is this much smaller
+_DENSE_PARAMS = zstandard.ZstdCompressionParameters.from_level(ZSTD_LEVEL, strategy=zstandard.STRATEGY_DFAST,
+                                                                min_match=4)
+_REPEAT_PARAMS = zstandard.ZstdCompressionParameters.from_level(-2, hash_log=16)
+_MIN_HISTOGRAM_RATIO = 1.1  # below this a plane is noise: not worth a literal coder
+_MIN_REPEAT_RATIO = 1.03  # below this a noise plane is stored raw
+_MATCH_BLOCK_BYTES = 16 * 1024
+_DENSE_PREMIUM = 1.05  # the match coder is taken over the histogram coder if its sample is this much smaller
+# A plane its histogram alone shrinks this much (a sign/exponent plane) is not tried with the dense
+# finder: there its 4-byte matches are mostly chance runs of common bytes, coded worse than by the
+# histogram and found ~5x slower (the trial alone cost ~70% of the plane's own compression)
+_DENSE_MAX_HISTOGRAM_RATIO = 2.0
+_CONTEXTS = threading.local()  # zstd contexts are not thread-safe; one set per thread, reused
+
+
+def _coders() -> tuple[zstandard.ZstdCompressor, zstandard.ZstdCompressor, zstandard.ZstdCompressor]:
+    """This thread's (histogram, dense match, repeat) compressors: a fresh context per plane
+    costs ~15% of a level-1 pass on chunk-sized planes."""
+    c = getattr(_CONTEXTS, "coders", None)
+    if c is None:
+        c = _CONTEXTS.coders = tuple(zstandard.ZstdCompressor(compression_params=p)
+                                     for p in (_HISTOGRAM_PARAMS, _DENSE_PARAMS, _REPEAT_PARAMS))
+    return c
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    d = getattr(_CONTEXTS, "dctx", None)
+    if d is None:
+        d = _CONTEXTS.dctx = zstandard.ZstdDecompressor()
+    return d
 
 
 def _fill_plane(src: np.ndarray, words: np.ndarray | None, tmp: np.ndarray | None, k: int, i: int,
@@ -76,9 +105,9 @@ def _word_view(a: np.ndarray, k: int) -> np.ndarray | None:
 
 
 def _compress_in_blocks(cctx: zstandard.ZstdCompressor, data: np.ndarray) -> bytes:
-    """One zstd frame of `data`, cut into blocks of _MATCH_BLOCK_BYTES. zstd's fast strategy skips
-    ever faster through input without matches and slows down only at a match or a block start:
-    in one 128 KiB block, a noisy K half would make it skip past the repeats of the V half after it."""
+    """One zstd frame of `data`, cut into blocks of _MATCH_BLOCK_BYTES. zstd's fast strategies skip
+    ever faster through input without matches and slow down only at a match or a block start:
+    in one 128 KiB block, a noisy K half would make them skip past the repeats of the V half after it."""
     obj = cctx.compressobj(size=len(data))
     parts = []
     for lo in range(0, len(data), _MATCH_BLOCK_BYTES):
@@ -99,16 +128,20 @@ def _plane_frame(plane: np.ndarray) -> bytes | None:
         windows = max(_SAMPLE_MIN_WINDOWS, m // (_SAMPLE_FRACTION * _SAMPLE_WINDOW_BYTES))
         step, w = m // windows, m // (_SAMPLE_FRACTION * windows)
         sample = np.concatenate([plane[j * step : j * step + w] for j in range(windows)])
-    hist = zstandard.ZstdCompressor(compression_params=_HISTOGRAM_PARAMS)
-    match = zstandard.ZstdCompressor(compression_params=_MATCH_PARAMS)
-    hist_sample, match_sample = hist.compress(sample), _compress_in_blocks(match, sample)
-    # the faster histogram coder unless plain level 1 finds repeats it misses
-    if len(sample) >= _MIN_HISTOGRAM_RATIO * len(hist_sample) and len(hist_sample) <= _MATCH_PREMIUM * len(match_sample):
-        frame = hist_sample if whole else hist.compress(plane)
-    elif len(sample) >= _MIN_MATCH_RATIO * len(match_sample):
-        frame = match_sample if whole else _compress_in_blocks(match, plane)
-    else:
-        return None
+    hist, dense, repeat = _coders()
+    hist_sample = hist.compress(sample)
+    if len(sample) >= _MIN_HISTOGRAM_RATIO * len(hist_sample):  # a skewed histogram: a literal coder
+        dense_sample = (dense.compress(sample) if len(sample) < _DENSE_MAX_HISTOGRAM_RATIO * len(hist_sample)
+                        else None)
+        if dense_sample is not None and len(hist_sample) > _DENSE_PREMIUM * len(dense_sample):  # repeats too
+            frame = dense_sample if whole else dense.compress(plane)
+        else:
+            frame = hist_sample if whole else hist.compress(plane)
+    else:  # noise: only repeats shrink it
+        repeat_sample = _compress_in_blocks(repeat, sample)
+        if len(sample) < _MIN_REPEAT_RATIO * len(repeat_sample):
+            return None
+        frame = repeat_sample if whole else _compress_in_blocks(repeat, plane)
     return frame if len(frame) < m else None
 
 
@@ -171,7 +204,7 @@ def _bounded_decompress(data: bytes, raw_size: int) -> bytes:
         if declared != raw_size:
             raise CorruptCheckpoint(f"zstd frame decodes to {declared} bytes, declared {raw_size}")
         try:
-            out = zstandard.ZstdDecompressor().decompress(data, max_output_size=raw_size)
+            out = _decompressor().decompress(data, max_output_size=raw_size)
         except zstandard.ZstdError as exc:
             raise CorruptCheckpoint(f"zstd data is corrupt: {exc}") from None
         if len(out) != raw_size:
