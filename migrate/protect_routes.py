@@ -7,6 +7,7 @@ when it has one (RELAYOUT_TOKEN)."""
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import AsyncIterator
 
 import httpx
@@ -54,6 +55,14 @@ def _url(u: str, what: str) -> str:
     return u.rstrip("/")
 
 
+def prepare_client() -> None:
+    """Build what this process's first HTTP client needs: the TLS context (tls_context: 50-500 ms of
+    CPU on a small host) and httpx's lazily imported transport. A standby's first client is the one
+    that asks the source at promotion, on a failover's critical path: a thread does this as soon as
+    the replica becomes a standby instead."""
+    httpx.AsyncClient(verify=tls_context())
+
+
 def source_answer(token: str | None):
     """How a standby asks a source about a protection (raises when the source does not answer)."""
 
@@ -89,6 +98,7 @@ def install_protect_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
     app.state.protection = None
     app.state.standby = standby
     ended: dict[str, str] = {}  # protections this replica was the source of: id -> stopped | lost
+    prepared: list[threading.Thread] = []
     r = APIRouter(dependencies=[Depends(bearer_auth(token))])
 
     def current() -> Replicator:
@@ -138,6 +148,10 @@ def install_protect_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
         check_id(pid, "protection id")
         if not 0.2 <= lease_s <= 600:
             raise HTTPError(400, "lease_s must be in [0.2, 600]")
+
+        if not prepared:  # this replica just became a standby: ready its client for a promotion
+            prepared.append(threading.Thread(target=prepare_client, name="relayout-prepare-client", daemon=True))
+            prepared[0].start()
 
         async def pieces() -> AsyncIterator[bytes]:
             async for piece in request.stream():
