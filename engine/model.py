@@ -44,17 +44,21 @@ class RMSNorm(torch.nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * (x normalised over its last dim), as transformers computes it: in float32, rounded to
+    x's dtype before the weight multiply (F.rms_norm without a weight gives its steps bit for bit, in
+    one op where they took six)."""
+    return weight * F.rms_norm(x, (x.shape[-1],), None, eps)
 
 
 class Rotary:
+    """cos and a signed sin per position: x * cos + roll(x, d/2) * sin is transformers'
+    x * cos + rotate_half(x) * sin bit for bit (cat(-x2, x1) * sin = cat(x2, x1) * cat(-sin1, sin2)),
+    in three ops instead of six."""
+
     def __init__(self, head_dim: int, theta: float):
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         self.cos = self.sin = torch.empty(0)
@@ -66,6 +70,7 @@ class Rotary:
             freqs = torch.outer(torch.arange(n, dtype=torch.float32), self.inv_freq)
             emb = torch.cat((freqs, freqs), dim=-1).to(positions.device)
             self.cos, self.sin = emb.cos(), emb.sin()
+            self.sin[:, : freqs.shape[1]].neg_()
         return self.cos[positions], self.sin[positions]
 
 
@@ -87,18 +92,22 @@ class Attention(torch.nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
+            # q_norm's weight for each q head then k_norm's for each k head: q and k, adjacent in
+            # qkv_proj's output, are normalised (and rotated) together, one op each instead of two
+            self.register_buffer("qk_norm_weight", torch.empty(self.n_heads + self.n_kv, d, dtype=dtype),
+                                 persistent=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMeta, kv: KVCache) -> torch.Tensor:
+        """cos, sin: [T, 1, head_dim] in x's dtype, from `Rotary` (sin signed)."""
         T, d = x.shape[0], self.cfg.head_dim
         qkv = linear(x, self.qkv_proj)
-        q = qkv[:, : self.n_heads * d].view(T, self.n_heads, d)
-        k = qkv[:, self.n_heads * d : (self.n_heads + self.n_kv) * d].view(T, self.n_kv, d)
-        v = qkv[:, (self.n_heads + self.n_kv) * d :].reshape(T, self.n_kv, d)
+        n_qk = self.n_heads + self.n_kv
+        qk = qkv[:, : n_qk * d].view(T, n_qk, d)
+        v = qkv[:, n_qk * d :].reshape(T, self.n_kv, d)
         if self.cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        c, s = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
-        q = q * c + rotate_half(q) * s
-        k = k * c + rotate_half(k) * s
+            qk = rms_norm(qk, self.qk_norm_weight, self.cfg.rms_norm_eps)
+        qk = qk * cos + torch.roll(qk, d // 2, -1) * sin
+        q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
         kv.write(self.layer, meta.slots, k, v)
         gqa = self.n_heads != self.n_kv
         if meta.decode and not batch_invariant(x.dtype):
@@ -188,6 +197,7 @@ class MoEModel(torch.nn.Module):
                 logits_at: torch.Tensor) -> torch.Tensor:
         x = F.embedding(input_ids, self.embed_tokens)
         cos, sin = self.rotary(positions)
+        cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)  # once per step, not per layer
         for layer in self.layers:
             x = layer(x, cos, sin, meta, kv)
         h = self.norm(x[logits_at])
@@ -241,6 +251,8 @@ class MoEModel(torch.nn.Module):
                 if cfg.qk_norm:
                     a.q_norm.weight.copy_(w[p + "self_attn.q_norm.weight"])
                     a.k_norm.weight.copy_(w[p + "self_attn.k_norm.weight"])
+                    a.qk_norm_weight.copy_(torch.cat([a.q_norm.weight.expand(a.n_heads, d),
+                                                      a.k_norm.weight.expand(a.n_kv, d)]))
                 m = layer.mlp
                 if isinstance(m, SparseMoE):
                     m.router.copy_(w[p + f"{mlp}.gate.weight"])
