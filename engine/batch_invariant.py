@@ -14,11 +14,23 @@ def batch_invariant(dtype: torch.dtype) -> bool:
     return dtype in (torch.bfloat16, torch.float16)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x @ w.T. A CPU GEMM of one row takes another kernel than of two or more (which agree with each
+def pack_cpu_weight(w: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's blocked copy of a float32 CPU weight for `linear`'s `packed` (None where it does not
+    apply): MKL multiplies few rows by a wide weight (qkv_proj: 16 x 512 @ 512 x 4096) at a fraction of
+    the memory bandwidth on this 2-core AMD EPYC, oneDNN's kernel over its own layout does not
+    (1.27 ms against 1.73 for w @ x.T, 2.7 for x @ w.T). A second copy of the weight: only for the widest."""
+    if w.dtype != torch.float32 or w.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(w.detach(), 16)  # 16: the decode batch it is tuned for
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w.T (`packed`: w's `pack_cpu_weight`). A CPU GEMM of one row takes another kernel than of two or more (which agree with each
     other row for row) and accumulates in another order, so in half precision a lone row goes in twice."""
     if x.shape[0] == 1 and batch_invariant(x.dtype):
         return (x.expand(2, -1).contiguous() @ w.T)[:1]
+    if packed is not None and x.dtype == torch.float32:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
     if 1 < x.shape[0] <= 128 and x.dtype == torch.float32 and x.device.type == "cpu":
         # a decode step's few rows: MKL's sgemm of x @ w.T on this AMD CPU runs at a fraction of the
         # memory bandwidth, its transpose w @ x.T does not (builtin:bench, 16 rows: qkv 1.7 ms against

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from relayout.engine.batch_invariant import batch_invariant, linear
+from relayout.engine.batch_invariant import batch_invariant, linear, pack_cpu_weight
 from relayout.engine.config import ModelConfig
 from relayout.engine.kv_cache import KVCache
 from relayout.engine.moe import SparseMoE
@@ -89,6 +89,7 @@ class Attention(torch.nn.Module):
         # q, k and v in one weight: one matmul per layer instead of three
         self.qkv_proj = p((self.n_heads + 2 * self.n_kv) * d, h)
         self.o_proj = p(h, self.n_heads * d)
+        self.qkv_packed: torch.Tensor | None = None  # qkv_proj in oneDNN's layout (float32 CPU), set by load
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
@@ -100,7 +101,7 @@ class Attention(torch.nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMeta, kv: KVCache) -> torch.Tensor:
         """cos, sin: [T, 1, head_dim] in x's dtype, from `Rotary` (sin signed)."""
         T, d = x.shape[0], self.cfg.head_dim
-        qkv = linear(x, self.qkv_proj)
+        qkv = linear(x, self.qkv_proj, self.qkv_packed)
         n_qk = self.n_heads + self.n_kv
         qk = qkv[:, : n_qk * d].view(T, n_qk, d)
         v = qkv[:, n_qk * d :].reshape(T, self.n_kv, d)
@@ -247,6 +248,7 @@ class MoEModel(torch.nn.Module):
                     load_weight_slice(model_dir, p + "self_attn.k_proj.weight", 0, kl * d, kh * d),
                     load_weight_slice(model_dir, p + "self_attn.v_proj.weight", 0, kl * d, kh * d),
                 ]))
+                a.qkv_packed = pack_cpu_weight(a.qkv_proj)
                 a.o_proj.copy_(load_weight_slice(model_dir, p + "self_attn.o_proj.weight", 1, ql * d, qh * d))
                 if cfg.qk_norm:
                     a.q_norm.weight.copy_(w[p + "self_attn.q_norm.weight"])
