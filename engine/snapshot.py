@@ -24,7 +24,14 @@ from relayout.engine.executor import LocalExecutor
 from relayout.engine.kv_cache import FP8_KV, KVCache, blocks_needed, copy_into
 from relayout.engine.session import SessionState, SessionStatus
 from relayout.storage.checkpoint import CheckpointReader, CheckpointWriter
-from relayout.storage.chunks import dtype_name, keep_freed_memory, new_kv_chunk, parallel_map, seal_kv_chunk
+from relayout.storage.chunks import (
+    dtype_name,
+    is_sealed,
+    keep_freed_memory,
+    new_kv_chunk,
+    parallel_map,
+    seal_kv_chunk,
+)
 from relayout.storage.errors import CorruptCheckpoint, ModelMismatch
 from relayout.storage.manifest import KVGeometry, Manifest, ModelRef
 
@@ -270,7 +277,11 @@ def _put_chunks(writer: CheckpointWriter, sid: str, chunks: list[tuple]) -> None
         return writer.put_kv(sid, *c)
 
     if type(writer).put_kv is CheckpointWriter.put_kv:  # thread-safe: chunks hash and store in parallel
-        parallel_map(put, chunks, sum(c[5].numel() * c[5].element_size() for c in chunks))
+        # sealed chunks stored as they are need no hashing here, only bookkeeping that holds the GIL:
+        # on other threads that costs more than inline (14-21 ms against 11-15 ms for 512 MiB of KV)
+        work = sum(0 if writer.codec == "none" and is_sealed(c[5]) else c[5].numel() * c[5].element_size()
+                   for c in chunks)
+        parallel_map(put, chunks, work)
     else:  # a subclass gets them in order, one at a time
         for c in chunks:
             put(c)

@@ -206,6 +206,12 @@ def seal_kv_chunk(t: torch.Tensor) -> None:
         t._relayout_chunk_hash = (t._relayout_chunk, chunk_hash(buf))  # type: ignore[attr-defined]
 
 
+def is_sealed(t: torch.Tensor) -> bool:
+    """`t` was sealed (seal_kv_chunk) and is unchanged since: pack_kv with codec "none" only wraps it."""
+    sealed = getattr(t, "_relayout_chunk_hash", None)
+    return sealed is not None and sealed[0] is getattr(t, "_relayout_chunk", None) and _prepared(t) is not None
+
+
 def _prepared(t: torch.Tensor) -> bytearray | None:
     """The chunk buffer `t` is the untouched payload of (see new_kv_chunk), else None."""
     pre = getattr(t, "_relayout_chunk", None)
@@ -251,10 +257,9 @@ def pack_kv(tensor: torch.Tensor, codec: str = "none", scale: torch.Tensor | Non
     if raw is None:
         t = _logical(tensor.detach().to("cpu"), FORMAT_VERSION)  # the stored order, as a view
         raw = _st_bytes(t) if t.dtype in _ST_DTYPES else _st_bytes(t.contiguous())
-    elif codec == "none":
-        sealed = getattr(tensor, "_relayout_chunk_hash", None)
-        if sealed is not None and sealed[0] is tensor._relayout_chunk:  # type: ignore[attr-defined]
-            return raw, ChunkRef(hash=sealed[1], size=len(raw), raw_size=len(raw), codec="none")  # type: ignore[arg-type]
+    elif codec == "none" and is_sealed(tensor):
+        h = tensor._relayout_chunk_hash[1]  # type: ignore[attr-defined]
+        return raw, ChunkRef(hash=h, size=len(raw), raw_size=len(raw), codec="none")  # type: ignore[arg-type]
     data = encode(codec, raw, tensor.element_size())
     ref = ChunkRef(hash=chunk_hash(data), size=len(data), raw_size=len(raw), codec=codec)  # type: ignore[arg-type]
     return data, ref
