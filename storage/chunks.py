@@ -29,7 +29,7 @@ from typing import TypeVar
 
 import torch
 import xxhash
-from relayout.storage.codecs import decode, encode
+from relayout.storage.codecs import decode, encode, new_buffer
 from relayout.storage.errors import CorruptCheckpoint
 from relayout.storage.manifest import FORMAT_VERSION, ChunkRef
 from safetensors.torch import load as st_load
@@ -102,13 +102,6 @@ def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
 _ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
               torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
 
-try:  # a bytearray of n bytes WITHOUT zero-filling them first (every byte is written right after)
-    _new_bytearray = ctypes.pythonapi.PyByteArray_FromStringAndSize
-    _new_bytearray.restype = ctypes.py_object
-    _new_bytearray.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t]
-except AttributeError:  # not CPython: a zeroed one
-    _new_bytearray = None
-
 
 # Chunk buffers are allocated in one burst per snapshot (the whole KV being cut) and, once stored
 # or sent, freed in one burst. glibc hands freed memory above 64 MiB straight back to the kernel,
@@ -142,14 +135,7 @@ def keep_freed_memory(nbytes: int) -> int:
         return _kept
 
 
-def _bytearray(n: int) -> bytearray:
-    return bytearray(n) if _new_bytearray is None else _new_bytearray(None, n)
-
-
-def new_buffer(n: int) -> bytearray:
-    """A bytearray of `n` bytes whose contents are undefined (not zero-filled): for a buffer every
-    byte of which is written before it is read (a received frame's payload)."""
-    return _bytearray(n)
+_bytearray = new_buffer  # (from codecs, which decodes into such buffers too)
 
 
 @functools.lru_cache(maxsize=1024)

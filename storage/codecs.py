@@ -14,6 +14,7 @@ us allocate more than it honestly decodes to (zstd frames may claim any content 
 
 from __future__ import annotations
 
+import ctypes
 import struct
 import threading
 import time
@@ -82,6 +83,20 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     if d is None:
         d = _CONTEXTS.dctx = zstandard.ZstdDecompressor()
     return d
+
+
+try:  # a bytearray of n bytes WITHOUT zero-filling them first (every byte is written right after)
+    _new_bytearray = ctypes.pythonapi.PyByteArray_FromStringAndSize
+    _new_bytearray.restype = ctypes.py_object
+    _new_bytearray.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t]
+except AttributeError:  # not CPython: a zeroed one
+    _new_bytearray = None
+
+
+def new_buffer(n: int) -> bytearray:
+    """A bytearray of `n` bytes whose contents are undefined (not zero-filled): for a buffer every
+    byte of which is written before it is read (a decoded chunk, a received frame's payload)."""
+    return bytearray(n) if _new_bytearray is None else _new_bytearray(None, n)
 
 
 def _fill_plane(src: np.ndarray, words: np.ndarray | None, tmp: np.ndarray | None, k: int, i: int,
@@ -177,7 +192,7 @@ def _encode_planes_into(out: bytearray, raw: bytes, k: int) -> int:
 def _encode_planes(raw: bytes, itemsize: int) -> bytearray:
     k = itemsize if 1 <= itemsize <= _MAX_PLANES else 1
     blocks = -(-(len(raw) // k) // BLOCK_ELEMENTS)
-    out = bytearray(_HEADER.size + blocks * k * _RECORD.itemsize + len(raw))  # the most it takes: all raw
+    out = new_buffer(_HEADER.size + blocks * k * _RECORD.itemsize + len(raw))  # the most it takes: all raw
     end = _encode_planes_into(out, raw, k)  # its numpy views of `out` are gone once it returns
     del out[end:]
     return out
@@ -260,7 +275,7 @@ def _plane_records(data: bytes, raw_size: int) -> tuple[int, int, np.ndarray]:
 def _decode_planes(data: bytes, raw_size: int) -> bytearray:
     k, per_block, records = _plane_records(data, raw_size)
     m = raw_size // k
-    out = bytearray(raw_size)
+    out = new_buffer(raw_size)  # every byte is written below: plane 0 of a block sets its words whole
     dst = np.frombuffer(out, dtype=np.uint8)
     words = _word_view(dst[: m * k], k)
     tmp = np.empty(min(m, per_block), dtype=words.dtype) if words is not None and k > 1 else None
