@@ -15,6 +15,7 @@ on the target (`tokens_match`).
 from __future__ import annotations
 
 import math
+import os
 import random
 import statistics
 import threading
@@ -23,7 +24,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
-from relayout.bench.replica_client import BenchError, Replica, TokenStream, gaps, link_gbps, median_gap_ms
+from relayout.bench.replica_client import (
+    BenchError,
+    Replica,
+    TokenStream,
+    gaps,
+    link_gbps,
+    median_gap_ms,
+    split_cpus,
+)
 
 SOURCE_LAYOUT = "attn_dp=1"
 TARGET_LAYOUT = "attn_tp=2"
@@ -299,7 +308,27 @@ def run_context(src: str, dst: str, L: int, *, warm: int, after: int, timeout: f
 
 
 def run(model: str | None = None, contexts: list[int] | None = None, quick: bool = False, device: str | None = None,
-        log: Log = lambda s: None) -> dict:
+        log: Log = lambda s: None, hosts: str = "shared") -> dict:
+    """`hosts="split"`: the source replica on the first half of this process's CPUs, the target, the
+    clients and the link probe's receiver on the other half (the probe's sender on the source's), as
+    on two hosts; "shared": everything on every CPU."""
+    if hosts not in ("split", "shared"):
+        raise ValueError(f"hosts must be 'split' or 'shared', not {hosts!r}")
+    mine = os.sched_getaffinity(0)
+    src_cpus, dst_cpus = split_cpus(mine) if hosts == "split" and len(mine) >= 2 else (None, None)
+    if dst_cpus:
+        os.sched_setaffinity(0, dst_cpus)
+    try:
+        out = _run(model, contexts, quick, device, log, src_cpus, dst_cpus)
+    finally:
+        os.sched_setaffinity(0, mine)
+    out.update(hosts="split" if src_cpus else "shared", source_cpus=sorted(src_cpus or mine),
+               target_and_client_cpus=sorted(dst_cpus or mine))
+    return out
+
+
+def _run(model: str | None, contexts: list[int] | None, quick: bool, device: str | None, log: Log,
+         src_cpus: set[int] | None, dst_cpus: set[int] | None) -> dict:
     model = model or (QUICK_MODEL if quick else DEFAULT_MODEL)
     contexts = sorted(contexts or (QUICK_CONTEXTS if quick else DEFAULT_CONTEXTS))
     warm, after = (3, 4) if quick else (4, 8)
@@ -308,10 +337,10 @@ def run(model: str | None = None, contexts: list[int] | None = None, quick: bool
     kv_mb = max(8, math.ceil((2 * (max(contexts) + MAX_TOKENS) + 2 * MAX_TOKENS) * per_tok / 2**20) + 8)
     timeout = 600.0
     log(f"launching {model} replicas ({SOURCE_LAYOUT} -> {TARGET_LAYOUT}, {kv_mb} MiB KV each)")
-    reps = [Replica(model, SOURCE_LAYOUT, kv_mb, device), Replica(model, TARGET_LAYOUT, kv_mb, device)]
+    reps = [Replica(model, SOURCE_LAYOUT, kv_mb, device, src_cpus), Replica(model, TARGET_LAYOUT, kv_mb, device, dst_cpus)]
     try:
         src, dst = (r.wait_ready() for r in reps)
-        links = [link_gbps()]
+        links = [link_gbps(sender_cpus=src_cpus)]
         log(f"link (plain TCP between two processes): {links[0]:.2f} GB/s")
         results: dict = {}
         prefill_tps = None
@@ -325,7 +354,7 @@ def run(model: str | None = None, contexts: list[int] | None = None, quick: bool
                 time.sleep(0.5)
                 tails = "".join(f"--- {r.layout} replica:\n{''.join(r.tail[-15:])}" for r in reps)
                 raise BenchError(f"context {L}: {type(e).__name__}: {e}\n{tails}") from e
-        links.append(link_gbps())  # once more at the end: the machine's load drifts during the run
+        links.append(link_gbps(sender_cpus=src_cpus))  # once more at the end: the machine's load drifts during the run
     finally:
         for r in reps:
             r.stop()

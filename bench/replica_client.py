@@ -24,15 +24,18 @@ class BenchError(RuntimeError):
 
 # ---- replicas --------------------------------------------------------------------------------------
 class Replica:
-    def __init__(self, model: str, layout: str, kv_cache_mb: int, device: str | None = None):
+    def __init__(self, model: str, layout: str, kv_cache_mb: int, device: str | None = None,
+                 cpus: set[int] | None = None):
         args = [sys.executable, "-m", "relayout.agent.cli", "serve", "--model", model, "--layout", layout, "--port", "0",
                 "--kv-cache-mb", str(kv_cache_mb)]
         if device:
             args += ["--device", device]
         self.layout = layout
         self.tail: list[str] = []
+        # `cpus`: the replica (its ranks too, which inherit it) runs only there, as on a host of its own
         self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                     preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
         self.url = ""
 
     def wait_ready(self, timeout: float = 300.0) -> str:
@@ -187,14 +190,23 @@ with socket.create_connection(("127.0.0.1", port)) as s:
 """
 
 
-def link_gbps(nbytes: int = 512 << 20) -> float:
-    """A plain TCP socket copy of `nbytes` from another process to this one, over loopback (where the
-    bench's replicas talk): what the link itself moves, in GB/s (1e9 bytes/s)."""
+def split_cpus(cpus: set[int]) -> tuple[set[int], set[int]]:
+    """Two halves of `cpus`, standing for two hosts (one CPU: both get it)."""
+    ordered = sorted(cpus)
+    half = max(1, len(ordered) // 2)
+    return set(ordered[:half]), set(ordered[half:]) or set(ordered)
+
+
+def link_gbps(nbytes: int = 512 << 20, sender_cpus: set[int] | None = None) -> float:
+    """A plain TCP socket copy of `nbytes` from another process (on `sender_cpus`, default anywhere)
+    to this one, over loopback (where the bench's replicas talk): what the link itself moves, in GB/s
+    (1e9 bytes/s)."""
     import socket
 
     with socket.create_server(("127.0.0.1", 0)) as srv:
         port = srv.getsockname()[1]
-        p = subprocess.Popen([sys.executable, "-c", _SENDER, str(nbytes), str(port)])
+        p = subprocess.Popen([sys.executable, "-c", _SENDER, str(nbytes), str(port)],
+                             preexec_fn=(lambda: os.sched_setaffinity(0, sender_cpus)) if sender_cpus else None)
         try:
             conn, _ = srv.accept()
             with conn:

@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 
 import httpx
+from relayout.bench.replica_client import split_cpus
 from relayout.migrate import procs
 
 Log = Callable[[str], None]
@@ -154,19 +155,12 @@ def compare(got: list[int], ref: list[int]) -> dict[str, int]:
             "changed": sum(1 for a, b in zip(got[:n], ref[:n], strict=True) if a != b)}
 
 
-def split_cpus(cpus: set[int]) -> tuple[set[int], set[int]]:
-    """(the source's CPUs, the standby's and the clients'): two halves, standing for two hosts."""
-    ordered = sorted(cpus)
-    half = max(1, len(ordered) // 2)
-    return set(ordered[:half]), set(ordered[half:]) or set(ordered)
-
-
 def _start_replicas(model: str, args: tuple[str, ...], hosts: str) -> tuple[procs.Proc, procs.Proc, dict]:
     """The source and the standby; with `hosts="split"` each starts with (inherits) its own CPUs
     and this process keeps the standby's, so the clients do not run on the source's either."""
     mine = os.sched_getaffinity(0)
     if hosts == "split" and len(mine) >= 2:
-        src_cpus, other = split_cpus(mine)
+        src_cpus, other = split_cpus(mine)  # (the source's, the standby's and the clients')
         os.sched_setaffinity(0, src_cpus)
         try:
             src = procs.replica(model=model, args=args)

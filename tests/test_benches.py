@@ -58,7 +58,8 @@ def test_replication_bench_splits_cpus_like_two_hosts() -> None:
     """`bench replication --hosts split`: the source gets the first half of the CPUs, the standby and
     the clients the rest; one CPU cannot be split (both get it)."""
     import pytest
-    from relayout.bench.replication import run, split_cpus
+    from relayout.bench.replica_client import split_cpus
+    from relayout.bench.replication import run
 
     assert split_cpus({0, 1}) == ({0}, {1})
     assert split_cpus({2, 3, 5, 7}) == ({2, 3}, {5, 7})
