@@ -141,12 +141,12 @@ class SparseMoE(torch.nn.Module):
         return (y.view(n, k, y.shape[-1]).float() * w.unsqueeze(-1)).to(x.dtype).sum(dim=1)
 
     def _exchange(self, xs: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+        if not self.ps.distributed:
+            # one rank holds every slot (a slot is its own local index); moe_tp > 1 is impossible here
+            return self.experts(xs, slot)
         lay = self.ps.layout
         ep_of_slot = slot // self.slots_per_rank
         local = slot % self.slots_per_rank
-        if not self.ps.distributed:
-            # one rank; moe_tp > 1 is impossible here (world_size == 1)
-            return self.experts(xs, local)
         world = lay.world_size
         mtp = lay.moe_tp
         # each pair goes to every moe_tp rank of its expert-parallel rank
