@@ -21,7 +21,10 @@ def pack_cpu_weight(w: torch.Tensor) -> torch.Tensor | None:
     (1.27 ms against 1.73 for w @ x.T, 2.7 for x @ w.T). A second copy of the weight: only for the widest."""
     if w.dtype != torch.float32 or w.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return None
-    return torch.ops.mkldnn._reorder_linear_weight(w.detach(), 16)  # 16: the decode batch it is tuned for
+    try:  # private ops: a torch release without them serves through the plain path
+        return torch.ops.mkldnn._reorder_linear_weight(w.detach(), 16)  # 16: the decode batch it is tuned for
+    except (AttributeError, RuntimeError):
+        return None
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | None = None) -> torch.Tensor:
