@@ -210,10 +210,6 @@ class Manifest(BaseModel):
                 return s
         raise KeyError(session_id)
 
-    def is_delta(self) -> bool:
-        """One round of a protection stream: some session's KV starts after token 0 (SessionEntry.kv_from)."""
-        return any(s.kv_from for s in self.sessions)
-
     def coverage_error(self, from_kv_from: bool = False) -> str | None:
         """First gap in KV coverage (every session × layer × head × token), or None. Coverage counts
         from token 0 (a checkpoint), or with `from_kv_from` from each session's kv_from (a stream's
