@@ -55,11 +55,15 @@ def bench_migration(
     device: str = typer.Option(None, "--device", help="the replicas' device (default: cuda when present)"),
     hosts: str = typer.Option("shared", "--hosts", help="split: the source on half the CPUs, the target and "
                               "clients on the other half (two hosts); shared: all on every CPU"),
+    transport: str = typer.Option(None, "--transport", help="how the source pushes the rounds: http (default), "
+                                  "tcp or mooncake (pip install 'relayout[mooncake]')"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object on the last line"),
 ) -> None:
     """Stall per session for live, cold and recompute moves between two layouts, at several context lengths."""
     if hosts not in ("split", "shared"):
         _fail(f"--hosts must be split or shared, not {hosts!r}")
+    if transport not in (None, "http", "tcp", "mooncake"):
+        _fail(f"--transport must be http, tcp or mooncake, not {transport!r}")
     from relayout.bench import migration as bm
 
     try:
@@ -69,7 +73,7 @@ def bench_migration(
     if ctx is not None and (not ctx or min(ctx) < 16):
         _fail("--contexts needs at least one length of 16 tokens or more")
     try:
-        res = bm.run(model, ctx, quick=quick, device=device, log=err.print, hosts=hosts)
+        res = bm.run(model, ctx, quick=quick, device=device, log=err.print, hosts=hosts, transport=transport)
     except bm.BenchError as e:
         _fail(str(e), 1)
     bm.print_table(res, Console(stderr=as_json))

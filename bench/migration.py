@@ -75,6 +75,7 @@ class Ctx:
     timeout: float
     log: Log
     sessions: dict = field(default_factory=dict)  # mode -> all tokens the session produced, in order
+    transport: str | None = None  # how the source pushes the rounds (None: the replicas' default, http)
 
 
 def _completion(ids: list[int], max_tokens: int) -> dict:
@@ -139,7 +140,7 @@ def measure_move(c: Ctx, mode: str, with_second: bool) -> dict:
 
     progress.total = 0  # type: ignore[attr-defined]
     res = migrate_live(c.src, c.dst, [s.sid], mode=mode, progress=progress, max_rounds=MAX_ROUNDS,
-                       small_bytes=SMALL_BYTES, timeout_s=max(300.0, c.timeout))
+                       small_bytes=SMALL_BYTES, timeout_s=max(300.0, c.timeout), transport=c.transport)
     t_done = time.perf_counter()
     s.finish(60)
     if s.done or not res.sessions:
@@ -264,8 +265,8 @@ def precopy_transport(live: dict) -> tuple[int, float]:
 
 
 def run_context(src: str, dst: str, L: int, *, warm: int, after: int, timeout: float, log: Log,
-                second: bool = True, prefill_tps: float | None = None) -> dict:
-    c = Ctx(src, dst, L, prompt(L), warm, after, timeout, log)
+                second: bool = True, prefill_tps: float | None = None, transport: str | None = None) -> dict:
+    c = Ctx(src, dst, L, prompt(L), warm, after, timeout, log, transport=transport)
     log(f"context {L}: live move")
     live = measure_move(c, "live", with_second=second)
     log(f"context {L}: live stall {live['stall_ms']:.1f} ms; cold move")
@@ -308,7 +309,7 @@ def run_context(src: str, dst: str, L: int, *, warm: int, after: int, timeout: f
 
 
 def run(model: str | None = None, contexts: list[int] | None = None, quick: bool = False, device: str | None = None,
-        log: Log = lambda s: None, hosts: str = "shared") -> dict:
+        log: Log = lambda s: None, hosts: str = "shared", transport: str | None = None) -> dict:
     """`hosts="split"`: the source replica on the first half of this process's CPUs, the target, the
     clients and the link probe's receiver on the other half (the probe's sender on the source's), as
     on two hosts; "shared": everything on every CPU."""
@@ -319,7 +320,7 @@ def run(model: str | None = None, contexts: list[int] | None = None, quick: bool
     if dst_cpus:
         os.sched_setaffinity(0, dst_cpus)
     try:
-        out = _run(model, contexts, quick, device, log, src_cpus, dst_cpus)
+        out = _run(model, contexts, quick, device, log, src_cpus, dst_cpus, transport)
     finally:
         os.sched_setaffinity(0, mine)
     out.update(hosts="split" if src_cpus else "shared", source_cpus=sorted(src_cpus or mine),
@@ -328,7 +329,7 @@ def run(model: str | None = None, contexts: list[int] | None = None, quick: bool
 
 
 def _run(model: str | None, contexts: list[int] | None, quick: bool, device: str | None, log: Log,
-         src_cpus: set[int] | None, dst_cpus: set[int] | None) -> dict:
+         src_cpus: set[int] | None, dst_cpus: set[int] | None, transport_name: str | None = None) -> dict:
     model = model or (QUICK_MODEL if quick else DEFAULT_MODEL)
     contexts = sorted(contexts or (QUICK_CONTEXTS if quick else DEFAULT_CONTEXTS))
     warm, after = (3, 4) if quick else (4, 8)
@@ -347,7 +348,8 @@ def _run(model: str | None, contexts: list[int] | None, quick: bool, device: str
         for L in contexts:
             try:
                 results[str(L)] = run_context(src, dst, L, warm=warm, after=after, timeout=timeout, log=log,
-                                              prefill_tps=prefill_tps if L > RECOMPUTE_MEASURED_MAX else None)
+                                              prefill_tps=prefill_tps if L > RECOMPUTE_MEASURED_MAX else None,
+                                              transport=transport_name)
                 if not results[str(L)]["recompute_estimated"]:
                     prefill_tps = L / (results[str(L)]["recompute_ms"] / 1000)
             except Exception as e:  # noqa: BLE001 - with what the replicas said
@@ -367,6 +369,7 @@ def _run(model: str | None, contexts: list[int] | None, quick: bool, device: str
     out = {
         "link_gbps": round(link, 3),
         "link_gbps_samples": [round(x, 3) for x in links],
+        "transport": transport_name or "http",  # how the source pushed the rounds
         "transport_gbps": round(transport, 3) if transport else None,
         "transport_vs_link": round(transport / link, 3) if transport else None,
         "contexts": results,
@@ -403,7 +406,8 @@ def print_table(res: dict, console) -> None:
     console.print(t)
     if any(r["recompute_estimated"] for r in res["contexts"].values()):
         console.print(f"recompute beyond {RECOMPUTE_MEASURED_MAX} tokens is estimated from measured prefill tokens/s")
-    console.print(f"link {res['link_gbps']} GB/s (plain TCP); pre-copy transport {res['transport_gbps']} GB/s "
+    console.print(f"link {res['link_gbps']} GB/s (plain TCP); pre-copy transport ({res.get('transport', 'http')}) "
+                  f"{res['transport_gbps']} GB/s "
                   f"= {res['transport_vs_link']} of the link")
     ratio = res["decode_during_precopy_ratio"]
     console.print(f"decode during pre-copy: {ratio if ratio is not None else 'n/a'} of normal tokens/s")

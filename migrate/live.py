@@ -87,7 +87,8 @@ class RoundNotDelivered(RuntimeError):
 
 def _round(client: httpx.Client, src: str, dst: str, transfer: str, sessions: list[str] | None, final: bool,
            codec: str, token: str | None, source_for_target: str | None = None,
-           slice_tokens: int | None = None, have: list[str] | None = None, timeout_s: float = 300.0) -> tuple[dict, int]:
+           slice_tokens: int | None = None, have: list[str] | None = None, timeout_s: float = 300.0,
+           transport: str | None = None) -> tuple[dict, int]:
     """One round: the source pushes it to the target (`dst`, as the source reaches it) and answers
     with the target's reply; only that small answer comes here. Returns (target reply, bytes moved)."""
     body: dict = {"transfer": transfer, "sessions": sessions, "pause": final, "codec": codec, "target": dst,
@@ -98,6 +99,8 @@ def _round(client: httpx.Client, src: str, dst: str, transfer: str, sessions: li
         body["max_tokens"] = slice_tokens
     if have is not None:
         body["have"] = have  # a retried round: chunks the target already holds are not resent
+    if transport:
+        body["transport"] = transport  # how the source pushes (http, tcp, mooncake); default: its RELAYOUT_TRANSPORT
     # the source sends a space every second while it pushes: the read timeout measures its silence
     resp = client.post(f"{src}/v1/sessions/export", json=body, headers=bearer_headers(token))
     check_response(resp, "source export")
@@ -115,11 +118,12 @@ def _round(client: httpx.Client, src: str, dst: str, transfer: str, sessions: li
 
 def _precopy_round(client: httpx.Client, src: str, dst: str, t: str, ids: list[str], codec: str,
                    token: str | None, back: str, slice_tokens: int | None, retries: int,
-                   res: MigrationResult, push_to: str, timeout_s: float) -> tuple[dict, int]:
+                   res: MigrationResult, push_to: str, timeout_s: float, transport: str | None = None) -> tuple[dict, int]:
     have: list[str] | None = None
     for attempt in range(retries + 1):
         try:
-            return _round(client, src, push_to, t, ids, False, codec, token, back, slice_tokens, have, timeout_s)
+            return _round(client, src, push_to, t, ids, False, codec, token, back, slice_tokens, have, timeout_s,
+                          transport)
         except (httpx.TransportError, RoundNotDelivered):
             if attempt == retries:
                 raise
@@ -151,7 +155,8 @@ def migrate_live(source_url: str, target_url: str, sessions: list[str] | None = 
                  precopy_slice_tokens: int | None = None, precopy_round_bytes: int | None = PRECOPY_ROUND_BYTES,
                  retries: int = 3,
                  progress: Progress | None = None, timeout_s: float = 300.0, on_phase: OnPhase | None = None,
-                 source_for_target: str | None = None, target_for_source: str | None = None) -> MigrationResult:
+                 source_for_target: str | None = None, target_for_source: str | None = None,
+                 transport: str | None = None) -> MigrationResult:
     """Move `sessions` (default: all) from the source replica to the target replica.
 
     Pre-copy rounds send at most `precopy_slice_tokens` tokens per session each (default: as many
@@ -161,7 +166,9 @@ def migrate_live(source_url: str, target_url: str, sessions: list[str] | None = 
     target acknowledges holding; the final round is not retried (the sessions are paused).
     The source pushes each round to the target itself; this process sees only control messages.
     `source_for_target`: the source's URL as the target can reach it (default `source_url`);
-    `target_for_source`: the target's URL as the source can reach it (default `target_url`)."""
+    `target_for_source`: the target's URL as the source can reach it (default `target_url`).
+    `transport`: how the source pushes the rounds, "http", "tcp" or "mooncake" (default: the source's
+    RELAYOUT_TRANSPORT)."""
     if mode not in ("live", "cold"):
         raise ValueError("mode must be 'live' or 'cold'")
     src, dst = source_url.rstrip("/"), target_url.rstrip("/")
@@ -193,7 +200,7 @@ def migrate_live(source_url: str, target_url: str, sessions: list[str] | None = 
                     t0 = time.perf_counter()
                     # bounded slices per round: the source's decoding never waits on a long copy
                     reply, n = _precopy_round(client, src, dst, t, ids, codec, token, back, precopy_slice_tokens,
-                                              retries, res, push_to, timeout_s)
+                                              retries, res, push_to, timeout_s, transport)
                     res.rounds.append(PreCopyRound(i, n, time.perf_counter() - t0, False))
                     round_bytes(n, res.rounds[-1].seconds)
                     res.bytes_total += n
@@ -205,7 +212,8 @@ def migrate_live(source_url: str, target_url: str, sessions: list[str] | None = 
             at(phase)
             t_hold = time.perf_counter()
             paused = list(ids)
-            reply, n = _round(client, src, push_to, t, ids, True, codec, token, back, timeout_s=timeout_s)
+            reply, n = _round(client, src, push_to, t, ids, True, codec, token, back, timeout_s=timeout_s,
+                              transport=transport)
             res.sessions = paused = list(reply.get("placed", reply["sessions"]))
             res.rounds.append(PreCopyRound(len(res.rounds), n, time.perf_counter() - t_hold, True))
             round_bytes(n, res.rounds[-1].seconds)

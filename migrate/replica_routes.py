@@ -48,6 +48,8 @@ from relayout.engine.web import (
 )
 from relayout.migrate.engine_ops import EngineThreadOps, import_limits
 from relayout.migrate.frame_link import LINK_PATH, FrameLinkServer, TcpTransport
+from relayout.migrate.mooncake_transport import MooncakeTransport, install_mooncake_routes
+from relayout.migrate.mooncake_transport import unavailable as mooncake_unavailable
 from relayout.migrate.transfers import (
     ImportTooLarge,
     RoundCut,
@@ -129,6 +131,7 @@ class ExportBody(BaseModel):
     target: str | None = Field(None, max_length=2048)
     source: str | None = Field(None, max_length=2048)  # this replica's URL as the target can reach it
     timeout_s: float = Field(300.0, gt=0, le=3600)  # the push's network timeout
+    transport: str | None = Field(None, pattern="^(http|tcp|mooncake)$")  # default: RELAYOUT_TRANSPORT
 
 
 class SessionsBody(BaseModel):
@@ -193,9 +196,11 @@ def install_replica_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
     table = TransferTable(EngineThreadOps.of(aengine, defer_copy=True), source_asker(token), import_limit=import_limit,
                           frame_limit=frame_limit)
     r = APIRouter(dependencies=[Depends(bearer_auth(token))])
-    transport: Transport = HttpTransport(token)
-    if os.environ.get("RELAYOUT_TRANSPORT", "http") == "tcp":
-        transport = TcpTransport(token, transport, PushFailed)
+    # chosen per export (`transport`, default RELAYOUT_TRANSPORT); tcp and mooncake push https targets over HTTP
+    http_transport = HttpTransport(token)
+    transports: dict[str, Transport] = {"http": http_transport, "tcp": TcpTransport(token, http_transport, PushFailed),
+                                        "mooncake": MooncakeTransport(token, http_transport)}
+    transport = transports.get(os.environ.get("RELAYOUT_TRANSPORT", "http"), http_transport)
     link = FrameLinkServer(token, table.import_round, _classify, lambda tid: check_id(tid, "transfer id"), RoundCut)
 
     @r.post("/v1/sessions/checkpoint")
@@ -267,13 +272,16 @@ def install_replica_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
         for url in (body.target, body.source):
             if url is not None and not URL_RE.fullmatch(url):
                 raise HTTPError(400, "target and source must be replica http(s) URLs")
+        chosen = transports[body.transport] if body.transport else transport
+        if isinstance(chosen, MooncakeTransport) and body.target is not None and (why := mooncake_unavailable()):
+            raise HTTPError(400, f"transport mooncake is not available on this replica: {why}")
         frames = await table.export(body.transfer, body.sessions, body.pause, body.codec, body.max_tokens, body.have,
                                     confirm_on_delivery=body.target is not None)
         if body.target is None:
             return StreamingResponse(frames, media_type="application/x-relayout-frames")
         # push: only this transfer's frames, only to the import route of a URL an authenticated caller gave
         counter = [0]
-        send = transport.push(body.target, body.transfer, pump(frames, None if body.pause else precopy_mbps(),
+        send = chosen.push(body.target, body.transfer, pump(frames, None if body.pause else precopy_mbps(),
                                                                counter=counter),
                               final=body.pause, source=body.source, timeout_s=body.timeout_s)
         return StreamingResponse(progress_stream(table.push(body.transfer, send), counter,
@@ -328,6 +336,7 @@ def install_replica_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
         await aengine.call(lambda e: e.resume(body.sessions))
         return {"sessions": body.sessions}
 
+    install_mooncake_routes(r, table.import_round, _classify)
     app.include_router(r)
     app.add_middleware(BodyLimit, limit=lambda path: MAX_JSON_BODY if (
         path.startswith("/v1/sessions/") and path != IMPORT_PATH) else None)
