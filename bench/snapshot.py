@@ -40,6 +40,8 @@ from relayout.storage.codecs import CODECS, measure_codecs
 from relayout.storage.stores import MemoryStore
 
 CODEC_SAMPLE_BYTES = 32 * 2**20  # zstd at ~0.3-1 GB/s on 2 cores: a sample keeps the bench short
+# zstd's own multi-threaded mode works on inputs of several MiB: the sample's chunks joined into such
+MT_THREADS, MT_CHUNK_BYTES = 2, 8 * 2**20
 # the KV dtypes whose codec figures are reported: name -> (engine dtype, engine kv_dtype)
 KV_DTYPES: dict[str, tuple[str, str]] = {"float32": ("float32", "auto"), "bfloat16": ("bfloat16", "auto"),
                                          "fp8_e4m3": ("bfloat16", "fp8_e4m3")}
@@ -125,9 +127,20 @@ def _dtype_payloads(model: str, dtype: str, kv_dtype: str, sessions: int, prefil
         eng.shutdown()
 
 
-def _codecs(raw: list[bytes], itemsize: int, reps: int) -> dict[str, dict[str, float]]:
-    res = measure_codecs(raw, itemsize, reps)  # one thread: per-core figures
+def _codecs(raw: list[bytes], itemsize: int, reps: int, threads: int = 0) -> dict[str, dict[str, float]]:
+    res = measure_codecs(raw, itemsize, reps, threads)  # one thread: per-core figures (threads: totals)
     return {k: {m: round(x, 3) for m, x in v.items()} for k, v in res.items()}
+
+
+def _joined(chunks: list[bytes], itemsize: int) -> list[bytes]:
+    """`chunks` joined into inputs of about MT_CHUNK_BYTES (whole elements each)."""
+    out, cur = [], b""
+    for c in chunks:
+        cur += c
+        if len(cur) >= MT_CHUNK_BYTES:
+            out.append(cur[: len(cur) // itemsize * itemsize])
+            cur = b""
+    return out + ([cur[: len(cur) // itemsize * itemsize]] if len(cur) >= itemsize else [])
 
 
 def _sig(x: float) -> float:
@@ -197,6 +210,7 @@ def run(model: str = "builtin:bench", sessions: int = 4, tokens: int = 2048, pre
                 res["codec_sample_bytes"] += len(raw)
         res["codec_chunks"] = len(sample)
         by_dtype = {"float32": _codecs(sample, 4, reps)}
+        sizes, samples = {"float32": 4}, {"float32": sample}
         res["kv_bytes_per_token"] = {"float32": per_tok}
         for name, (dtype, kv_dtype) in KV_DTYPES.items():
             if name == "float32":
@@ -205,8 +219,13 @@ def run(model: str = "builtin:bench", sessions: int = 4, tokens: int = 2048, pre
             payloads, res["kv_bytes_per_token"][name] = _dtype_payloads(model, dtype, kv_dtype, sessions,
                                                                         min(prefill, tokens), per_tok)
             # the same chunks (sessions, layers, token ranges) as the float32 sample
-            by_dtype[name] = _codecs(payloads[: len(sample)], 1 if kv_dtype == "fp8_e4m3" else 2, reps)
+            sizes[name], samples[name] = 1 if kv_dtype == "fp8_e4m3" else 2, payloads[: len(sample)]
+            by_dtype[name] = _codecs(samples[name], sizes[name], reps)
         res["codecs_by_dtype"] = by_dtype
+        log(f"zstd-planes with {MT_THREADS} zstd workers on inputs of {MT_CHUNK_BYTES >> 20} MiB…")
+        res["zstd_planes_mt"] = {"threads": MT_THREADS, "input_bytes": MT_CHUNK_BYTES, "by_dtype": {
+            name: _codecs(_joined(samples[name], sizes[name]), sizes[name], reps, MT_THREADS)["zstd-planes"]
+            for name in by_dtype}}
         res["codecs"], res["codecs_bf16"] = by_dtype["float32"], by_dtype["bfloat16"]
     finally:
         src.shutdown()
@@ -236,3 +255,8 @@ def print_table(res: dict, console) -> None:
             c.add_row(dtype if name == CODECS[0] else "", f"{res['kv_bytes_per_token'][dtype]}" if name == CODECS[0] else "",
                       name, f"{a['ratio']:.3f}", f"{a['gbps']:.2f}", f"{a['encode_gbps']:.2f} / {a['decode_gbps']:.2f}")
     console.print(c)
+    mt = res["zstd_planes_mt"]
+    console.print(f"zstd-planes, {mt['threads']} zstd workers, inputs of {mt['input_bytes'] >> 20} MiB (total GB/s, "
+                  "encode+decode, encode / decode; ratio): " + "; ".join(
+                      f"{d} {a['gbps']:.2f}, {a['encode_gbps']:.2f} / {a['decode_gbps']:.2f}; {a['ratio']:.3f}"
+                      for d, a in mt["by_dtype"].items()))

@@ -3,9 +3,11 @@
 KV values are floats whose low mantissa bytes are noisy while sign/exponent bytes repeat;
 grouping byte i of every element together ("planes") lets zstd find that redundancy, and
 keeping each plane apart lets the noisy ones be stored as they are instead of spending zstd
-time on them. Each chunk is encoded on one core; parallelism comes from the callers, which
-encode and decode many chunks at once (a chunk's planes, ~128-512 KiB, are below the job size
-at which zstd's own multi-threaded mode starts splitting work).
+time on them. Each chunk is encoded on one core by default; parallelism comes from the callers,
+which encode and decode many chunks at once. ``encode(..., threads=n)`` lets zstd's own
+multi-threaded mode compress a big plane (>= _MT_MIN_BYTES: a chunk-sized plane, ~128-512 KiB,
+is below the job size at which zstd starts splitting work) on n workers: one big chunk sent on
+a fast link then need not wait for one core. Its frames are plain zstd, decoded as any other.
 
 Decoding is bounded by the declared ``raw_size``: output is produced incrementally and
 refused as soon as it would exceed it, so a chunk whose declared sizes lie cannot make
@@ -44,18 +46,19 @@ _RECORD = np.dtype([("mode", "u1"), ("size", "<u4")])  # packed: 5 bytes
 # spread over it (at least four: a KV chunk's K half and V half differ). Sign/exponent planes
 # compress by their skewed byte histogram: zstd level 1 with its smallest match table finds few
 # matches and Huffman-codes the rest (~2x faster and a few % denser than plain level 1 there).
-# Where the sample shows repeats too (rows of KV repeat whole: layer-0 V of a repeated token; all
-# of an fp8 value is one plane), a double-fast match finder with 4-byte matches is taken: denser
-# and faster than plain level 1 there. Noise planes (low mantissa bytes) shrink only by those
+# Where the sample shows repeats too (rows of KV repeat whole: layer-0 V of a repeated token), a
+# double-fast match finder with 4-byte matches is taken: denser and faster than plain level 1 there.
+# One-byte values (fp8: all of a value is one plane) always get it, untried. Noise planes (low mantissa bytes) shrink only by those
 # repeats: a negative level finds them without Huffman-coding the noise, 2-3x faster than level 1
 # and as dense, cut into blocks of _MATCH_BLOCK_BYTES (a block start ends the skipping that fast
 # match finders do through input without matches). A plane that shrinks by none is stored raw:
 # noise then costs a copy, not a zstd pass. The frames are plain zstd: any reader decodes them.
 _SAMPLE_MIN_WINDOWS, _SAMPLE_WINDOW_BYTES, _SAMPLE_FRACTION = 4, 16 * 1024, 8
 _SAMPLE_WHOLE_BELOW = 32 * 1024  # a plane this small is its own sample
-_HISTOGRAM_PARAMS = zstandard.ZstdCompressionParameters.from_level(ZSTD_LEVEL, min_match=7, hash_log=6)
-_DENSE_PARAMS = zstandard.ZstdCompressionParameters.from_level(ZSTD_LEVEL, strategy=zstandard.STRATEGY_DFAST,
-                                                                min_match=4)
+_HISTOGRAM_ARGS: tuple[int, dict] = (ZSTD_LEVEL, {"min_match": 7, "hash_log": 6})
+_DENSE_ARGS: tuple[int, dict] = (ZSTD_LEVEL, {"strategy": zstandard.STRATEGY_DFAST, "min_match": 4})
+_HISTOGRAM_PARAMS = zstandard.ZstdCompressionParameters.from_level(_HISTOGRAM_ARGS[0], **_HISTOGRAM_ARGS[1])
+_DENSE_PARAMS = zstandard.ZstdCompressionParameters.from_level(_DENSE_ARGS[0], **_DENSE_ARGS[1])
 _REPEAT_PARAMS = zstandard.ZstdCompressionParameters.from_level(-2, hash_log=16)
 _MIN_HISTOGRAM_RATIO = 1.1  # below this a plane is noise: not worth a literal coder
 _MIN_REPEAT_RATIO = 1.03  # below this a noise plane is stored raw
@@ -65,6 +68,12 @@ _DENSE_PREMIUM = 1.05  # the match coder is taken over the histogram coder if it
 # finder: there its 4-byte matches are mostly chance runs of common bytes, coded worse than by the
 # histogram and found ~5x slower (the trial alone cost ~70% of the plane's own compression)
 _DENSE_MAX_HISTOGRAM_RATIO = 2.0
+# zstd's multi-threaded mode: jobs of _MT_JOB_BYTES (its minimum is 512 KiB), used from two jobs on
+_MT_JOB_BYTES = 1 << 20
+_MT_MIN_BYTES = 2 * _MT_JOB_BYTES
+# with threads, blocks of 2 Mi elements (not BLOCK_ELEMENTS): the least that gives a plane two jobs.
+# Bigger blocks cost ratio on float KV (each plane is judged over a wider span): 2-3% at 2 Mi
+_MT_BLOCK_ELEMENTS = 2 * 2**20
 _CONTEXTS = threading.local()  # zstd contexts are not thread-safe; one set per thread, reused
 
 
@@ -75,6 +84,19 @@ def _coders() -> tuple[zstandard.ZstdCompressor, zstandard.ZstdCompressor, zstan
     if c is None:
         c = _CONTEXTS.coders = tuple(zstandard.ZstdCompressor(compression_params=p)
                                      for p in (_HISTOGRAM_PARAMS, _DENSE_PARAMS, _REPEAT_PARAMS))
+    return c
+
+
+def _mt_coder(dense: bool, threads: int) -> zstandard.ZstdCompressor:
+    """This thread's histogram (or dense) compressor on `threads` zstd workers (kept: so is its pool)."""
+    cache = getattr(_CONTEXTS, "mt", None)
+    if cache is None:
+        cache = _CONTEXTS.mt = {}
+    c = cache.get((dense, threads))
+    if c is None:
+        level, kw = _DENSE_ARGS if dense else _HISTOGRAM_ARGS
+        params = zstandard.ZstdCompressionParameters.from_level(level, threads=threads, job_size=_MT_JOB_BYTES, **kw)
+        c = cache[(dense, threads)] = zstandard.ZstdCompressor(compression_params=params)
     return c
 
 
@@ -101,10 +123,8 @@ def new_buffer(n: int) -> bytearray:
 
 def _fill_plane(src: np.ndarray, words: np.ndarray | None, tmp: np.ndarray | None, k: int, i: int,
                 dst: np.ndarray) -> None:
-    """dst = byte i (memory order) of each k-byte element of src (vectorised, no Python loop)."""
-    if k == 1:
-        np.copyto(dst, src)
-    elif words is None:  # an element size with no integer view: a strided gather
+    """dst = byte i (memory order) of each k-byte element of src, k > 1 (vectorised, no Python loop)."""
+    if words is None:  # an element size with no integer view: a strided gather
         np.copyto(dst, src.reshape(-1, k)[:, i])
     elif i == 0:
         np.copyto(dst, words, casting="unsafe")  # truncating cast keeps the low byte
@@ -132,10 +152,20 @@ def _compress_in_blocks(cctx: zstandard.ZstdCompressor, data: np.ndarray) -> byt
     return b"".join(parts)
 
 
-def _plane_frame(plane: np.ndarray) -> bytes | None:
-    """`plane` as a zstd frame with the settings worth spending on it (judged on a sample of it),
-    or None: store it raw."""
+def _plane_frame(plane: np.ndarray, k: int, threads: int = 0) -> bytes | None:
+    """`plane` (of a k-byte element) as a zstd frame with the settings worth spending on it (judged
+    on a sample of it), or None: store it raw. `threads` > 1: zstd workers for a plane big enough."""
     m = len(plane)
+    hist, dense, repeat = _coders()
+    if threads > 1 and m >= _MT_MIN_BYTES:
+        hist, dense = _mt_coder(False, threads), _mt_coder(True, threads)
+    if k == 1:
+        # one plane holds all of each value (fp8): both its skewed histogram and its repeats count, and
+        # the dense coder wins on either (fp8 KV: 4-byte matches make even a chunk with no repeated rows
+        # 2% denser than the histogram alone, 40% with them). No trial on a sample: trying both coders
+        # cost a quarter of the pass; a plane of noise costs one fast zstd pass and is stored raw
+        frame = dense.compress(plane)
+        return frame if len(frame) < m else None
     whole = m <= _SAMPLE_WHOLE_BELOW
     if whole:
         sample = plane
@@ -143,7 +173,6 @@ def _plane_frame(plane: np.ndarray) -> bytes | None:
         windows = max(_SAMPLE_MIN_WINDOWS, m // (_SAMPLE_FRACTION * _SAMPLE_WINDOW_BYTES))
         step, w = m // windows, m // (_SAMPLE_FRACTION * windows)
         sample = np.concatenate([plane[j * step : j * step + w] for j in range(windows)])
-    hist, dense, repeat = _coders()
     hist_sample = hist.compress(sample)
     if len(sample) >= _MIN_HISTOGRAM_RATIO * len(hist_sample):  # a skewed histogram: a literal coder
         dense_sample = (dense.compress(sample) if len(sample) < _DENSE_MAX_HISTOGRAM_RATIO * len(hist_sample)
@@ -160,25 +189,30 @@ def _plane_frame(plane: np.ndarray) -> bytes | None:
     return frame if len(frame) < m else None
 
 
-def _encode_planes_into(out: bytearray, raw: bytes, k: int) -> int:
+def _encode_planes_into(out: bytearray, raw: bytes, k: int, per_block: int, threads: int = 0) -> int:
     """Write the zstd-planes layout of `raw` into `out` (room for every plane raw); return its length."""
     m, tail = divmod(len(raw), k)
-    blocks = -(-m // BLOCK_ELEMENTS)
-    _HEADER.pack_into(out, 0, PLANES_MARK, k, BLOCK_ELEMENTS)
+    blocks = -(-m // per_block)
+    _HEADER.pack_into(out, 0, PLANES_MARK, k, per_block)
     buf = np.frombuffer(out, dtype=np.uint8)
     records = np.frombuffer(out, dtype=_RECORD, count=blocks * k, offset=_HEADER.size)
     src = np.frombuffer(raw, dtype=np.uint8)
     words = _word_view(src[: m * k], k)
-    tmp = np.empty(min(m, BLOCK_ELEMENTS), dtype=words.dtype) if words is not None else None
+    tmp = np.empty(min(m, per_block), dtype=words.dtype) if words is not None else None
     pos = _HEADER.size + records.nbytes
     for b in range(blocks):
-        lo, hi = b * BLOCK_ELEMENTS, min(m, (b + 1) * BLOCK_ELEMENTS)
+        lo, hi = b * per_block, min(m, (b + 1) * per_block)
         block_words = words[lo:hi] if words is not None else None
         block_tmp = tmp[: hi - lo] if tmp is not None else None
         for i in range(k):
             plane = buf[pos : pos + hi - lo]  # built in place: a raw plane is never copied again
-            _fill_plane(src[lo * k : hi * k], block_words, block_tmp, k, i, plane)
-            frame = _plane_frame(plane)
+            if k == 1:  # the source is the plane: compressed from there, copied only if stored raw
+                frame = _plane_frame(src[lo:hi], 1, threads)
+                if frame is None:
+                    np.copyto(plane, src[lo:hi])
+            else:
+                _fill_plane(src[lo * k : hi * k], block_words, block_tmp, k, i, plane)
+                frame = _plane_frame(plane, k, threads)
             if frame is None:
                 records[b * k + i] = (_PLANE_RAW, hi - lo)
             else:
@@ -189,22 +223,27 @@ def _encode_planes_into(out: bytearray, raw: bytes, k: int) -> int:
     return pos + tail
 
 
-def _encode_planes(raw: bytes, itemsize: int) -> bytearray:
+def _encode_planes(raw: bytes, itemsize: int, threads: int = 0) -> bytearray:
     k = itemsize if 1 <= itemsize <= _MAX_PLANES else 1
-    blocks = -(-(len(raw) // k) // BLOCK_ELEMENTS)
+    # zstd's workers need planes of several jobs: with threads, a big chunk is cut in fewer, bigger blocks
+    per_block = BLOCK_ELEMENTS if threads <= 1 else max(BLOCK_ELEMENTS, _MT_BLOCK_ELEMENTS)
+    blocks = -(-(len(raw) // k) // per_block)
     out = new_buffer(_HEADER.size + blocks * k * _RECORD.itemsize + len(raw))  # the most it takes: all raw
-    end = _encode_planes_into(out, raw, k)  # its numpy views of `out` are gone once it returns
+    end = _encode_planes_into(out, raw, k, per_block, threads)  # its numpy views of `out` are gone once it returns
     del out[end:]
     return out
 
 
-def encode(codec: str, raw: bytes, itemsize: int) -> bytes:
+def encode(codec: str, raw: bytes, itemsize: int, threads: int = 0) -> bytes:
+    """`raw` stored with `codec`. `threads` > 1: zstd compresses inputs (zstd-planes: planes) of at
+    least _MT_MIN_BYTES on that many workers of its own (plain zstd frames: decoding is unchanged)."""
     if codec == "none":
         return raw  # bytes-like as given: no copy
     if codec == "zstd":
-        return zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(raw)
+        mt = threads if threads > 1 and len(raw) >= _MT_MIN_BYTES else 0
+        return zstandard.ZstdCompressor(level=ZSTD_LEVEL, threads=mt).compress(raw)
     if codec == "zstd-planes":
-        return _encode_planes(raw, itemsize)  # type: ignore[return-value]  # bytes-like, spared a copy
+        return _encode_planes(raw, itemsize, threads)  # type: ignore[return-value]  # bytes-like, spared a copy
     raise ValueError(f"unknown codec {codec!r} (known: {', '.join(CODECS)})")
 
 
@@ -272,9 +311,11 @@ def _plane_records(data: bytes, raw_size: int) -> tuple[int, int, np.ndarray]:
     return k, per_block, records
 
 
-def _decode_planes(data: bytes, raw_size: int) -> bytearray:
+def _decode_planes(data: bytes, raw_size: int) -> bytes | bytearray:
     k, per_block, records = _plane_records(data, raw_size)
     m = raw_size // k
+    if k == 1 and len(records) == 1 and records[0]["mode"] == _PLANE_ZSTD:  # one frame (a chunk of fp8):
+        return _bounded_decompress(memoryview(data)[len(data) - int(records[0]["size"]) :], m)  # no copy
     out = new_buffer(raw_size)  # every byte is written below: plane 0 of a block sets its words whole
     dst = np.frombuffer(out, dtype=np.uint8)
     words = _word_view(dst[: m * k], k)
@@ -322,10 +363,12 @@ def decode(codec: str, data: bytes, raw_size: int, itemsize: int) -> bytes:
     return out
 
 
-def measure_codecs(raw: bytes | Sequence[bytes], itemsize: int, reps: int = 1) -> dict[str, dict[str, float]]:
+def measure_codecs(raw: bytes | Sequence[bytes], itemsize: int, reps: int = 1,
+                   threads: int = 0) -> dict[str, dict[str, float]]:
     """Per codec: ratio (raw/stored), gbps (raw bytes through encode+decode), and each direction alone.
     `raw` is one buffer or a list of chunks (each encoded on its own, as pack_kv does); speeds are of
-    one thread (per core), each direction the best of `reps` tries."""
+    one thread (per core) unless `threads` > 1 (then encode is given zstd's workers: totals, wall
+    clock); each direction the best of `reps` tries."""
     chunks = [raw] if isinstance(raw, (bytes, bytearray, memoryview)) else list(raw)
     n = sum(len(c) for c in chunks)
     results: dict[str, dict[str, float]] = {}
@@ -333,7 +376,7 @@ def measure_codecs(raw: bytes | Sequence[bytes], itemsize: int, reps: int = 1) -
         t_enc = t_dec = float("inf")
         for _ in range(max(1, reps)):
             t0 = time.perf_counter()
-            enc = [encode(name, c, itemsize) for c in chunks]
+            enc = [encode(name, c, itemsize, threads) for c in chunks]
             t1 = time.perf_counter()
             dec = [decode(name, e, len(c), itemsize) for e, c in zip(enc, chunks, strict=True)]
             t2 = time.perf_counter()

@@ -193,3 +193,29 @@ def test_measure_codecs_reports_each_direction() -> None:
     for v in r.values():
         assert v["encode_gbps"] > 0 and v["decode_gbps"] > 0 and v["gbps"] > 0
     assert r["zstd-planes"]["ratio"] >= r["zstd"]["ratio"]
+
+
+def test_one_byte_values_one_dense_frame_decoded_without_copy() -> None:
+    # fp8: one plane, compressed by the dense coder straight away (no trial on a sample)
+    raw = kv_like(torch.float8_e4m3fn, tokens=1024)
+    data = bytes(encode("zstd-planes", raw, 1))
+    (mode, size), = records(data, 1)
+    _, dense, _ = codecs._coders()
+    assert mode == 1 and data[-size:] == dense.compress(raw)
+    out = decode("zstd-planes", data, len(raw), 1)
+    assert type(out) is bytes and out == raw  # zstd's own output, not copied into a new buffer
+    noise = np.random.default_rng(0).integers(0, 256, 1 << 16, dtype=np.uint8).tobytes()
+    data = bytes(encode("zstd-planes", noise, 1))
+    assert records(data, 1) == [(0, len(noise))] and bytes(decode("zstd-planes", data, len(noise), 1)) == noise
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_threads_round_trip_through_plain_decoder(dtype: torch.dtype) -> None:
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    raw = kv_like(dtype, tokens=2 * 2**21 // (2 * 4 * 64) + 7)  # > 2 Mi elements: a second block
+    data = bytes(encode("zstd-planes", raw, itemsize, threads=2))
+    assert struct.unpack_from("<I", data, 2)[0] == codecs._MT_BLOCK_ELEMENTS
+    assert any(mode == 1 and size > 0 for mode, size in records(data, 2 * itemsize))
+    assert bytes(decode("zstd-planes", data, len(raw), itemsize)) == raw
+    big = raw * 2  # plain zstd too
+    assert decode("zstd", encode("zstd", big, itemsize, threads=2), len(big), itemsize) == big
