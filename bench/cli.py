@@ -55,8 +55,8 @@ def bench_migration(
     device: str = typer.Option(None, "--device", help="the replicas' device (default: cuda when present)"),
     hosts: str = typer.Option("shared", "--hosts", help="split: the source on half the CPUs, the target and "
                               "clients on the other half (two hosts); shared: all on every CPU"),
-    transport: str = typer.Option(None, "--transport", help="how the source pushes the rounds: http (default), "
-                                  "tcp or mooncake (pip install 'relayout[mooncake]')"),
+    transport: str = typer.Option(None, "--transport", help="how the source pushes the rounds: tcp (default, "
+                                  "the frame link), http or mooncake (pip install 'relayout[mooncake]')"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object on the last line"),
 ) -> None:
     """Stall per session for live, cold and recompute moves between two layouts, at several context lengths."""

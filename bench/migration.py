@@ -75,7 +75,7 @@ class Ctx:
     timeout: float
     log: Log
     sessions: dict = field(default_factory=dict)  # mode -> all tokens the session produced, in order
-    transport: str | None = None  # how the source pushes the rounds (None: the replicas' default, http)
+    transport: str | None = None  # how the source pushes the rounds (None: the replicas' default, tcp)
 
 
 def _completion(ids: list[int], max_tokens: int) -> dict:
@@ -369,7 +369,7 @@ def _run(model: str | None, contexts: list[int] | None, quick: bool, device: str
     out = {
         "link_gbps": round(link, 3),
         "link_gbps_samples": [round(x, 3) for x in links],
-        "transport": transport_name or "http",  # how the source pushed the rounds
+        "transport": transport_name or "tcp",  # how the source pushed the rounds
         "transport_gbps": round(transport, 3) if transport else None,
         "transport_vs_link": round(transport / link, 3) if transport else None,
         "contexts": results,
@@ -406,7 +406,7 @@ def print_table(res: dict, console) -> None:
     console.print(t)
     if any(r["recompute_estimated"] for r in res["contexts"].values()):
         console.print(f"recompute beyond {RECOMPUTE_MEASURED_MAX} tokens is estimated from measured prefill tokens/s")
-    console.print(f"link {res['link_gbps']} GB/s (plain TCP); pre-copy transport ({res.get('transport', 'http')}) "
+    console.print(f"link {res['link_gbps']} GB/s (plain TCP); pre-copy transport ({res.get('transport', 'tcp')}) "
                   f"{res['transport_gbps']} GB/s "
                   f"= {res['transport_vs_link']} of the link")
     ratio = res["decode_during_precopy_ratio"]

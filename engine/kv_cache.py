@@ -129,12 +129,14 @@ class KVCache:
 
     def __init__(self, num_layers: int, num_blocks: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, block_size: int = BLOCK_SIZE,
-                 compute_dtype: torch.dtype | None = None):
+                 compute_dtype: torch.dtype | None = None,
+                 tensors: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None):
         self.block_size = block_size
         self.compute_dtype = compute_dtype or dtype  # what attention reads
         shape = (num_blocks, block_size, kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # `tensors`: K and V per layer already allocated (zeroed), e.g. in shared memory (engine.shared_kv)
+        self.k = tensors[0] if tensors else [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = tensors[1] if tensors else [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         # float8 pools: a float32 scale per token per KV head beside them (value = fp8 * scale). Per token
         # rather than per block, so a block's earlier tokens never need requantising as it fills (bytes
         # a pre-copy round already sent stay valid) and no later token is clipped to an earlier scale.

@@ -13,7 +13,7 @@ import torch
 from relayout.engine.engine import LLMEngine
 from relayout.engine.kv_cache import blocks_needed, copy_into
 from relayout.engine.session import SessionState, SessionStatus
-from relayout.engine.snapshot import RestoreError, check_compatible, host_pool
+from relayout.engine.snapshot import RestoreError, check_compatible, host_pools
 from relayout.storage.errors import CorruptCheckpoint
 from relayout.storage.manifest import Manifest
 from relayout.storage.store_base import Store
@@ -43,11 +43,9 @@ def import_range(engine: LLMEngine, store: Store, manifest: Manifest, sid: str, 
     covered = sum((min(b, e.tok_hi) - max(a, e.tok_lo)) * (e.head_hi - e.head_lo) for e in entries)
     if covered != c.num_layers * c.num_kv_heads * (b - a):  # before anything is fetched or written
         raise CorruptCheckpoint(f"session {sid}: chunks do not cover tokens [{a}, {b}) exactly once")
-    host = host_pool(engine)
-    if host is not None and host[1] != (0, c.num_kv_heads):
-        host = None
+    pools = host_pools(engine, group, every_copy=True)
     scaled = manifest.kv.scale is not None
-    if scaled and host is None:  # check_compatible refuses this before any block is reserved
+    if scaled and (pools is None or len(pools) != 1):  # check_compatible refuses this before any block is reserved
         raise RestoreError("fp8 KV moves only into a replica whose KV pool is local host memory (one rank, CPU)")
     views = []
     for e in entries:
@@ -57,11 +55,15 @@ def import_range(engine: LLMEngine, store: Store, manifest: Manifest, sid: str, 
         else:
             t = kv_view(data, e.chunk, e.shape(c.head_dim), engine.dtype, manifest.format_version, verified=True)
         views.append((e, t, scale))
-    if host is not None:  # straight from each chunk into the pool's blocks
+    if pools is not None:  # straight from each chunk into the blocks of every pool holding its heads
         for e, t, scale in views:
             lo, hi = max(a, e.tok_lo), min(b, e.tok_hi)
-            host[0].import_from(blocks, e.layer, lo, t[:, :, lo - e.tok_lo : hi - e.tok_lo], e.head_lo,
-                                None if scale is None else scale[:, :, lo - e.tok_lo : hi - e.tok_lo])
+            for pool, (p_lo, p_hi) in pools:
+                h0, h1 = max(p_lo, e.head_lo), min(p_hi, e.head_hi)
+                if h0 < h1:
+                    part = t[:, h0 - e.head_lo : h1 - e.head_lo, lo - e.tok_lo : hi - e.tok_lo]
+                    sc = None if scale is None else scale[:, h0 - e.head_lo : h1 - e.head_lo, lo - e.tok_lo : hi - e.tok_lo]
+                    pool.import_from(blocks, e.layer, lo, part, h0 - p_lo, sc)
         return
     # through the executor, IMPORT_SLICE_TOKENS at a time through one reused buffer: a whole round
     # assembled at once would be that much fresh memory (page faults) here and in every rank. The

@@ -12,6 +12,7 @@ from relayout.engine.kv_cache import BLOCK_SIZE, KVCache
 from relayout.engine.model import AttnMeta, MoEModel, decode_mask
 from relayout.engine.moe import SparseMoE
 from relayout.engine.parallel import ParallelState
+from relayout.engine.shared_kv import SharedPool, create_pool
 from relayout.engine.staging import KVStager
 
 
@@ -37,7 +38,8 @@ STAGING_BYTES = int(os.environ.get("RELAYOUT_STAGING_BYTES", 2 << 30))  # pinned
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, ps: ParallelState, model_dir: Path, num_blocks: int,
-                 device: torch.device, dtype: torch.dtype = torch.float32, kv_dtype: torch.dtype | None = None):
+                 device: torch.device, dtype: torch.dtype = torch.float32, kv_dtype: torch.dtype | None = None,
+                 shared_kv: bool = False):
         self.cfg, self.ps, self.device = cfg, ps, device
         self.model = MoEModel(cfg, ps, dtype).to(device)
         self.model.load(model_dir)
@@ -45,8 +47,13 @@ class ModelRunner:
         lo, hi = ps.layout.kv_head_range(ps.rank, cfg.num_kv_heads)
         self.kv_range = (lo, hi)
         # kv_dtype: the pool's element type (None: the model dtype; float8 keeps scales beside it)
+        # shared_kv (a local CPU rank): the pool in shared memory, so the driver copies KV in and out
+        # of it directly (engine.shared_kv); None where it cannot be
+        shared = (create_pool(cfg.num_layers, (num_blocks, BLOCK_SIZE, hi - lo, cfg.head_dim), kv_dtype or dtype, (lo, hi))
+                  if shared_kv and device.type == "cpu" else None)
+        self.shared_pool: SharedPool | None = shared[0] if shared else None
         self.kv = KVCache(cfg.num_layers, num_blocks, hi - lo, cfg.head_dim, kv_dtype or dtype, device,
-                          compute_dtype=dtype)
+                          compute_dtype=dtype, tensors=shared[1:] if shared else None)
         # on CUDA, KV leaves and enters through pinned staging buffers on side streams
         # (engine/staging.py); on the CPU the plain host copies below are already the fastest path
         self.stager: KVStager | None = (KVStager(device, max_bytes=STAGING_BYTES) if device.type == "cuda"

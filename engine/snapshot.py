@@ -54,8 +54,7 @@ class DeferredKV:
     stepping meanwhile; blocks change owner only when a session ends (its KV is then not moved
     any more) or is preempted, which `check` detects through the scheduler's preemption count."""
 
-    pool: KVCache
-    heads: tuple[int, int]
+    pools: list[tuple[KVCache, tuple[int, int]]]  # host_pools: each pool with the KV heads it holds
     blocks: list[int]
     lo: int
     hi: int
@@ -70,7 +69,7 @@ class DeferredKV:
         """The chunks (as take_snapshot lays them out), one CHUNK_TOKENS range of every layer at a
         time: each copied (and hashed) on all cores, then checked still valid, then handed on."""
         for a, b in _chunk_ranges(self.lo, self.hi):
-            chunks = _export_chunks(self.pool, self.heads, self.blocks, a, b)
+            chunks = [c for pool, heads in self.pools for c in _export_chunks(pool, heads, self.blocks, a, b)]
             self.check()
             yield chunks
 
@@ -141,7 +140,7 @@ def _chunk_ranges(lo: int, hi: int) -> list[tuple[int, int]]:
 def host_pool(engine: LLMEngine) -> tuple[KVCache, tuple[int, int]] | None:
     """The KV pool and its head range when this process holds all of it in host memory (one
     local rank, no staging): snapshots then copy straight between pool blocks and chunk buffers.
-    Any other executor goes through export_kv/import_kv."""
+    Any other executor goes through export_kv/import_kv (or host_pools)."""
     ex = engine.executor
     if not isinstance(ex, LocalExecutor):
         return None
@@ -150,6 +149,23 @@ def host_pool(engine: LLMEngine) -> tuple[KVCache, tuple[int, int]] | None:
     if getattr(r, "stager", None) is not None or not isinstance(kv, KVCache) or kv.k[0].device.type != "cpu":
         return None
     return kv, tuple(r.kv_range)  # type: ignore[return-value]
+
+
+def host_pools(engine: LLMEngine, group: int, every_copy: bool = False) -> list[tuple[KVCache, tuple[int, int]]] | None:
+    """The host pools this process can copy attention-DP group `group`'s KV out of (and into)
+    itself, with the KV heads each holds: its own pool, or its local ranks' pools in shared memory
+    (engine.shared_kv). Heads replicated on several ranks come once, or, with `every_copy`
+    (an import: every copy must get them), once per rank. None: through the executor."""
+    one = host_pool(engine)
+    if one is not None:
+        return [one]
+    shared = getattr(engine.executor, "shared_pools", None)
+    if not shared:
+        return None
+    lay = engine.layout
+    ranks = range(group * lay.attn_tp, (group + 1) * lay.attn_tp)
+    pools = [shared[r] for r in ranks]
+    return pools if every_copy else list({heads: (kv, heads) for kv, heads in pools}.values())
 
 
 def _export_chunks(pool: KVCache, heads: tuple[int, int], blocks: list[int], lo: int, hi: int) -> list[tuple]:
@@ -229,13 +245,13 @@ def take_snapshot(engine: LLMEngine, session_ids: list[str] | None = None, tok_f
     pre-copy round holds the engine thread (and every other session's decoding) only for
     a bounded copy; later rounds send the rest."""
     snaps = []
-    host = host_pool(engine)
     live = _live(engine, session_ids)
-    if host is not None:  # the next snapshot this size reuses these buffers' memory once they are freed
-        k0 = host[0].k[0]
-        per_tok = len(host[0].k) * 2 * k0.shape[2] * k0.shape[3] * k0.element_size()
+    hosts = {g: host_pools(engine, g) for g in {s.dp_group for s in live}}
+    if any(hosts.values()):  # the next snapshot this size reuses these buffers' memory once they are freed
+        per_tok = engine.cfg.num_layers * 2 * engine.cfg.num_kv_heads * engine.cfg.head_dim * engine.dtype.itemsize
         keep_freed_memory(per_tok * sum(max(0, s.num_computed - (tok_from or {}).get(s.session_id, 0)) for s in live))
     for s in live:
+        host = hosts[s.dp_group]
         lo = (tok_from or {}).get(s.session_id, 0)
         n = s.num_computed if tok_cap is None else min(s.num_computed, lo + tok_cap)
         snap = SessionSnapshot(_copy_state(s), n)
@@ -243,10 +259,9 @@ def take_snapshot(engine: LLMEngine, session_ids: list[str] | None = None, tok_f
         if n > lo and table is not None:
             blocks = table.blocks[: blocks_needed(n)]
             if host is not None and defer_copy:
-                snap.deferred = DeferredKV(host[0], host[1], list(blocks), lo, n, engine,
-                                           engine.scheduler.num_preemptions)
+                snap.deferred = DeferredKV(host, list(blocks), lo, n, engine, engine.scheduler.num_preemptions)
             elif host is not None:  # straight into chunk buffers: the one copy of this KV
-                snap.chunks = _export_chunks(host[0], host[1], blocks, lo, n)
+                snap.chunks = [c for pool, heads in host for c in _export_chunks(pool, heads, blocks, lo, n)]
             else:
                 snap.kv = engine.executor.export_kv(s.dp_group, blocks, lo, n)
         snaps.append(snap)

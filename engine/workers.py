@@ -32,11 +32,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from relayout.engine.config import ModelConfig, parse_dtype
-from relayout.engine.kv_cache import FP8_KV
+from relayout.engine.kv_cache import FP8_KV, KVCache
 from relayout.engine.layout import Layout
 from relayout.engine.parallel import init_groups
 from relayout.engine.rank_channel import ChannelClosed, ChannelError, Encoded, Message, RankChannel, encode
 from relayout.engine.runner import ModelRunner, StepBatch
+from relayout.engine.shared_kv import SharedPool, attach_pool, shared_kv_enabled
 from relayout.engine.weights import model_identity
 
 STEP_TIMEOUT_S = float(os.environ.get("RELAYOUT_STEP_TIMEOUT_S", 300))
@@ -110,7 +111,7 @@ def rank_main(rank: int, driver: str, model_dir: str, token: str | None = None, 
             raise RankJoinError(f"unexpected {msg.op!r} from the driver at {driver}")
         try:
             runner, first_tp = _start(rank, msg.meta, split_hostport(driver)[0], Path(model_dir), local_index)
-            ch.send("ready")
+            ch.send("ready", {"shared_kv": runner.shared_pool.to_dict() if runner.shared_pool else None})
             _serve(ch, runner, first_tp)
             return 0
         except ChannelClosed:
@@ -147,7 +148,8 @@ def _start(rank: int, conf: dict, store_host: str, model_dir: Path, local_index:
     ps = init_groups(layout, rank)
     dtype = parse_dtype(conf["dtype"])
     kv_dtype = {str(t).removeprefix("torch."): t for t in (dtype, FP8_KV)}[conf.get("kv_dtype", conf["dtype"])]
-    runner = ModelRunner(cfg, ps, model_dir, int(conf["num_blocks"]), dev, dtype, kv_dtype)
+    runner = ModelRunner(cfg, ps, model_dir, int(conf["num_blocks"]), dev, dtype, kv_dtype,
+                         shared_kv=bool(conf.get("shared_kv")) and local_index is not None)
     return runner, layout.attn_tp_rank(rank) == 0
 
 
@@ -197,6 +199,7 @@ class RankExecutor:
         self.hosts: dict[int, str] = {}
         self.procs: dict[int, mp.process.BaseProcess] = {}
         self._closed = False
+        self.shared_pools: dict[int, tuple[KVCache, tuple[int, int]]] = {}  # see _attach_pools
         host, port = split_hostport(pl.endpoint)
         self._listener = socket.create_server((host, port), backlog=64)
         self.endpoint = f"{host}:{self._listener.getsockname()[1]}"
@@ -219,13 +222,31 @@ class RankExecutor:
                     "dtype": str(dtype).removeprefix("torch."),
                     "kv_dtype": str(kv_dtype or dtype).removeprefix("torch."), "store_port": self._store.port}
             for r in range(world):
-                self._send(r, "config", conf)
-            self._gather(list(range(world)), timeout=pl.join_timeout_s)
+                # only ranks this driver spawned share its host (and so its /dev/shm)
+                self._send(r, "config", {**conf, "shared_kv": r in self.procs and shared_kv_enabled()})
+            ready = self._gather(list(range(world)), timeout=pl.join_timeout_s)
+            self.shared_pools = self._attach_pools(ready, kv_dtype or dtype, num_blocks)
         except BaseException:
             self.shutdown(force=True)
             raise
         finally:
             self._listener.close()
+
+    def _attach_pools(self, ready: dict[int, Message], dtype: torch.dtype, num_blocks: int
+                      ) -> dict[int, tuple[KVCache, tuple[int, int]]]:
+        """The KV pools of local ranks that put theirs in shared memory, mapped here (rank ->
+        (pool, its KV heads)); empty unless every rank of the replica did, so the driver either
+        copies every rank's KV itself or none."""
+        pools: dict[int, tuple[KVCache, tuple[int, int]]] = {}
+        for r in sorted(ready):
+            meta = ready[r].meta if isinstance(ready[r].meta, dict) else {}
+            if not meta.get("shared_kv") or r not in self.procs:
+                continue
+            p = SharedPool.from_dict(meta["shared_kv"])
+            k, v = attach_pool(p, self.procs[r].pid)  # type: ignore[arg-type]
+            pools[r] = (KVCache(p.num_layers, num_blocks, p.shape[2], p.shape[3], dtype, torch.device("cpu"),
+                                tensors=(k, v)), (p.heads[0], p.heads[1]))
+        return pools if len(pools) == self.layout.world_size else {}
 
     # ---- joining -----------------------------------------------------------------------------
     def _join(self, world: int, timeout: float) -> None:

@@ -1,18 +1,24 @@
-"""A raw framed TCP link between replicas for live-migration rounds (RELAYOUT_TRANSPORT=tcp).
+"""A raw framed TCP link between replicas for live-migration rounds (the default transport, `tcp`).
 
 The frames of storage.stream travel over a plain TCP connection instead of a chunked HTTP body,
-so no HTTP parser touches the KV bytes. The target listens on an extra port (started on first
-use, on the address its HTTP request arrived on; `GET LINK_PATH` names it). The wire:
+so no HTTP parser, event loop or intermediate buffer touches the KV bytes: the source writes each
+frame piece (a chunk buffer straight out of the copy from its pool) with `sendall` from the
+thread that produced it, and the target reads each chunk's bytes with `recv_into` straight into
+the buffer it keeps them in (storage.stream.StreamReceiver.receive_from), on a thread of its own.
+The target listens on an extra port (started on first use, on the address its HTTP request
+arrived on; `GET LINK_PATH`, behind the replica's bearer token, names it). The wire:
 
     target -> source   LINK_MAGIC + 16 random bytes (a challenge)
     source -> target   4-byte length + JSON {"transfer", "final", "source", "mac"}
                        mac = HMAC-SHA256(token, challenge + transfer id), hex ("" without a token)
-    source -> target   segments: 8-byte length + bytes of the round's frames; length 0 ends the round
+    target -> source   a reply with status 100 (go on), or the refusal (as below)
+    source -> target   the round's frames, ending with its MANIFEST frame (or an ABORT frame)
     target -> source   4-byte status (HTTP's codes) + 4-byte length + JSON (the import reply, or {"error"})
 
-A connection that ends before the zero-length segment is a cut round (kept for a resume, as an
-interrupted HTTP body is); the target answers as soon as it refuses a round, so the source
-learns why even while it is still sending."""
+A connection that ends before the manifest is a cut round (kept for a resume, as an interrupted
+HTTP body is); so is one silent for RELAYOUT_LINK_IDLE_S (default 30) seconds. The target answers
+as soon as it refuses a round and reads on until the source stops, so the source learns why even
+while it is still sending."""
 
 from __future__ import annotations
 
@@ -21,24 +27,30 @@ import hashlib
 import hmac
 import json
 import os
+import select
+import socket
 import struct
-from collections.abc import AsyncIterator, Awaitable, Callable
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterator
 from urllib.parse import urlsplit
 
 import httpx
 from relayout.engine.web import bearer_headers, error_message, tls_context
 
 LINK_PATH = "/v1/sessions/import/link"
-LINK_MAGIC = b"RLK1"
+LINK_MAGIC = b"RLK2"  # 2: frames follow the go-ahead unsegmented (RLK1 wrapped them in length segments)
 CHALLENGE_BYTES = 16
 MAX_HELLO_BYTES = 8192
-READ_PIECE = 1 << 20
-_SEG = struct.Struct(">Q")
+MAX_REPLY_BYTES = 1 << 20
+MAX_CONNECTIONS = 16  # link connections served at once (each a thread); more are closed unanswered
+HELLO_TIMEOUT_S = 30.0
+GO_ON = 100  # the target accepted the hello: send the round
 _LEN = struct.Struct(">I")
 _REPLY = struct.Struct(">II")
 
-# (transfer, pieces, final, source) -> the import reply; raises as TransferTable.import_round does
-ImportRound = Callable[[str, AsyncIterator[bytes], bool, str | None], Awaitable[dict]]
+# (transfer, read_into, final, source) -> the import reply; raises as TransferTable.import_round does
+ImportRound = Callable[[str, Callable[[memoryview], int], bool, str | None], Awaitable[dict]]
 # an exception raised by an import -> (status, message)
 Classify = Callable[[BaseException], tuple[int, str]]
 
@@ -49,60 +61,129 @@ def link_mac(token: str | None, challenge: bytes, transfer: str) -> str:
     return hmac.new(token.encode(), challenge + transfer.encode(), hashlib.sha256).hexdigest()
 
 
-class LinkCut(Exception):
-    """The source's connection ended inside a round."""
+def idle_timeout() -> float:
+    try:
+        return max(0.1, float(os.environ.get("RELAYOUT_LINK_IDLE_S", "30")))
+    except ValueError:
+        return 30.0
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if not k:
+            raise ConnectionError("the peer closed the link")
+        got += k
+    return bytes(buf)
+
+
+def _reply_bytes(status: int, body: object) -> bytes:
+    data = json.dumps(body).encode()
+    return _REPLY.pack(status, len(data)) + data
+
+
+def _read_reply(sock: socket.socket) -> tuple[int, object]:
+    status, n = _REPLY.unpack(_recv_exact(sock, _REPLY.size))
+    if n > MAX_REPLY_BYTES:
+        raise ConnectionError("link reply too large")
+    try:
+        return status, json.loads(_recv_exact(sock, n))
+    except ValueError:
+        return status, None
 
 
 class FrameLinkServer:
-    """The target's listener: each connection carries one authenticated round into `import_round`."""
+    """The target's listener: each connection carries one authenticated round into `import_round`,
+    read on a thread of its own (blocking `recv_into`); the import itself runs on the event loop
+    that started the listener."""
 
     def __init__(self, token: str | None, import_round: ImportRound, classify: Classify,
                  check_transfer: Callable[[str], object], cut: type[BaseException]):
         self.token, self.import_round, self.classify = token, import_round, classify
         self.check_transfer, self.cut = check_transfer, cut
-        self.server: asyncio.Server | None = None
+        self.sock: socket.socket | None = None
         self.port: int | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._lock = asyncio.Lock()
 
     async def ensure(self, host: str) -> int:
         """The port, listening on `host` (started by the first caller)."""
         async with self._lock:
-            if self.server is None:
+            if self.sock is None:
+                self._loop = asyncio.get_running_loop()
                 port = int(os.environ.get("RELAYOUT_LINK_PORT", "0") or 0)
-                self.server = await asyncio.start_server(self._serve, host, port, limit=READ_PIECE)
-                self.port = self.server.sockets[0].getsockname()[1]
+                self.sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+                self.port = self.sock.getsockname()[1]
+                threading.Thread(target=self._accept, args=(self.sock,), name="frame-link", daemon=True).start()
         return self.port  # type: ignore[return-value]
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def _accept(self, lsock: socket.socket) -> None:
+        while True:
+            try:
+                conn, _ = lsock.accept()
+            except OSError:
+                return  # closed
+            if not self._slots.acquire(blocking=False):
+                conn.close()
+                continue
+            threading.Thread(target=self._serve, args=(conn,), name="frame-link-round", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
         try:
-            challenge = os.urandom(CHALLENGE_BYTES)
-            writer.write(LINK_MAGIC + challenge)
-            status, body = await self._round(reader, challenge)
-            if status:
-                data = json.dumps(body).encode()
-                writer.write(_REPLY.pack(status, len(data)) + data)
-                await writer.drain()
-        except (OSError, asyncio.IncompleteReadError, LinkCut):
+            with conn:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                conn.settimeout(HELLO_TIMEOUT_S)
+                challenge = os.urandom(CHALLENGE_BYTES)
+                conn.sendall(LINK_MAGIC + challenge)
+                status, body = self._round(conn, challenge)
+                if status:
+                    conn.sendall(_reply_bytes(status, body))
+                    if status >= 300:
+                        _drain(conn)  # a refusal mid-round: read on, so the sender sees the answer, not a reset
+        except (OSError, ConnectionError):
             pass  # the source went away: nobody to answer
         finally:
-            writer.close()
+            self._slots.release()
 
-    async def _round(self, reader: asyncio.StreamReader, challenge: bytes) -> tuple[int, dict]:
+    def _round(self, conn: socket.socket, challenge: bytes) -> tuple[int, object]:
         try:
-            (n,) = _LEN.unpack(await asyncio.wait_for(reader.readexactly(_LEN.size), 30))
+            (n,) = _LEN.unpack(_recv_exact(conn, _LEN.size))
             if n > MAX_HELLO_BYTES:
                 return 400, _err("link hello too large")
-            hello = json.loads(await asyncio.wait_for(reader.readexactly(n), 30))
+            hello = json.loads(_recv_exact(conn, n))
             tid, final, source = hello["transfer"], bool(hello.get("final")), hello.get("source")
             if not isinstance(tid, str) or not isinstance(hello.get("mac"), str):
                 raise ValueError("transfer and mac must be strings")
-        except (ValueError, KeyError, TypeError, asyncio.TimeoutError):
+            if source is not None and not isinstance(source, str):
+                raise ValueError("source must be a string")
+        except (TimeoutError, ValueError, KeyError, TypeError):
             return 400, _err("bad link hello")
         if not hmac.compare_digest(hello["mac"], link_mac(self.token, challenge, tid)):
             return 401, _err("link authentication failed")
         try:
             self.check_transfer(tid)
-            return 200, await self.import_round(tid, _segments(reader, self.cut), final, source)
+        except Exception as e:  # noqa: BLE001 - refused before any frame is read
+            return self.classify(e)[0], _err(self.classify(e)[1])
+        conn.sendall(_reply_bytes(GO_ON, {}))
+        conn.settimeout(idle_timeout())  # a source silent this long has cut the round
+        cut = self.cut
+
+        def read_into(view: memoryview) -> int:
+            try:
+                k = conn.recv_into(view)
+            except OSError:  # a timeout, a reset
+                raise cut() from None
+            if not k:
+                raise cut()  # the manifest ends a round: an end before it is a cut
+            return k
+
+        assert self._loop is not None
+        try:
+            reply = asyncio.run_coroutine_threadsafe(self.import_round(tid, read_into, final, source), self._loop).result()
+            return 200, reply
         except self.cut:
             return 0, {}  # the source cut the round: nobody reads an answer
         except Exception as e:  # noqa: BLE001 - refused: the source is told why, as over HTTP
@@ -110,44 +191,44 @@ class FrameLinkServer:
             return status, _err(msg)
 
     async def close(self) -> None:
-        if self.server is not None:
-            self.server.close()
+        if self.sock is not None:
+            self.sock.close()
+
+
+def _drain(conn: socket.socket, limit_s: float = 5.0) -> None:
+    """Read and drop what the source still sends (for up to `limit_s`), then close: closing with
+    unread bytes would reset the connection and the source could lose the answer."""
+    deadline = time.monotonic() + limit_s
+    buf = bytearray(1 << 20)
+    try:
+        conn.shutdown(socket.SHUT_WR)
+        while (left := deadline - time.monotonic()) > 0:
+            conn.settimeout(left)
+            if not conn.recv_into(buf):
+                return
+    except OSError:
+        pass
 
 
 def _err(msg: str) -> dict:
     return {"error": {"message": msg}}
 
 
-async def _segments(reader: asyncio.StreamReader, cut: type[BaseException]) -> AsyncIterator[bytes]:
-    """The round's bytes, as they arrive; `cut` when the connection ends before the end segment."""
-    try:
-        while True:
-            (n,) = _SEG.unpack(await reader.readexactly(_SEG.size))
-            if n == 0:
-                return
-            while n:
-                piece = await reader.read(min(n, READ_PIECE))
-                if not piece:
-                    raise cut()
-                n -= len(piece)
-                yield piece
-    except (asyncio.IncompleteReadError, OSError):
-        raise cut() from None
-
-
 class TcpTransport:
-    """Pushes a round over the target's frame link (see the module docstring); https targets, which
-    the raw link would not encrypt, go over `fallback` (HTTP)."""
+    """Pushes a round over the target's frame link (see the module docstring), from a thread that
+    writes each frame piece as the round's producer hands it over; https targets, which the raw
+    link would not encrypt, go over `fallback` (HTTP)."""
 
     def __init__(self, token: str | None, fallback, push_failed: type[Exception]):
         self.token, self.fallback, self.failed = token, fallback, push_failed
 
-    async def push(self, target: str, transfer: str, frames: AsyncIterator[bytes], *, final: bool,
-                   source: str | None, timeout_s: float) -> dict:
+    async def push(self, target: str, transfer: str, frames, *, final: bool, source: str | None,
+                   timeout_s: float) -> dict:
         u = urlsplit(target)
-        if u.scheme != "http":
+        blocking = getattr(frames, "blocking", None)
+        if u.scheme != "http" or blocking is None:
             return await self.fallback.push(target, transfer, frames, final=final, source=source, timeout_s=timeout_s)
-        writer = reply = send = None
+        stop = threading.Event()
         try:
             try:
                 async with httpx.AsyncClient(verify=tls_context(), timeout=timeout_s) as c:
@@ -157,36 +238,14 @@ class TcpTransport:
             if resp.status_code >= 400:
                 raise self.failed(f"target link: HTTP {resp.status_code}: {error_message(resp)}", False)
             port = resp.json().get("port")
-            try:
-                reader, writer = await asyncio.wait_for(asyncio.open_connection(u.hostname, port), timeout_s)
-                head = await asyncio.wait_for(reader.readexactly(len(LINK_MAGIC) + CHALLENGE_BYTES), timeout_s)
-                if not head.startswith(LINK_MAGIC):
-                    raise self.failed("target link: not a relayout frame link", False)
-                hello = json.dumps({"transfer": transfer, "final": final, "source": source,
-                                    "mac": link_mac(self.token, head[len(LINK_MAGIC):], transfer)}).encode()
-                writer.write(_LEN.pack(len(hello)) + hello)
-                reply = asyncio.ensure_future(_read_reply(reader))
-                send = asyncio.ensure_future(_send(writer, frames, timeout_s))
-                # the target may answer before the round is sent (a refusal): its answer wins
-                done, _ = await asyncio.wait({reply, send}, return_when=asyncio.FIRST_COMPLETED)
-                if reply not in done:
-                    await send  # raises if the link failed
-                    done, _ = await asyncio.wait({reply}, timeout=timeout_s)
-                    if not done:
-                        raise asyncio.TimeoutError()
-                send.cancel()
-                status, body = reply.result()
-            except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError) as e:
-                raise self.failed(f"target import: {type(e).__name__}: {e or 'no detail'}", True) from None
+            if not isinstance(port, int):
+                raise self.failed("target link: no port in the answer", False)
+            hello = {"transfer": transfer, "final": final, "source": source}
+            status, body = await asyncio.to_thread(self._push, u.hostname or "127.0.0.1", port, hello, blocking(),
+                                                   timeout_s, stop)
         finally:
-            for task in (reply, send):
-                if task is not None and not task.done():
-                    task.cancel()
-            if writer is not None:
-                writer.close()
-            close = getattr(frames, "aclose", None)
-            if close is not None:
-                await close()
+            stop.set()  # cancelled (the transfer ended): the sending thread stops at its next piece
+            await frames.aclose()
         if status >= 400:
             msg = body.get("error", {}).get("message", "") if isinstance(body, dict) else ""
             raise self.failed(f"target import: HTTP {status}: {msg}", False)
@@ -194,21 +253,33 @@ class TcpTransport:
             raise self.failed("target import: the answer is not a JSON object", False)
         return body
 
-
-async def _send(writer: asyncio.StreamWriter, frames: AsyncIterator[bytes], timeout_s: float) -> None:
-    async for f in frames:
-        writer.write(_SEG.pack(len(f)))
-        writer.write(f)
-        await asyncio.wait_for(writer.drain(), timeout_s)
-    writer.write(_SEG.pack(0))
-    await asyncio.wait_for(writer.drain(), timeout_s)
-
-
-async def _read_reply(reader: asyncio.StreamReader) -> tuple[int, object]:
-    status, n = _REPLY.unpack(await reader.readexactly(_REPLY.size))
-    if n > MAX_HELLO_BYTES * 128:
-        raise ConnectionError("link reply too large")
-    try:
-        return status, json.loads(await reader.readexactly(n))
-    except ValueError:
-        return status, None
+    def _push(self, host: str, port: int, hello: dict, pieces: Iterator[bytes], timeout_s: float,
+              stop: threading.Event) -> tuple[int, object]:
+        try:
+            with socket.create_connection((host, port), timeout=timeout_s) as sock:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                head = _recv_exact(sock, len(LINK_MAGIC) + CHALLENGE_BYTES)
+                if not head.startswith(LINK_MAGIC):
+                    raise self.failed("target link: not a relayout frame link of this version", False)
+                hello = {**hello, "mac": link_mac(self.token, head[len(LINK_MAGIC):], hello["transfer"])}
+                data = json.dumps(hello).encode()
+                sock.sendall(_LEN.pack(len(data)) + data)
+                status, body = _read_reply(sock)
+                if status != GO_ON:
+                    return status, body
+                for piece in pieces:
+                    if stop.is_set():
+                        raise ConnectionError("the round was cancelled")
+                    # the target answers early only to refuse the round: its answer wins
+                    if select.select([sock], [], [], 0)[0]:
+                        break
+                    sock.sendall(piece)
+                return _read_reply(sock)
+        except self.failed:
+            raise
+        except (OSError, ConnectionError) as e:  # refused, reset, timed out: the link failed, the round may resume
+            raise self.failed(f"target import: {type(e).__name__}: {e or 'no detail'}", True) from None
+        finally:
+            close = getattr(pieces, "close", None)
+            if close is not None:
+                close()

@@ -3,10 +3,50 @@ verified on receipt), until their KV is in the pool."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Protocol
+
 from relayout.storage.chunks import keep_freed_memory
 from relayout.storage.manifest import ChunkRef, Manifest
 from relayout.storage.store_base import check_hash
 from relayout.storage.stores import MemoryStore
+from relayout.storage.stream import LimitExceeded, StreamReceiver
+
+ReadInto = Callable[[memoryview], int]  # fills part of a buffer from the link, says how much (a RoundCut at its end)
+
+
+class Staging(Protocol):
+    """What a round's bytes update on the incoming transfer (migrate.transfers.Incoming)."""
+
+    staged: int  # bytes received by all its rounds
+    last: float  # its lease: the clock time of the last sign of life
+
+
+async def receive_round_bytes(i: Staging, recv: StreamReceiver, pieces: AsyncIterator[bytes] | ReadInto, limit: int,
+                              clock: Callable[[], float]) -> Manifest:
+    """One round's frames into `recv` until its manifest, from either kind of transport: byte pieces
+    as they arrive (an HTTP body), or a `read_into(view) -> n` that fills buffers itself (the frame
+    link's socket: read on a thread, each chunk straight into the buffer it is kept in). Every byte
+    counts against `limit` (LimitExceeded) and renews the transfer's lease."""
+    if callable(pieces):
+        read = pieces
+
+        def read_into(view: memoryview) -> int:
+            n = read(view)
+            i.staged += n
+            i.last = clock()  # a round still arriving is not an idle transfer
+            return n
+
+        return await asyncio.to_thread(recv.receive_from, read_into, limit - i.staged)
+    async for piece in pieces:
+        if piece:
+            i.staged += len(piece)
+            i.last = clock()
+            if i.staged > limit:
+                raise LimitExceeded(f"the stream sent more than the {limit}-byte limit")
+            recv.feed(piece)
+    return recv.close()
 
 
 class ReceivedChunks(MemoryStore):

@@ -200,7 +200,7 @@ def install_replica_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
     http_transport = HttpTransport(token)
     transports: dict[str, Transport] = {"http": http_transport, "tcp": TcpTransport(token, http_transport, PushFailed),
                                         "mooncake": MooncakeTransport(token, http_transport)}
-    transport = transports.get(os.environ.get("RELAYOUT_TRANSPORT", "http"), http_transport)
+    transport = transports.get(os.environ.get("RELAYOUT_TRANSPORT", "tcp"), http_transport)
     link = FrameLinkServer(token, table.import_round, _classify, lambda tid: check_id(tid, "transfer id"), RoundCut)
 
     @r.post("/v1/sessions/checkpoint")

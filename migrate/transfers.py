@@ -24,10 +24,10 @@ from typing import Protocol
 
 from relayout.engine.snapshot import SessionSnapshot, write_snapshot_steps
 from relayout.migrate.frame_sink import FrameSink
-from relayout.migrate.received import ReceivedChunks
+from relayout.migrate.received import ReadInto, ReceivedChunks, receive_round_bytes
 from relayout.storage.checkpoint import CheckpointWriter
 from relayout.storage.manifest import KVEntry, KVGeometry, Manifest, ModelRef
-from relayout.storage.stream import StreamReceiver, encode_abort_frame
+from relayout.storage.stream import LimitExceeded, StreamReceiver, encode_abort_frame
 
 MAX_TRANSFERS = 64  # incoming transfers in flight at once
 DONE_KEEP = 1024  # finished transfers remembered (for a target that asks how one ended)
@@ -309,24 +309,22 @@ class TransferTable:
         i.last = self.clock()
         return i
 
-    async def import_round(self, tid: str, pieces: AsyncIterator[bytes], final: bool = False,
+    async def import_round(self, tid: str, pieces: AsyncIterator[bytes] | ReadInto, final: bool = False,
                            source: str | None = None, declared: int | None = None) -> dict:
-        """Receive one round's frames from `pieces` and import them. A round cut in pre-copy
-        (`RoundCut` from `pieces`) keeps what arrived (chunks verified on receipt) and the
-        reservations, so the migrator can resume from the acknowledged chunks, and the lease
-        frees everything if it never comes back; any other failure drops the transfer."""
+        """Receive one round's frames from `pieces` and import them. `pieces` is either the byte
+        pieces as they arrive (an HTTP body) or a `read_into(view) -> n` that fills buffers itself
+        (the frame link's socket: run on a thread, each chunk read straight into its buffer). A
+        round cut in pre-copy (`RoundCut` from `pieces`) keeps what arrived (chunks verified on
+        receipt) and the reservations, so the migrator can resume from the acknowledged chunks, and
+        the lease frees everything if it never comes back; any other failure drops the transfer."""
         i = self.open_import(tid, source, declared)
         recv = StreamReceiver(i.store, max_frame_bytes=self.frame_limit)
         try:
-            async for piece in pieces:
-                if piece:
-                    i.staged += len(piece)
-                    i.last = self.clock()
-                    if i.staged > self.import_limit:
-                        raise ImportTooLarge(f"transfer {tid} sent more than this replica's import limit of "
-                                             f"{self.import_limit} bytes")
-                    recv.feed(piece)
-            manifest = recv.close()
+            try:
+                manifest = await receive_round_bytes(i, recv, pieces, self.import_limit, self.clock)
+            except LimitExceeded:
+                raise ImportTooLarge(f"transfer {tid} sent more than this replica's import limit of "
+                                     f"{self.import_limit} bytes") from None
             res = await self.ops.receive(i, manifest, final)
             i.store.forget_imported(manifest, i.upto, recv.bytes_received)
         except RoundCut:

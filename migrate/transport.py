@@ -89,15 +89,69 @@ def precopy_mbps() -> float | None:
     return v if v > 0 else None
 
 
-async def pump(frames: Iterator[bytes], mbps: float | None = None, depth: int = PUMP_DEPTH,
-               counter: list[int] | None = None) -> AsyncIterator[bytes]:
-    """The frames of a (blocking) iterator, produced by a thread `depth` frames ahead, at most
-    `mbps` MB/s. `counter[0]` counts the bytes handed on."""
+class RoundFrames:
+    """One round's frames for a transport, from the (blocking) iterator that produces them, at most
+    `mbps` MB/s; `counter[0]` counts the bytes handed on. Two ways to take them: `async for` (a
+    producer thread runs PUMP_DEPTH frames ahead of the event loop: HTTP), or `blocking()` from a
+    thread of the transport's own that writes each piece to its socket as it is produced (the frame
+    link: no event loop and no extra copy between the producer and the kernel)."""
+
+    def __init__(self, frames: Iterator[bytes], mbps: float | None = None, depth: int = PUMP_DEPTH,
+                 counter: list[int] | None = None):
+        self.frames, self.mbps, self.depth = frames, mbps, depth
+        self.counter = counter if counter is not None else [0]
+        self._aiter: AsyncIterator[bytes] | None = None
+
+    def blocking(self) -> Iterator[bytes]:
+        t0, sent = time.perf_counter(), 0
+        try:
+            for f in self.frames:
+                yield f
+                sent += len(f)
+                self.counter[0] = sent
+                if self.mbps:
+                    ahead = sent / (self.mbps * 1e6) - (time.perf_counter() - t0)
+                    if ahead > 0:
+                        time.sleep(ahead)
+        finally:
+            self.close_source()
+
+    def close_source(self) -> None:
+        close = getattr(self.frames, "close", None)
+        if close is not None:
+            try:
+                close()
+            except ValueError:  # "generator already executing": its own thread closes it when it stops
+                pass
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        if self._aiter is None:
+            self._aiter = _pumped(self)
+        return self._aiter
+
+    async def __anext__(self) -> bytes:
+        return await self.__aiter__().__anext__()
+
+    async def aclose(self) -> None:
+        if self._aiter is not None:
+            await self._aiter.aclose()  # type: ignore[attr-defined]
+        else:
+            self.close_source()
+
+
+def pump(frames: Iterator[bytes], mbps: float | None = None, depth: int = PUMP_DEPTH,
+         counter: list[int] | None = None) -> RoundFrames:
+    return RoundFrames(frames, mbps, depth, counter)
+
+
+async def _pumped(rf: RoundFrames) -> AsyncIterator[bytes]:
+    """The frames, produced by a thread `depth` frames ahead of the event loop."""
     loop = asyncio.get_running_loop()
     q: asyncio.Queue = asyncio.Queue()
-    room = threading.Semaphore(depth)
+    room = threading.Semaphore(rf.depth)
     stop = threading.Event()
     end = object()
+    frames = rf.frames
 
     def put(item: object) -> None:
         try:
@@ -118,9 +172,7 @@ async def pump(frames: Iterator[bytes], mbps: float | None = None, depth: int = 
         except BaseException as e:  # noqa: BLE001 - handed to the sender, which raises it
             put(e)
         finally:
-            close = getattr(frames, "close", None)
-            if close is not None:
-                close()
+            rf.close_source()
 
     threading.Thread(target=produce, name="frame-pump", daemon=True).start()
     t0, sent = time.perf_counter(), 0
@@ -134,10 +186,9 @@ async def pump(frames: Iterator[bytes], mbps: float | None = None, depth: int = 
             room.release()
             yield item  # type: ignore[misc]
             sent += len(item)  # type: ignore[arg-type]
-            if counter is not None:
-                counter[0] = sent
-            if mbps:
-                ahead = sent / (mbps * 1e6) - (time.perf_counter() - t0)
+            rf.counter[0] = sent
+            if rf.mbps:
+                ahead = sent / (rf.mbps * 1e6) - (time.perf_counter() - t0)
                 if ahead > 0:
                     await asyncio.sleep(ahead)
     finally:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Container, Iterator
+from collections.abc import Callable, Container, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +37,10 @@ DEFAULT_MAX_FRAME_BYTES = 512 * 1024 * 1024
 
 class StreamAborted(StorageError):
     """The sender ended the stream with an ABORT frame."""
+
+
+class LimitExceeded(StorageError):
+    """A stream sent more bytes than its receiver accepts."""
 
 
 @dataclass
@@ -123,6 +127,7 @@ class FrameDecoder:
         self._hlen = self._plen = 0
         self._hraw = b""
         self._error: CorruptCheckpoint | None = None
+        self._scratch = bytearray(FRAME_PREFIX_BYTES)  # read-into mode: a prefix or header lands here
 
     @property
     def at_boundary(self) -> bool:
@@ -155,6 +160,35 @@ class FrameDecoder:
         except CorruptCheckpoint as exc:
             self._error = exc
             self._buf, self._payload = bytearray(), None
+            raise
+
+    def want(self) -> memoryview:
+        """Where the next bytes of the stream go (read-into mode, for a reader that fills buffers
+        itself, e.g. `socket.recv_into`): the rest of the current frame's payload, written in place
+        (no copy), or a small scratch buffer for the next field of its prefix or header. Fill some
+        of it, then call `got(n)`. Never more than the current frame's declared bytes."""
+        if self._error is not None:
+            raise self._error
+        if self._payload is not None:
+            return memoryview(self._payload)[self._got :]
+        marks = (4, _PREFIX.size, FRAME_PREFIX_BYTES)
+        need = next((m for m in marks if len(self._buf) < m), FRAME_PREFIX_BYTES + self._hlen) - len(self._buf)
+        if len(self._scratch) < need:
+            self._scratch = bytearray(need)
+        return memoryview(self._scratch)[:need]
+
+    def got(self, n: int) -> list[Frame]:
+        """`n` bytes were written into the view `want()` returned: the frames they complete."""
+        if self._payload is None:
+            return self.feed(memoryview(self._scratch)[:n])
+        self._got += n
+        if self._got < len(self._payload):
+            return []
+        payload, self._payload = self._payload, None
+        try:
+            return [self._build(_KINDS[self._magic], self._hraw, payload)]
+        except CorruptCheckpoint as exc:
+            self._error = exc
             raise
 
     def _head(self, mv: memoryview) -> memoryview:
@@ -231,6 +265,29 @@ class StreamReceiver:
                 if self.manifest is not None:
                     raise CorruptCheckpoint("frame received after the manifest")
                 self._handle(frame)
+        except BaseException:
+            self._release()
+            raise
+        return self.manifest
+
+    def receive_from(self, read_into: Callable[[memoryview], int], limit: int | None = None) -> Manifest:
+        """Read frames until the manifest commits them, each byte written once, straight into the
+        buffer it is kept in (`read_into(view)` fills part of `view` and says how much, 0 at the end
+        of input, like `socket.recv_into`). `limit`: more bytes than that is ImportTooLarge's cue,
+        raised as `LimitExceeded`; an end of input before the manifest is a truncated stream."""
+        try:
+            while self.manifest is None:
+                view = self.decoder.want()
+                if limit is not None and self.bytes_received + len(view) > limit:
+                    raise LimitExceeded(f"the stream sent more than the {limit}-byte limit")
+                n = read_into(view)
+                if not n:
+                    return self.close()
+                self.bytes_received += n
+                for frame in self.decoder.got(n):
+                    if self.manifest is not None:
+                        raise CorruptCheckpoint("frame received after the manifest")
+                    self._handle(frame)
         except BaseException:
             self._release()
             raise

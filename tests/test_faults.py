@@ -77,7 +77,8 @@ def ab(kit) -> tuple[str, str]:
 
 @pytest.fixture()
 def px(kit) -> Iterator[Proxy]:
-    """A fault-injecting link to replica b."""
+    """A fault-injecting link to replica b's HTTP port: the tests through it push their rounds over
+    HTTP (`transport="http"`); the same faults on the frame link: tests/test_frame_link.py."""
     p = Proxy(port_of(kit["procs"]["b"].url))
     try:
         yield p
@@ -91,7 +92,7 @@ def test_network_cut_mid_round_resumes_from_acknowledged_chunks(ab, px, refs):
     retried, sending only the chunks the target does not acknowledge holding, and the
     migration completes with every output unchanged."""
     a, b = ab
-    m = migrate_streams(a, px.url, [b], arm=lambda: px.arm("cut", after=30_000),  # inside round 0's frames
+    m = migrate_streams(a, px.url, [b], transport="http", arm=lambda: px.arm("cut", after=30_000),  # inside round 0's frames
                         max_rounds=2, timeout_s=30, source_for_target=a)
     assert px.fired.is_set() and m.result.retries >= 1
     finish_moved(m, refs, px.url, a)
@@ -102,7 +103,7 @@ def test_network_cut_mid_round_resumes_from_acknowledged_chunks(ab, px, refs):
 def test_network_cut_that_persists_sessions_stay_on_source(ab, px, refs):
     """Every retry is cut too: the migration fails in pre-copy and the sessions stay home."""
     a, b = ab
-    m = migrate_streams(a, px.url, [b], arm=lambda: px.arm("partition", after=30_000), raises=MigrationError,
+    m = migrate_streams(a, px.url, [b], transport="http", arm=lambda: px.arm("partition", after=30_000), raises=MigrationError,
                         match="pre-copy", timeout_s=10)
     assert px.fired.is_set() and m.seconds < 30
     assert "the sessions continue on the source" in str(m.error)
@@ -122,7 +123,7 @@ def test_partition_between_rounds_target_frees_reservations_alone(ab, px, refs):
             seen["blocks"] = replica_state(b)["kv_blocks_used"]
             px.arm("partition", after=0)
 
-    m = migrate_streams(a, px.url, [b], raises=MigrationError, match="pre-copy", max_rounds=3, timeout_s=5,
+    m = migrate_streams(a, px.url, [b], transport="http", raises=MigrationError, match="pre-copy", max_rounds=3, timeout_s=5,
                         on_phase=on_phase)
     assert seen["blocks"] > 0  # round 0 reserved blocks on the target
     finish(m.streams, refs, a)
@@ -131,7 +132,7 @@ def test_partition_between_rounds_target_frees_reservations_alone(ab, px, refs):
 
 def test_slow_peer_migration_completes_on_target(ab, px, refs):
     a, b = ab
-    m = migrate_streams(a, px.url, [b], arm=lambda: px.arm("slow", after=0, delay=0.005),  # 5 ms per 16 KiB
+    m = migrate_streams(a, px.url, [b], transport="http", arm=lambda: px.arm("slow", after=0, delay=0.005),  # 5 ms per 16 KiB
                         max_rounds=2, timeout_s=30, source_for_target=a)
     finish_moved(m, refs, px.url, a)
     idle(a)
@@ -141,7 +142,7 @@ def test_slow_peer_migration_completes_on_target(ab, px, refs):
 def test_stalled_peer_times_out_sessions_stay_on_source(ab, px, refs):
     a, b = ab
     # retries=0: one timeout, not a retry loop
-    m = migrate_streams(a, px.url, [b], arm=lambda: px.arm("stall", after=20_000), raises=MigrationError,
+    m = migrate_streams(a, px.url, [b], transport="http", arm=lambda: px.arm("stall", after=20_000), raises=MigrationError,
                         match="pre-copy", timeout_s=2, retries=0)
     assert m.seconds < 20
     px.heal()
@@ -153,7 +154,7 @@ def test_garbled_frames_refused_by_target(ab, px, refs):
     a, b = ab
     # retries=0: when the garbling breaks the HTTP framing (a transport error) the round would
     # otherwise be resumed like a cut one, and succeed
-    m = migrate_streams(a, px.url, [b], arm=lambda: px.arm("garble", after=40_000), raises=MigrationError,
+    m = migrate_streams(a, px.url, [b], transport="http", arm=lambda: px.arm("garble", after=40_000), raises=MigrationError,
                         match="pre-copy", timeout_s=10, retries=0)
     # refused as corrupt frames (400), or as a broken HTTP body when the garbling hit its framing (the
     # target's HTTP server then drops the connection: closed, or reset while the body was still coming,
@@ -168,7 +169,7 @@ def test_garbled_frames_refused_by_target(ab, px, refs):
 def test_target_answers_garbage(ab, px, refs):
     a, b = ab
     # retries=0: a round whose answer is garbage is otherwise retried like a cut (see above)
-    m = migrate_streams(a, px.url, [b], arm=lambda: px.arm("garbage", after=10_000), raises=MigrationError,
+    m = migrate_streams(a, px.url, [b], transport="http", arm=lambda: px.arm("garbage", after=10_000), raises=MigrationError,
                         timeout_s=10, retries=0)
     assert "continue on the source" in str(m.error)
     finish(m.streams, refs, a)

@@ -51,6 +51,17 @@ def _hello(s: socket.socket, tid: str, mac: str) -> None:
     s.sendall(struct.pack(">I", len(h)) + h)
 
 
+def _one_reply(s: socket.socket) -> tuple[int, dict]:
+    """One reply, without waiting for the connection to end (the go-ahead after a good hello)."""
+    data = b""
+    while len(data) < 8 or len(data) < 8 + struct.unpack(">II", data[:8])[1]:
+        got = s.recv(65536)
+        assert got, "the target closed the link"
+        data += got
+    status, n = struct.unpack(">II", data[:8])
+    return status, json.loads(data[8:8 + n])
+
+
 def _reply(s: socket.socket) -> tuple[int, dict]:
     data = b""
     while True:
@@ -78,13 +89,15 @@ def test_garbage_is_refused_and_a_cut_is_kept(pair):
     b = pair[1].url
     s, challenge = _connect(b)
     _hello(s, "t-garbage", link_mac(TOKEN, challenge, "t-garbage"))
-    s.sendall(struct.pack(">Q", 16) + b"XXXX" + bytes(12))
+    assert _one_reply(s)[0] == 100  # go on
+    s.sendall(b"XXXX" + bytes(12))
     status, body = _reply(s)
     assert status == 400 and "magic" in body["error"]["message"]
-    # a round cut before its end segment stays open on the target (resumable), not refused
+    # a round cut before its manifest stays open on the target (resumable), not refused
     s, challenge = _connect(b)
     _hello(s, "t-cut", link_mac(TOKEN, challenge, "t-cut"))
-    s.sendall(struct.pack(">Q", 1 << 20) + b"RLC1")
+    assert _one_reply(s)[0] == 100
+    s.sendall(b"RLC1")
     s.close()
     st = httpx.get(f"{b}/v1/sessions/transfers/t-cut", headers=AUTH).json()
     for _ in range(50):
