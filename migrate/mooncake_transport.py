@@ -2,25 +2,21 @@
 export's `"transport": "mooncake"` or RELAYOUT_TRANSPORT=mooncake (docs/protocol.md).
 
 Mooncake writes one-sided into memory a peer registered, so the round is steered over the
-target's authenticated HTTP routes (MOONCAKE_PATH, the replica's bearer token) and only the bytes
-take Mooncake:
+target's authenticated HTTP routes (MOONCAKE_PATH, the replica's bearer token); only bytes take Mooncake:
 
-    source -> POST .../open?transfer=T&final=F&source=S   target registers a receive buffer (a ring
-                                                          of SLOTS slots) for this round only and
-                                                          answers {session: host:rpc_port, addr, size, slots}
-    source    writes the round's frames (the same bytes HTTP would carry) into slot k of that ring
-    source -> POST .../segment?transfer=T&seq=N&slot=k&length=n   target copies slot k into the
-                                                          round's import (TransferTable.import_round),
-                                                          answers: slot k is free again
-    source -> POST .../end?transfer=T                     target finishes the import, unregisters the
-                                                          buffer, answers with the import reply
-    source -> POST .../cut?transfer=T                     (on a failure) the round is cut: kept for a resume
+    POST .../open?transfer=T&final=F&source=S  the target registers a receive ring (SLOTS slots) for this
+                                               round only: {session: host:rpc_port, addr, size, slots}
+    (Mooncake write)                           the source writes the round's frames (the bytes HTTP would
+                                               carry) into slot k of that ring
+    POST .../segment?transfer=T&seq=N&slot=k&length=n   the target feeds slot k to the round's import
+                                               (TransferTable.import_round); answered: slot k is free
+    POST .../end?transfer=T                    the import's reply; the ring is unregistered by then
+    POST .../cut?transfer=T                    (a failed push) the round is cut: kept for a resume
 
-Hash checks, leases and the two-phase commit stay the import's, unchanged. Mooncake's ports listen
-on every interface without authentication, so memory is registered only while an authenticated
-round runs (the receive ring on the target, the staging ring on the source). The engine is one
-per process, started on first use (P2PHANDSHAKE: no metadata server), and rebuilt after a failed
-write, which can poison the peer connection."""
+Hash checks, leases and the two-phase commit stay the import's. Mooncake's ports listen on every
+interface without authentication, so memory is registered only while an authenticated round runs
+(the target's ring, the source's staging ring). One engine per process, started on first use
+(P2PHANDSHAKE: no metadata server), rebuilt after a failed write (which can poison the connection)."""
 
 from __future__ import annotations
 
@@ -30,6 +26,7 @@ import mmap
 import os
 import socket
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -42,9 +39,10 @@ from relayout.migrate.transport import PushFailed
 
 MOONCAKE_PATH = "/v1/sessions/import/mooncake"
 SLOTS = 4  # ring slots: the source fills and writes one while the target imports another
-ENTRY_BYTES = 1 << 20  # one batch entry; a 16 MiB slot is 16 entries, far under Mooncake's ~2000 limit
+ENTRY_BYTES = 16 << 20  # one batch entry (larger entries moved faster over TCP here); far under ~2000 per batch
 MAX_BATCH = 1024  # more entries per batch are refused by Mooncake and can poison the connection
 MAX_RECEIVES = 4  # rounds this replica receives over Mooncake at once (each holds one ring)
+KEEP_ENDED_S = 60.0  # an ended round's outcome is kept this long for its source's next call
 DISABLE_ENV = "RELAYOUT_MOONCAKE_DISABLED"  # "1": behave as if Mooncake were not installed (tests, ops)
 
 ImportRound = Callable[..., Awaitable[dict]]  # TransferTable.import_round
@@ -53,11 +51,8 @@ Classify = Callable[[BaseException], tuple[int, str]]
 
 def ring_bytes() -> int:
     """RELAYOUT_MOONCAKE_BUFFER_MB (default 64, 1–1024): the receive ring of one round."""
-    try:
-        mb = int(os.environ.get("RELAYOUT_MOONCAKE_BUFFER_MB", "64"))
-    except ValueError:
-        mb = 64
-    return max(1, min(1024, mb)) << 20
+    mb = os.environ.get("RELAYOUT_MOONCAKE_BUFFER_MB", "64")
+    return max(1, min(1024, int(mb) if mb.isdigit() else 64)) << 20
 
 
 def unavailable() -> str | None:
@@ -114,6 +109,7 @@ class _Ring:
     registered with an engine only while a round uses it."""
 
     free: list[_Ring] = []
+    stuck: list[_Ring] = []  # still registered (unregister failed): kept alive, never reused
     free_lock = threading.Lock()
 
     def __init__(self, size: int):
@@ -137,12 +133,14 @@ class _Ring:
         self.engine = engine
 
     def release(self) -> None:
-        """Unregister (nothing can write here any more), then keep the memory for the next round."""
+        """Unregister (nothing can write here any more), then keep the memory for the next round. A
+        ring Mooncake failed to unregister is never reused nor freed: a peer may still write into it."""
         if self.engine is not None:
-            try:
-                self.engine.unregister_memory(self.addr)  # type: ignore[attr-defined]
-            finally:
-                self.engine = None
+            engine, self.engine = self.engine, None
+            if engine.unregister_memory(self.addr) != 0:  # type: ignore[attr-defined]
+                with self.free_lock:
+                    self.stuck.append(self)
+                return
         with self.free_lock:
             if len(self.free) < 2:
                 self.free.append(self)
@@ -158,25 +156,36 @@ class _Receive:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     task: asyncio.Task | None = None
     seq: int = 0  # the next segment expected
+    closed: bool = False
+    ended: float | None = None  # monotonic time the import ended
+
+    def close(self) -> None:
+        """Unregister the ring (once: a ring must not go back to the pool twice)."""
+        if not self.closed:
+            self.closed = True
+            self.ring.release()
 
     async def pieces(self) -> AsyncIterator[bytes]:
         """The round's bytes, segment by segment; each is copied out of the ring (so its slot is
         free again at once) before the import parses it."""
         slot = self.ring.size // self.slots
-        while True:
-            try:
-                item = await asyncio.wait_for(self.queue.get(), self.timeout_s)
-            except asyncio.TimeoutError:
-                raise RoundCut() from None  # the source went silent: a cut round, kept for a resume
-            if item is None:
-                return
-            if isinstance(item, RoundCut):
-                raise item
-            k, n, done = item
-            piece = bytes(self.ring.view[k * slot:k * slot + n])
-            if not done.done():
-                done.set_result(None)
-            yield piece
+        try:
+            while True:
+                try:
+                    item = await asyncio.wait_for(self.queue.get(), self.timeout_s)
+                except asyncio.TimeoutError:
+                    raise RoundCut() from None  # the source went silent: a cut round, kept for a resume
+                if item is None:
+                    return
+                if isinstance(item, RoundCut):
+                    raise item
+                k, n, done = item
+                piece = bytes(self.ring.view[k * slot:k * slot + n])
+                if not done.done():
+                    done.set_result(None)
+                yield piece
+        finally:
+            self.close()  # the last byte is out: nothing may be written here any more (unregistering is cheap)
 
 
 def install_mooncake_routes(r: APIRouter, import_round: ImportRound, classify: Classify) -> None:
@@ -204,12 +213,17 @@ def install_mooncake_routes(r: APIRouter, import_round: ImportRound, classify: C
             raise fail(e) from None
 
     async def run(rx: _Receive, final: bool, source: str | None) -> dict:
+        # an ended round stays listed (its outcome answers the source's next segment or end) until
+        # its end or cut is asked, the transfer opens another round, or KEEP_ENDED_S passed
         try:
             return await import_round(rx.transfer, rx.pieces(), final, source, None)
         finally:
-            if receives.get(rx.transfer) is rx:
-                del receives[rx.transfer]
-            await asyncio.to_thread(rx.ring.release)
+            rx.close()  # also when the import stopped before the end (a refused round)
+            rx.ended = time.monotonic()
+
+    def forget(rx: _Receive) -> None:
+        if receives.get(rx.transfer) is rx:
+            del receives[rx.transfer]
 
     def current(transfer: str) -> _Receive:
         rx = receives.get(check_id(transfer, "transfer id"))
@@ -226,11 +240,14 @@ def install_mooncake_routes(r: APIRouter, import_round: ImportRound, classify: C
         why = unavailable()
         if why:
             raise HTTPError(400, f"transport mooncake is not available on the target: {why}")
+        for tid, x in list(receives.items()):
+            if x.ended is not None and time.monotonic() - x.ended > KEEP_ENDED_S:
+                del receives[tid]
         old = receives.pop(transfer, None)
         if old is not None:  # a retry after a cut the target did not notice: the old round ends as cut
             old.queue.put_nowait(RoundCut())
             await asyncio.wait({old.task})  # type: ignore[arg-type]
-        if len(receives) >= MAX_RECEIVES:
+        if sum(x.ended is None for x in receives.values()) >= MAX_RECEIVES:
             raise HTTPError(429, "too many mooncake rounds in flight on the target")
         host = (request.scope.get("server") or ("127.0.0.1", 0))[0]
         ring = _Ring.take(ring_bytes())
@@ -243,11 +260,15 @@ def install_mooncake_routes(r: APIRouter, import_round: ImportRound, classify: C
             raise HTTPError(503, f"mooncake on the target: {e}") from None
         rx = receives[transfer] = _Receive(transfer, ring, SLOTS, min(max(timeout_s, 1.0), 3600.0))
         rx.task = asyncio.ensure_future(run(rx, final, source))
+        rx.task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: answered via outcome()
         return {"session": session, "addr": ring.addr, "size": ring.size, "slots": SLOTS}
 
     @r.post(f"{MOONCAKE_PATH}/segment")
     async def segment(transfer: str, seq: int, slot: int, length: int):
         rx = current(transfer)
+        if rx.task.done():  # type: ignore[union-attr]
+            forget(rx)
+            await outcome(rx)  # raises the refusal (a round cannot end well before its end)
         if seq != rx.seq or not 0 <= slot < rx.slots or not 0 < length <= rx.ring.size // rx.slots:
             raise HTTPError(400, f"bad segment (seq {seq}, expected {rx.seq}; slot {slot}; length {length})")
         rx.seq += 1
@@ -260,11 +281,14 @@ def install_mooncake_routes(r: APIRouter, import_round: ImportRound, classify: C
     async def end(transfer: str):
         rx = current(transfer)
         rx.queue.put_nowait(None)
-        return await outcome(rx)
+        try:
+            return await outcome(rx)
+        finally:
+            forget(rx)
 
     @r.post(f"{MOONCAKE_PATH}/cut")
     async def cut(transfer: str):
-        rx = receives.get(check_id(transfer, "transfer id"))
+        rx = receives.pop(check_id(transfer, "transfer id"), None)
         if rx is not None:
             rx.queue.put_nowait(RoundCut())
             await asyncio.wait({rx.task})  # type: ignore[arg-type]
@@ -324,6 +348,8 @@ class MooncakeTransport:
                     await asyncio.to_thread(ring.register, engine)
                     await self._send(c, base, transfer, frames, engine, str(peer["session"]), int(peer["addr"]),
                                      ring, int(peer["slots"]))
+                    ring.release()  # every byte written: the staging ring is unregistered before the import ends
+                    ring = None
                 except OSError as e:  # Mooncake itself failed: rebuild its engine before the next round
                     if engine is not None:
                         ENGINE.discard(engine)
@@ -385,10 +411,15 @@ class MooncakeTransport:
                 filled.put_nowait((seq % slots, n, seq))
             filled.put_nowait(None)
 
+        inflight: list[asyncio.Future] = []  # the write running in a thread, which a cancel does not stop
+
         async def write() -> None:
+            loop = asyncio.get_running_loop()
             while (item := await filled.get()) is not None:
                 k, n, _ = item
-                await asyncio.to_thread(_write, engine, session, ring.addr + k * slot, peer_addr + k * slot, n)
+                inflight[:] = [loop.run_in_executor(None, _write, engine, session, ring.addr + k * slot,
+                                                    peer_addr + k * slot, n)]
+                await asyncio.shield(inflight[0])
                 written.put_nowait(item)
             written.put_nowait(None)
 
@@ -408,3 +439,7 @@ class MooncakeTransport:
                 if not t.done():
                     t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            if inflight and not inflight[0].done():  # the staging ring is released after this: wait for its reader
+                await asyncio.wait(inflight, timeout=60)
+            if inflight and inflight[0].done() and not inflight[0].cancelled():
+                inflight[0].exception()  # retrieved: the failure that counts was raised above

@@ -58,6 +58,33 @@ def test_live_migration_over_mooncake(pair):
     assert r.status_code == 404
 
 
+def test_ring_is_writable_only_during_its_round(pair):
+    """Mooncake authenticates nobody: the ring is registered from `open` to the round's end only, and
+    bytes written there by anyone are checked by the import (here: refused, bad magic)."""
+    import ctypes
+    import mmap
+
+    from mooncake.engine import TransferEngine
+
+    b = pair[1].url
+    peer = httpx.post(f"{b}{MOONCAKE_PATH}/open", params={"transfer": "t-ring"}, headers=AUTH, timeout=30).json()
+    e = TransferEngine()
+    assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    mem = mmap.mmap(-1, 1 << 20)
+    mem[:16] = b"XXXX" + bytes(12)
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(mem))
+    assert e.register_memory(addr, 1 << 20) == 0
+    assert e.transfer_sync_write(peer["session"], addr, peer["addr"], 4096) == 0  # open: anyone may write
+    r = httpx.post(f"{b}{MOONCAKE_PATH}/segment", params={"transfer": "t-ring", "seq": 0, "slot": 0, "length": 16},
+                   headers=AUTH, timeout=30)
+    if r.status_code == 200:  # taken; the refusal comes with the end
+        r = httpx.post(f"{b}{MOONCAKE_PATH}/end", params={"transfer": "t-ring"}, headers=AUTH, timeout=30)
+    assert r.status_code == 400 and "magic" in r.json()["error"]["message"], r.text
+    assert e.transfer_sync_write(peer["session"], addr, peer["addr"], 4096) != 0  # unregistered once the round ended
+    assert httpx.get(f"{b}/v1/sessions/transfers/t-ring", headers=AUTH).json()["incoming"] in (None, "aborted")
+    e.unregister_memory(addr)
+
+
 def test_mooncake_routes_need_the_token(pair):
     r = httpx.post(f"{pair[1].url}{MOONCAKE_PATH}/open", params={"transfer": "t-noauth"}, timeout=10)
     assert r.status_code == 401
