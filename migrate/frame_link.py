@@ -61,6 +61,18 @@ def link_mac(token: str | None, challenge: bytes, transfer: str) -> str:
     return hmac.new(token.encode(), challenge + transfer.encode(), hashlib.sha256).hexdigest()
 
 
+def link_address(port: int) -> dict:
+    """What `GET LINK_PATH` answers: the link's port, or RELAYOUT_LINK_ADVERTISE's HOST:PORT where
+    sources reach it through a forwarded port (NAT, a Kubernetes Service, a test's proxy)."""
+    adv = os.environ.get("RELAYOUT_LINK_ADVERTISE")
+    if not adv:
+        return {"port": port}
+    host, _, p = adv.rpartition(":")
+    if not host or not p.isdigit():
+        raise ValueError(f"RELAYOUT_LINK_ADVERTISE must be HOST:PORT, not {adv!r}")
+    return {"host": host.strip("[]"), "port": int(p)}
+
+
 def idle_timeout() -> float:
     try:
         return max(0.1, float(os.environ.get("RELAYOUT_LINK_IDLE_S", "30")))
@@ -237,11 +249,12 @@ class TcpTransport:
                 raise self.failed(f"target link: {type(e).__name__}: {e or 'no detail'}", True) from None
             if resp.status_code >= 400:
                 raise self.failed(f"target link: HTTP {resp.status_code}: {error_message(resp)}", False)
-            port = resp.json().get("port")
-            if not isinstance(port, int):
+            addr = resp.json()
+            port, host = addr.get("port"), addr.get("host") or u.hostname or "127.0.0.1"
+            if not isinstance(port, int) or not isinstance(host, str):
                 raise self.failed("target link: no port in the answer", False)
             hello = {"transfer": transfer, "final": final, "source": source}
-            status, body = await asyncio.to_thread(self._push, u.hostname or "127.0.0.1", port, hello, blocking(),
+            status, body = await asyncio.to_thread(self._push, host, port, hello, blocking(),
                                                    timeout_s, stop)
         finally:
             stop.set()  # cancelled (the transfer ended): the sending thread stops at its next piece

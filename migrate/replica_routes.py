@@ -47,7 +47,7 @@ from relayout.engine.web import (
     tls_context,
 )
 from relayout.migrate.engine_ops import EngineThreadOps, import_limits
-from relayout.migrate.frame_link import LINK_PATH, FrameLinkServer, TcpTransport
+from relayout.migrate.frame_link import LINK_PATH, FrameLinkServer, TcpTransport, link_address
 from relayout.migrate.mooncake_transport import MooncakeTransport, install_mooncake_routes
 from relayout.migrate.mooncake_transport import unavailable as mooncake_unavailable
 from relayout.migrate.transfers import (
@@ -304,7 +304,8 @@ def install_replica_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
         """The port of this replica's raw frame link (migrate.frame_link), listening on the address
         this request arrived on."""
         host = (request.scope.get("server") or ("127.0.0.1", 0))[0]
-        return {"port": await link.ensure(host)}
+        port = await link.ensure(host)
+        return link_address(port)
 
     @r.post("/v1/sessions/transfers/{transfer}/commit")
     async def commit_incoming(transfer: str):

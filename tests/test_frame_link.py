@@ -1,6 +1,7 @@
-"""The raw frame link (RELAYOUT_TRANSPORT=tcp): real replica processes, the source pushes each round
-over TCP; sessions finish on the target unchanged, a connection with a wrong MAC is refused, and
-a connection cut inside a round keeps what arrived (a resume sends only the rest)."""
+"""The raw frame link (the default transport, tcp): real replica processes, the source pushes each
+round over TCP; sessions finish on the target unchanged, a connection with a wrong MAC is refused, a
+connection cut inside a round keeps what arrived (a resume sends only the rest), and the network
+faults of the fault matrix (a cut, a stall, garbled bytes) through a proxy on the link itself."""
 
 from __future__ import annotations
 
@@ -11,11 +12,21 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from relayout.engine.workers import free_port
 from relayout.migrate.frame_link import CHALLENGE_BYTES, LINK_MAGIC, LINK_PATH, link_mac
-from relayout.migrate.live import migrate_live
+from relayout.migrate.live import MigrationError, migrate_live
 from relayout.migrate.procs import replica
 
-from tests.migration_helpers import Moved, finish_moved, idle, reference, streams_on
+from tests.migration_helpers import (
+    Moved,
+    finish,
+    finish_moved,
+    idle,
+    migrate_with_streams,
+    reference,
+    streams_on,
+)
+from tests.proxy import Proxy
 
 TOKEN = "link-secret"
 ENV = {"RELAYOUT_TRANSPORT": "tcp", "RELAYOUT_TOKEN": TOKEN}
@@ -117,3 +128,60 @@ def test_live_migration_over_the_link(pair):
     finish_moved(m, refs, b, a)
     idle(a)
     idle(b)
+
+
+# ---- the fault matrix's network faults, on the frame link (tests/test_faults.py injects them on HTTP) ----
+FAULT_BODIES = [dict(prompt=f"link fault {i}: " + "the quick brown fox " * (8 + 3 * i), max_tokens=192,
+                     ignore_eos=True, **({"temperature": 0.8, "seed": 7 + i} if i % 2 else {"temperature": 0.0}))
+                for i in range(2)]
+
+
+@pytest.fixture(scope="module")
+def linked():
+    """Source a, target b whose frame link sources reach through a fault-injecting proxy (b advertises
+    the proxy's address: RELAYOUT_LINK_ADVERTISE); b treats a link silent for 2 s as cut."""
+    link_port = free_port()
+    px = Proxy(link_port)
+    env_b = {**ENV, "RELAYOUT_LINK_PORT": str(link_port), "RELAYOUT_LINK_ADVERTISE": f"127.0.0.1:{px.port}",
+             "RELAYOUT_LINK_IDLE_S": "2", "RELAYOUT_TRANSFER_TTL_S": "2"}
+    with ThreadPoolExecutor(2) as pool:
+        futs = [pool.submit(replica, None, {**ENV, "RELAYOUT_TRANSFER_TTL_S": "2"}), pool.submit(replica, None, env_b)]
+        procs = [f.result() for f in futs]
+    try:
+        a, b = (p.url for p in procs)
+        yield a, b, px, [reference(b, body) for body in FAULT_BODIES]
+    finally:
+        px.close()
+        for p in procs:
+            p.stop()
+
+
+def test_link_cut_mid_round_resumes_from_acknowledged_chunks(linked):
+    a, b, px, refs = linked
+    m = migrate_with_streams(a, b, [b], FAULT_BODIES, arm=lambda: px.arm("cut", after=30_000), max_rounds=2,
+                             timeout_s=30, token=TOKEN)
+    assert px.fired.is_set() and m.result.retries >= 1
+    finish_moved(m, refs, b, a)
+    idle(a)
+    idle(b)
+
+
+def test_link_stalled_sessions_stay_on_source(linked):
+    a, b, px, refs = linked
+    m = migrate_with_streams(a, b, [b], FAULT_BODIES, arm=lambda: px.arm("stall", after=20_000), raises=MigrationError,
+                             match="pre-copy", timeout_s=2, retries=0, token=TOKEN)
+    assert px.fired.is_set() and m.seconds < 20
+    assert "continue on the source" in str(m.error)
+    px.heal()
+    finish(m.streams, refs, a)
+    idle(b, timeout=15)
+
+
+def test_link_garbled_frames_refused_by_target(linked):
+    a, b, px, refs = linked
+    m = migrate_with_streams(a, b, [b], FAULT_BODIES, arm=lambda: px.arm("garble", after=40_000), raises=MigrationError,
+                             match="pre-copy", timeout_s=10, retries=0, token=TOKEN)
+    assert px.fired.is_set() and "continue on the source" in str(m.error)
+    assert any(w in str(m.error) for w in ("HTTP 400", "reset", "closed")), m.error
+    finish(m.streams, refs, a)
+    idle(b, timeout=15)
