@@ -250,6 +250,13 @@ def measure_recompute(c: Ctx) -> dict:
             "recompute_from_last_token_ms": round((t.times[0] - s.times[-1]) * 1000, 2)}
 
 
+def warm_up(url: str, timeout: float) -> None:
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": prompt(64, salt=3), "max_tokens": 4, "temperature": 0},
+                   timeout=timeout)
+    if r.status_code >= 400:
+        raise BenchError(f"warm-up request: HTTP {r.status_code}: {r.text[:300]}")
+
+
 def reference(c: Ctx) -> list[int]:
     n = max(len(v) for v in c.sessions.values())
     r = httpx.post(f"{c.dst}/v1/completions", json={**_completion(c.ids, n), "stream": False}, timeout=c.timeout)
@@ -341,6 +348,8 @@ def _run(model: str | None, contexts: list[int] | None, quick: bool, device: str
     reps = [Replica(model, SOURCE_LAYOUT, kv_mb, device, src_cpus), Replica(model, TARGET_LAYOUT, kv_mb, device, dst_cpus)]
     try:
         src, dst = (r.wait_ready() for r in reps)
+        for url in (src, dst):  # a serving replica has run steps before anyone moves its sessions: the
+            warm_up(url, timeout)  # first forward pass's one-time costs are not a migration's
         links = [link_gbps(sender_cpus=src_cpus)]
         log(f"link (plain TCP between two processes): {links[0]:.2f} GB/s")
         results: dict = {}
