@@ -37,6 +37,7 @@ from urllib.parse import urlsplit
 
 import httpx
 from relayout.engine.web import bearer_headers, error_message, tls_context
+from relayout.migrate.transport import in_thread
 
 LINK_PATH = "/v1/sessions/import/link"
 LINK_MAGIC = b"RLK2"  # 2: frames follow the go-ahead unsegmented (RLK1 wrapped them in length segments)
@@ -254,8 +255,9 @@ class TcpTransport:
             if not isinstance(port, int) or not isinstance(host, str):
                 raise self.failed("target link: no port in the answer", False)
             hello = {"transfer": transfer, "final": final, "source": source}
-            status, body = await asyncio.to_thread(self._push, host, port, hello, blocking(),
-                                                   timeout_s, stop)
+            # a pre-copy round's thread (copying out of the pool, hashing, sending) is a pre-copy worker
+            status, body = await in_thread(self._push, host, port, hello, blocking(), timeout_s, stop,
+                                           background=bool(getattr(frames, "background", False)))
         finally:
             stop.set()  # cancelled (the transfer ended): the sending thread stops at its next piece
             await frames.aclose()

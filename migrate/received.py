@@ -3,10 +3,10 @@ verified on receipt), until their KV is in the pool."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
+from relayout.migrate.transport import in_thread
 from relayout.storage.chunks import keep_freed_memory
 from relayout.storage.manifest import ChunkRef, Manifest
 from relayout.storage.store_base import check_hash
@@ -24,11 +24,12 @@ class Staging(Protocol):
 
 
 async def receive_round_bytes(i: Staging, recv: StreamReceiver, pieces: AsyncIterator[bytes] | ReadInto, limit: int,
-                              clock: Callable[[], float]) -> Manifest:
+                              clock: Callable[[], float], background: bool = False) -> Manifest:
     """One round's frames into `recv` until its manifest, from either kind of transport: byte pieces
     as they arrive (an HTTP body), or a `read_into(view) -> n` that fills buffers itself (the frame
     link's socket: read on a thread, each chunk straight into the buffer it is kept in). Every byte
-    counts against `limit` (LimitExceeded) and renews the transfer's lease."""
+    counts against `limit` (LimitExceeded) and renews the transfer's lease. `background` (a pre-copy
+    round): the reading thread is a pre-copy worker (migrate.transport.background_thread)."""
     if callable(pieces):
         read = pieces
 
@@ -38,7 +39,7 @@ async def receive_round_bytes(i: Staging, recv: StreamReceiver, pieces: AsyncIte
             i.last = clock()  # a round still arriving is not an idle transfer
             return n
 
-        return await asyncio.to_thread(recv.receive_from, read_into, limit - i.staged)
+        return await in_thread(recv.receive_from, read_into, limit - i.staged, background=background)
     async for piece in pieces:
         if piece:
             i.staged += len(piece)

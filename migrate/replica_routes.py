@@ -282,7 +282,7 @@ def install_replica_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
         # push: only this transfer's frames, only to the import route of a URL an authenticated caller gave
         counter = [0]
         send = chosen.push(body.target, body.transfer, pump(frames, None if body.pause else precopy_mbps(),
-                                                               counter=counter),
+                                                               counter=counter, background=not body.pause),
                               final=body.pause, source=body.source, timeout_s=body.timeout_s)
         return StreamingResponse(progress_stream(table.push(body.transfer, send), counter,
                                                  min(1.0, body.timeout_s / 4)), media_type="application/json")

@@ -321,7 +321,7 @@ class TransferTable:
         recv = StreamReceiver(i.store, max_frame_bytes=self.frame_limit)
         try:
             try:
-                manifest = await receive_round_bytes(i, recv, pieces, self.import_limit, self.clock)
+                manifest = await receive_round_bytes(i, recv, pieces, self.import_limit, self.clock, background=not final)
             except LimitExceeded:
                 raise ImportTooLarge(f"transfer {tid} sent more than this replica's import limit of "
                                      f"{self.import_limit} bytes") from None

@@ -18,14 +18,16 @@ import json
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Iterator
-from typing import Protocol
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Protocol, TypeVar
 
 import httpx
 from relayout.engine.tracing import async_inject_hooks
 from relayout.engine.web import bearer_headers, error_message, tls_context
+from relayout.storage.chunks import work_inline
 
 IMPORT_PATH = "/v1/sessions/import"
+T = TypeVar("T")
 PUMP_DEPTH = 6  # frames produced ahead of the sender (each at most a chunk: a few MiB)
 
 
@@ -89,16 +91,66 @@ def precopy_mbps() -> float | None:
     return v if v > 0 else None
 
 
+def precopy_nice() -> int:
+    """RELAYOUT_PRECOPY_NICE: the nice value of the threads that copy, hash and move pre-copy rounds
+    (default 10: under contention the kernel gives them about a tenth of what a decoding thread
+    gets; 0: the same as decoding)."""
+    try:
+        return max(0, min(19, int(os.environ.get("RELAYOUT_PRECOPY_NICE", "10"))))
+    except ValueError:
+        return 10
+
+
+def background_thread() -> None:
+    """Make the calling thread a pre-copy worker: lower its priority (Linux: nice is per thread;
+    it can never be raised again, so only threads made for one round call this) and keep its copies
+    on it rather than on the shared chunk pool, whose threads run at normal priority."""
+    nice = precopy_nice()
+    if nice and hasattr(os, "setpriority"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        except OSError:
+            pass  # not permitted here: the round runs at normal priority
+    work_inline()
+
+
+async def in_thread(fn: Callable[..., T], *args: object, background: bool = False) -> T:
+    """fn(*args) on a thread of its own (a pre-copy worker when `background`), awaited."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future = loop.create_future()
+
+    def settle(res: object, exc: BaseException | None) -> None:
+        if not fut.done():  # (cancelled: nobody waits for it any more)
+            fut.set_result(res) if exc is None else fut.set_exception(exc)
+
+    def run() -> None:
+        res, exc = None, None
+        try:
+            if background:
+                background_thread()
+            res = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
+            exc = e
+        try:
+            loop.call_soon_threadsafe(settle, res, exc)
+        except RuntimeError:
+            pass  # the loop is gone
+
+    threading.Thread(target=run, name="round-worker", daemon=True).start()
+    return await fut
+
+
 class RoundFrames:
     """One round's frames for a transport, from the (blocking) iterator that produces them, at most
     `mbps` MB/s; `counter[0]` counts the bytes handed on. Two ways to take them: `async for` (a
     producer thread runs PUMP_DEPTH frames ahead of the event loop: HTTP), or `blocking()` from a
     thread of the transport's own that writes each piece to its socket as it is produced (the frame
-    link: no event loop and no extra copy between the producer and the kernel)."""
+    link: no event loop and no extra copy between the producer and the kernel). `background` (a
+    pre-copy round): whichever thread produces them is a pre-copy worker (`background_thread`)."""
 
     def __init__(self, frames: Iterator[bytes], mbps: float | None = None, depth: int = PUMP_DEPTH,
-                 counter: list[int] | None = None):
-        self.frames, self.mbps, self.depth = frames, mbps, depth
+                 counter: list[int] | None = None, background: bool = False):
+        self.frames, self.mbps, self.depth, self.background = frames, mbps, depth, background
         self.counter = counter if counter is not None else [0]
         self._aiter: AsyncIterator[bytes] | None = None
 
@@ -140,8 +192,8 @@ class RoundFrames:
 
 
 def pump(frames: Iterator[bytes], mbps: float | None = None, depth: int = PUMP_DEPTH,
-         counter: list[int] | None = None) -> RoundFrames:
-    return RoundFrames(frames, mbps, depth, counter)
+         counter: list[int] | None = None, background: bool = False) -> RoundFrames:
+    return RoundFrames(frames, mbps, depth, counter, background)
 
 
 async def _pumped(rf: RoundFrames) -> AsyncIterator[bytes]:
@@ -160,6 +212,8 @@ async def _pumped(rf: RoundFrames) -> AsyncIterator[bytes]:
             stop.set()
 
     def produce() -> None:
+        if rf.background:
+            background_thread()
         try:
             for f in frames:
                 while not room.acquire(timeout=0.25):

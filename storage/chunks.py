@@ -50,6 +50,12 @@ def _run_in_pool(fn: Callable[[_T], _R], x: _T) -> _R:
     return fn(x)
 
 
+def work_inline() -> None:
+    """From now on this thread runs parallel_map's calls itself (a background thread whose work
+    must stay at its own, lowered, priority rather than go to the shared pool's threads)."""
+    _IN_POOL.on = True
+
+
 def parallel_map(fn: Callable[[_T], _R], items: Iterable[_T], nbytes: int | None = None) -> list[_R]:
     """``[fn(x) for x in items]`` on up to torch.get_num_threads() threads, in order; the first
     exception is raised (after the calls already running end). For work that releases the GIL
