@@ -261,14 +261,17 @@ class StreamReceiver:
     def feed(self, data: bytes) -> Manifest | None:
         self.bytes_received += len(data)
         try:
-            for frame in self.decoder.feed(data):
-                if self.manifest is not None:
-                    raise CorruptCheckpoint("frame received after the manifest")
-                self._handle(frame)
+            self._take(self.decoder.feed(data))
         except BaseException:
             self._release()
             raise
         return self.manifest
+
+    def _take(self, frames: list[Frame]) -> None:
+        for frame in frames:
+            if self.manifest is not None:
+                raise CorruptCheckpoint("frame received after the manifest")
+            self._handle(frame)
 
     def receive_from(self, read_into: Callable[[memoryview], int], limit: int | None = None) -> Manifest:
         """Read frames until the manifest commits them, each byte written once, straight into the
@@ -284,10 +287,7 @@ class StreamReceiver:
                 if not n:
                     return self.close()
                 self.bytes_received += n
-                for frame in self.decoder.got(n):
-                    if self.manifest is not None:
-                        raise CorruptCheckpoint("frame received after the manifest")
-                    self._handle(frame)
+                self._take(self.decoder.got(n))
         except BaseException:
             self._release()
             raise

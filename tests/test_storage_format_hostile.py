@@ -25,6 +25,7 @@ from relayout.storage.manifest import MAX_MANIFEST_BYTES, ChunkRef, Manifest
 from relayout.storage.stores import LocalStore, MemoryStore
 from relayout.storage.stream import (
     FrameDecoder,
+    LimitExceeded,
     StreamAborted,
     StreamReceiver,
     encode_abort_frame,
@@ -175,6 +176,41 @@ def test_stream_round_trip_in_arbitrary_pieces() -> None:
     assert got == m and rx.close() == m
     assert dst.list_checkpoints() == ["ck"]
     assert torch.equal(CheckpointReader(dst, "ck").read_kv("s", 1, 0, H), kv[1])
+
+
+def _reader(wire: bytes, sizes: list[int]):
+    """A read_into over `wire` that fills at most sizes[i % len] bytes per call (a socket's short reads)."""
+    pos, calls = [0], [0]
+
+    def read_into(view: memoryview) -> int:
+        n = min(len(view), sizes[calls[0] % len(sizes)], len(wire) - pos[0])
+        view[:n] = wire[pos[0] : pos[0] + n]
+        pos[0] += n
+        calls[0] += 1
+        return n
+
+    return read_into
+
+
+def test_stream_read_into_mode_round_trip_and_failures() -> None:
+    """receive_from (the frame link's read-into path) gives what feed gives, in any read sizes."""
+    src = MemoryStore()
+    kv = kv_tensor(15, 8, torch.bfloat16)
+    m = write_checkpoint(src, "ck", {"s": kv}, codec="zstd-planes")
+    wire = b"".join(iter_checkpoint_frames(src, "ck"))
+    for sizes in ([1], [3, 4096, 7], [1 << 30]):
+        dst = MemoryStore()
+        rx = StreamReceiver(dst)
+        assert rx.receive_from(_reader(wire, sizes)) == m and rx.bytes_received == len(wire)
+        assert torch.equal(CheckpointReader(dst, "ck").read_kv("s", 1, 0, H), kv[1])
+    with pytest.raises(CorruptCheckpoint, match="truncated|before its manifest"):  # the input ends early
+        StreamReceiver(MemoryStore()).receive_from(_reader(wire[:-5], [999]))
+    with pytest.raises(LimitExceeded):  # refused before reading past the limit
+        StreamReceiver(MemoryStore()).receive_from(_reader(wire, [999]), limit=len(wire) - 1)
+    with pytest.raises(StreamAborted, match="source died"):  # an empty payload completes without a read
+        StreamReceiver(MemoryStore()).receive_from(_reader(encode_abort_frame("source died"), [5]))
+    with pytest.raises(CorruptCheckpoint, match="magic"):
+        StreamReceiver(MemoryStore()).receive_from(_reader(b"EVIL" + bytes(64), [64]))
 
 
 def test_stream_precopy_skip_and_failures() -> None:
