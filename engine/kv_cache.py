@@ -7,11 +7,15 @@ tensors (`KVCache`) for its attention data-parallel group and its slice of KV he
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
 
 BLOCK_SIZE = 16
+# bytes copied then hashed at a time by a hashing export: small enough that the copy's source and
+# destination stay in one core's L2 (1 MiB here) until the hash reads them; 256 KiB measured best
+HASH_PIECE = 256 << 10
 FP8_KV = torch.float8_e4m3fn  # the element type of an fp8_e4m3 KV pool
 FP8_MAX = float(torch.finfo(FP8_KV).max)  # 448
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -61,6 +65,12 @@ def quantise_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     xf = x.float()
     scale = xf.abs().amax(-1).clamp(min=1e-12) / FP8_MAX
     return (xf / scale.unsqueeze(-1)).to(FP8_KV), scale
+
+
+class Hasher(Protocol):
+    """A streaming hash (xxhash.xxh3_128): what export_into feeds the bytes it copies."""
+
+    def update(self, data: np.ndarray) -> None: ...
 
 
 class OutOfBlocks(RuntimeError):
@@ -243,12 +253,14 @@ class KVCache:
             i = j + 1
 
     def export_into(self, blocks: list[int], layer: int, tok_lo: int, tok_hi: int, out: torch.Tensor,
-                    scale_out: torch.Tensor | None = None) -> None:
+                    scale_out: torch.Tensor | None = None, hasher: Hasher | None = None) -> None:
         """K, V of one layer, tokens [tok_lo, tok_hi), into `out` ([2, kv_heads, tokens, head_dim], any
         device/dtype): straight from the pool, one copy per run of consecutive blocks and K/V, no
         staging. A token-major `out` (a chunk, see storage.chunks.new_kv_chunk) makes each of those
         one contiguous memcpy, the pool's rows being [tokens, heads, head_dim] too. A quantised pool
-        also needs `scale_out` ([2, kv_heads, tokens], float32): the values are copied as stored."""
+        also needs `scale_out` ([2, kv_heads, tokens], float32): the values are copied as stored.
+        `hasher` (a CPU, token-major `out`): fed all of `out`'s bytes in memory order, each piece of
+        at most HASH_PIECE bytes right after its copy, while it is in this core's L2."""
         if self.quantised and scale_out is None:
             self.refuse_quantised()
         if tok_hi <= tok_lo:
@@ -257,11 +269,21 @@ class KVCache:
         sdst = scale_out.transpose(1, 2) if self.quantised and scale_out is not None else None
         pool_rows = self._pool_rows(layer) if out.dtype == self.k[layer].dtype else None
         dst_rows = _rows_np(dst, dst.shape[2] * dst.shape[3]) if pool_rows is not None else None
+        if hasher is not None and (dst_rows is None or sdst is not None):
+            raise ValueError("export_into hashes only a CPU token-major out of the pool's dtype, without scales")
         if dst_rows is not None and pool_rows is not None and sdst is None:  # one numpy copy per run, GIL released
             d = dst_rows.reshape(2, tok_hi - tok_lo, -1)
-            for a, b, rows in self._row_runs(blocks, tok_lo, tok_hi):
-                np.copyto(d[0, a - tok_lo : b - tok_lo], pool_rows[0][rows])
-                np.copyto(d[1, a - tok_lo : b - tok_lo], pool_rows[1][rows])
+            runs = list(self._row_runs(blocks, tok_lo, tok_hi))
+            step = max(1, HASH_PIECE // (d.shape[2] * d.itemsize))  # rows per hashed piece
+            for j in (0, 1):  # all of K, then all of V: the chunk's memory order, as the hash reads it
+                for a, b, rows in runs:
+                    dj, sj = d[j, a - tok_lo : b - tok_lo], pool_rows[j][rows]
+                    if hasher is None:
+                        np.copyto(dj, sj)
+                        continue
+                    for i in range(0, b - a, step):
+                        np.copyto(dj[i : i + step], sj[i : i + step])
+                        hasher.update(dj[i : i + step])
             return
         for a, b, rows in self._row_runs(blocks, tok_lo, tok_hi):
             for j, pool in enumerate((self.k[layer], self.v[layer])):
@@ -271,11 +293,15 @@ class KVCache:
                     copy_into(sdst[j, a - tok_lo : b - tok_lo], sc.view(-1, sc.shape[2])[rows])
 
     def import_from(self, blocks: list[int], layer: int, tok_lo: int, kv: torch.Tensor, head_lo: int = 0,
-                    scale: torch.Tensor | None = None) -> None:
+                    scale: torch.Tensor | None = None, hasher: Hasher | None = None) -> None:
         """Inverse of export_into for local heads [head_lo, head_lo + kv.shape[1]): kv is
         [2, heads, tokens, head_dim] for tokens from tok_lo, with its float32 `scale` ([2, heads, tokens])
         when it is quantised. Any dtype goes into any pool: copied as is when they match, else cast,
-        dequantised (fp8 into a plain pool) or quantised (into an fp8 pool)."""
+        dequantised (fp8 into a plain pool) or quantised (into an fp8 pool). `hasher` (kv token-major,
+        of the pool's dtype, all its heads, no scales): fed all of kv's bytes in memory order, each
+        piece of at most HASH_PIECE bytes just before its copy (which then reads it from L2)."""
+        if hasher is not None and (self.quantised or scale is not None or kv.dtype != self.k[layer].dtype):
+            raise ValueError("import_from hashes only whole-row KV of the pool's dtype, without scales")
         if self.quantised and (scale is None or kv.dtype != self.k[layer].dtype):
             x = kv.float() if scale is None else kv.float() * scale.unsqueeze(-1)
             kv, scale = quantise_fp8(x)  # per token and head, as write() does
@@ -291,11 +317,21 @@ class KVCache:
         full = h == self.k[layer].shape[2]  # all of the pool's heads: whole pool rows
         pool_rows = self._pool_rows(layer) if full and ssrc is None and kv.dtype == self.k[layer].dtype else None
         src_rows = _rows_np(src, h * kv.shape[3]) if pool_rows is not None else None
+        if hasher is not None and src_rows is None:
+            raise ValueError("import_from hashes only whole-row, token-major KV of all the pool's heads")
         if src_rows is not None and pool_rows is not None:  # one numpy copy per run, GIL released
             s = src_rows.reshape(2, n, -1)
-            for a, b, rows in self._row_runs(blocks, tok_lo, tok_lo + n):
-                np.copyto(pool_rows[0][rows], s[0, a - tok_lo : b - tok_lo])
-                np.copyto(pool_rows[1][rows], s[1, a - tok_lo : b - tok_lo])
+            runs = list(self._row_runs(blocks, tok_lo, tok_lo + n))
+            step = max(1, HASH_PIECE // (s.shape[2] * s.itemsize))  # rows per hashed piece
+            for j in (0, 1):  # all of K, then all of V: the chunk's memory order, as the hash reads it
+                for a, b, rows in runs:
+                    pj, sj = pool_rows[j][rows], s[j, a - tok_lo : b - tok_lo]
+                    if hasher is None:
+                        np.copyto(pj, sj)
+                        continue
+                    for i in range(0, b - a, step):
+                        hasher.update(sj[i : i + step])
+                        np.copyto(pj[i : i + step], sj[i : i + step])
             return
         for a, b, rows in self._row_runs(blocks, tok_lo, tok_lo + n):
             for j, pool in enumerate((self.k[layer], self.v[layer])):

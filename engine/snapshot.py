@@ -21,13 +21,15 @@ from collections.abc import Iterator
 import torch
 from relayout.engine.engine import LLMEngine
 from relayout.engine.executor import LocalExecutor
-from relayout.engine.kv_cache import FP8_KV, KVCache, blocks_needed, copy_into
+from relayout.engine.kv_cache import FP8_KV, KVCache, blocks_needed
+from relayout.engine.kv_import import import_session
 from relayout.engine.session import SessionState, SessionStatus
 from relayout.storage.checkpoint import CheckpointReader, CheckpointWriter
 from relayout.storage.chunks import (
     dtype_name,
     is_sealed,
     keep_freed_memory,
+    kv_chunk_hasher,
     new_kv_chunk,
     parallel_map,
     seal_kv_chunk,
@@ -182,11 +184,11 @@ def _export_chunks(pool: KVCache, heads: tuple[int, int], blocks: list[int], lo:
     chunks = [(layer, heads[0], heads[1], a, b, new_kv_chunk((2, h, b - a, d), k0.dtype))
               for a, b in _chunk_ranges(lo, hi) for layer in range(len(pool.k))]
     # buffers from this thread's allocator (reused from the last snapshot's where it kept them);
-    # the copies, and the first touch of fresh pages, on all cores; each chunk hashed right after
-    # its copy, from this core's cache (a separate pass later would read it all from memory again)
+    # the copies, and the first touch of fresh pages, on all cores; each chunk hashed piece by piece
+    # as it is copied, from this core's L2 (a separate pass would read it all from memory again)
     def fill(c: tuple[int, int, int, int, int, torch.Tensor]) -> None:
-        pool.export_into(blocks, c[0], c[3], c[4], c[5])
-        seal_kv_chunk(c[5])
+        pool.export_into(blocks, c[0], c[3], c[4], c[5], hasher=(h := kv_chunk_hasher(c[5])))
+        seal_kv_chunk(c[5], h)
 
     parallel_map(fill, chunks, nbytes)
     return chunks
@@ -399,7 +401,7 @@ def restore(engine: LLMEngine, reader: CheckpointReader, session_ids: list[str] 
             verify: bool = True, exact: bool = False) -> list[str]:
     """Import sessions into this replica (engine thread, between steps). All or nothing: the
     cheap checks first, then every session's KV into freshly allocated blocks, each chunk's hash
-    checked as it is read (once, from cache, just before its copy), and only when all of them
+    checked once, as it is copied (see kv_import; before any session is placed), and only when all of them
     imported are the sessions placed. A refused restore frees those blocks again and leaves the
     replica's sessions and blocks as they were. `verify` also checks the whole manifest's coverage
     up front (the hashes are checked either way). KV of another dtype is converted (kv_conversion)
@@ -417,7 +419,7 @@ def restore(engine: LLMEngine, reader: CheckpointReader, session_ids: list[str] 
             blocks = engine.allocators[g].allocate(blocks_needed(st.num_tokens + 1)) if n_kv else None
             placed.append((st, n_kv, g, blocks))
             if blocks is not None:
-                _import_session(engine, reader, st.session_id, g, blocks, n_kv)
+                import_session(engine, reader, st.session_id, g, blocks, n_kv, host_pools(engine, g, every_copy=True))
     except BaseException:
         for _, _, g, blocks in placed:
             if blocks is not None:
@@ -428,32 +430,6 @@ def restore(engine: LLMEngine, reader: CheckpointReader, session_ids: list[str] 
         st.status = SessionStatus.RUNNING if n_kv else SessionStatus.WAITING
         engine.adopt(st, g, blocks)
     return [st.session_id for st, _, _, _ in placed]
-
-
-def _import_session(engine: LLMEngine, reader: CheckpointReader, sid: str, group: int, blocks: list[int],
-                    n_kv: int) -> None:
-    """All of one session's KV from `reader` into `blocks` (freshly allocated, not yet placed).
-    Every chunk is verified as it is read; a host pool gets each chunk copied straight into its
-    blocks, any other executor one assembled [layers, 2, heads, tokens, d] tensor."""
-    c = engine.cfg
-    host = host_pool(engine)
-    if host is not None:
-        pool, (h_lo, h_hi) = host
-
-        def one_layer(layer: int) -> None:  # layers write disjoint pool tensors: one per thread
-            for e, t, scale in reader.kv_scaled_pieces(sid, layer, h_lo, h_hi):
-                lo, hi = max(h_lo, e.head_lo), min(h_hi, e.head_hi)
-                pool.import_from(blocks, layer, e.tok_lo, t[:, lo - e.head_lo : hi - e.head_lo], lo - h_lo,
-                                 None if scale is None else scale[:, lo - e.head_lo : hi - e.head_lo])
-
-        parallel_map(one_layer, range(c.num_layers))
-        return
-    # token-major, as the chunks, the ranks' messages and the pool are: every copy moves whole rows
-    kv = torch.empty((c.num_layers, 2, n_kv, c.num_kv_heads, c.head_dim), dtype=reader.dtype)
-    for layer in range(c.num_layers):
-        for e, t in reader.kv_pieces(sid, layer, 0, c.num_kv_heads):
-            copy_into(kv[layer, :, e.tok_lo : e.tok_hi, e.head_lo : e.head_hi], t.transpose(1, 2))
-    engine.executor.import_kv(group, blocks, 0, kv.transpose(2, 3))
 
 
 def release(engine: LLMEngine, session_ids: list[str], status: SessionStatus = SessionStatus.MIGRATED) -> None:

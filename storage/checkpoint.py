@@ -262,6 +262,12 @@ class CheckpointReader:
         """kv_pieces with each chunk's float32 [2, heads, tokens] scales (None: the KV is not quantised)."""
         return self._pieces(self._covering(session_id, layer, head_lo, head_hi), None)
 
+    def kv_stored(self, session_id: str, layer: int, head_lo: int, head_hi: int) -> Iterator[tuple[KVEntry, bytes]]:
+        """kv_pieces' entries (range and coverage checked) with their chunks' stored bytes, NOT verified:
+        for a caller that hashes each chunk as it copies it (storage.chunks.kv_stream_view) and checks
+        the hash before it uses what it copied; read-only."""
+        return ((e, self.store.get_chunk(e.chunk.hash)) for e in self._covering(session_id, layer, head_lo, head_hi))
+
     def _covering(self, session_id: str, layer: int, head_lo: int, head_hi: int) -> list[KVEntry]:
         g = self.manifest.kv
         num_tokens = self._num_tokens(session_id)

@@ -108,9 +108,11 @@ def _corrupt_one_chunk(store: LocalStore, which: int):
     return f.name
 
 
-@pytest.mark.parametrize("which", [0, -1])
-def test_flipped_byte_refused(engines, ckpt, which):
-    target = engines["attn_tp=2"]
+@pytest.mark.parametrize("which,dst", [(0, "attn_tp=2"), (-1, "attn_tp=2"), (0, "attn_dp=1"), (-1, "attn_dp=1")])
+def test_flipped_byte_refused(engines, ckpt, which, dst, monkeypatch):
+    # attn_dp=1: a host pool, whose restore hashes each chunk as it copies it (in pieces of a few rows here)
+    monkeypatch.setattr("relayout.engine.kv_cache.HASH_PIECE", 100)
+    target = engines[dst]
     check = _target_untouched(target)
     name = _corrupt_one_chunk(ckpt, which)
     with pytest.raises(CorruptCheckpoint, match=name[:12]):
@@ -184,3 +186,23 @@ def test_ordered_pairs_cover_all_fields():
     assert len(pairs) == 12
     lays = [Layout.parse(x) for x in LAYOUTS]
     assert len({x.attn_tp for x in lays}) > 1 and len({x.attn_dp for x in lays}) > 1 and len({x.moe_ep for x in lays}) > 1
+
+
+@pytest.mark.parametrize("piece", [1, 100, 1 << 20])
+def test_hashed_in_pieces(engines, undisturbed, piece, monkeypatch, tmp_path):
+    """A host pool's snapshot and restore hash each chunk piece by piece as they copy it: whatever
+    the piece size, the chunks hash as stored (a reader of another layout verifies them whole) and
+    the sessions continue token for token."""
+    monkeypatch.setattr("relayout.engine.kv_cache.HASH_PIECE", piece)
+    store = LocalStore(tmp_path)
+    source = engines["attn_dp=1"]
+    ids = start(source, 4, f"piece{piece}")
+    with CheckpointWriter(store, "c3") as w:
+        checkpoint(source, w, ids)
+    release(source, ids)
+    assert CheckpointReader(store, "c3").verify() > 0
+    restore(source, CheckpointReader(store, "c3"))
+    assert finish(source, ids) == undisturbed
+    release(source, ids)
+    restore(engines["attn_tp=2"], CheckpointReader(store, "c3"))
+    assert finish(engines["attn_tp=2"], ids) == undisturbed
