@@ -20,6 +20,8 @@ class Executor(Protocol):
 
     def import_kv(self, group: int, blocks: list[int], tok_lo: int, kv: torch.Tensor) -> None: ...
 
+    def reserve_kv_scratch(self, group: int, n_blocks: int) -> None: ...
+
     def moe_stats(self) -> list[dict]: ...
 
     def shutdown(self) -> None: ...
@@ -39,6 +41,9 @@ class LocalExecutor:
 
     def import_kv(self, group: int, blocks: list[int], tok_lo: int, kv: torch.Tensor) -> None:
         self.runner.import_kv(blocks, tok_lo, kv)
+
+    def reserve_kv_scratch(self, group: int, n_blocks: int) -> None:
+        self.runner.kv.reserve_scratch(n_blocks)
 
     def moe_stats(self) -> list[dict]:
         return [self.runner.moe_stats()]

@@ -171,6 +171,22 @@ class KVCache:
             self._rows = rows
         return rows[layer]
 
+    def _grow_scratch(self, n: int) -> None:
+        cap = max(n, 2 * (self._scratch[0].shape[0] if self._scratch else 0), 16)
+        k_pool, v_pool = self.k[0], self.v[0]
+        with torch.inference_mode(False):  # a normal tensor: usable by forward and by exports alike
+            self._scratch = (k_pool.new_empty((cap, *k_pool.shape[1:])), v_pool.new_empty((cap, *v_pool.shape[1:])))
+
+    def reserve_scratch(self, n: int) -> None:
+        """Room for a step over `n` blocks in the gather buffers, their pages touched now: a session
+        moving in at a long context would otherwise pay for both in its first step here (its stall)."""
+        if self.quantised or (self._scratch is not None and self._scratch[0].shape[0] >= n):
+            return
+        self._grow_scratch(n)
+        assert self._scratch is not None
+        for t in self._scratch:
+            t.zero_()
+
     def gather_blocks(self, layer: int, flat_blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of the given blocks, [n_blocks, block_size, kv_heads, head_dim], in reused buffers
         (valid until the next call)."""
@@ -182,10 +198,8 @@ class KVCache:
                  * torch.index_select(scale, 0, flat_blocks).unsqueeze(-1)).to(self.compute_dtype)
                 for pool, scale in ((k_pool, self.k_scale[layer]), (v_pool, self.v_scale[layer])))
         if self._scratch is None or self._scratch[0].shape[0] < n:
-            cap = max(n, 2 * (self._scratch[0].shape[0] if self._scratch else 0), 16)
-            with torch.inference_mode(False):  # a normal tensor: usable by forward and by exports alike
-                self._scratch = (k_pool.new_empty((cap, *k_pool.shape[1:])),
-                                 v_pool.new_empty((cap, *v_pool.shape[1:])))
+            self._grow_scratch(n)
+        assert self._scratch is not None
         kb, vb = self._scratch[0][:n], self._scratch[1][:n]
         torch.index_select(k_pool, 0, flat_blocks, out=kb)
         torch.index_select(v_pool, 0, flat_blocks, out=vb)

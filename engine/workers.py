@@ -167,6 +167,9 @@ def _serve(ch: RankChannel, runner: ModelRunner, first_tp: bool) -> None:
             # token-major on the wire ([layers, 2, tokens, heads, head_dim], the pool's order)
             runner.import_kv(a["blocks"], a["tok_lo"], m.tensors[0].transpose(2, 3), a.get("heads"))
             ch.send("ok")
+        elif m.op == "reserve":  # gather buffers for a step over this many blocks (a session moving in)
+            runner.kv.reserve_scratch(int(a["blocks"]))
+            ch.send("ok")
         elif m.op == "stats":
             ch.send("ok", runner.moe_stats())
         elif m.op == "stop":
@@ -200,6 +203,7 @@ class RankExecutor:
         self.procs: dict[int, mp.process.BaseProcess] = {}
         self._closed = False
         self.shared_pools: dict[int, tuple[KVCache, tuple[int, int]]] = {}  # see _attach_pools
+        self._scratch_blocks: dict[int, int] = {}  # group -> blocks its ranks' gather buffers were grown to
         host, port = split_hostport(pl.endpoint)
         self._listener = socket.create_server((host, port), backlog=64)
         self.endpoint = f"{host}:{self._listener.getsockname()[1]}"
@@ -389,6 +393,15 @@ class RankExecutor:
                 sent[(lo, hi)] = encode("import", {"blocks": blocks, "tok_lo": tok_lo, "heads": [lo, hi]},
                                         [part.contiguous()])
             self._send_encoded(r, sent[(lo, hi)])
+        self._gather(ranks)
+
+    def reserve_kv_scratch(self, group: int, n_blocks: int) -> None:
+        if self._scratch_blocks.get(group, 0) >= n_blocks:
+            return  # asked for as much before: the ranks' buffers only grow
+        self._scratch_blocks[group] = n_blocks
+        ranks = self._group_ranks(group)
+        for r in ranks:
+            self._send(r, "reserve", {"blocks": n_blocks})
         self._gather(ranks)
 
     def moe_stats(self) -> list[dict]:
