@@ -227,6 +227,10 @@ def _err(msg: str) -> dict:
     return {"error": {"message": msg}}
 
 
+class _OtherVersion(Exception):
+    """The target's link speaks another version of the wire."""
+
+
 class TcpTransport:
     """Pushes a round over the target's frame link (see the module docstring), from a thread that
     writes each frame piece as the round's producer hands it over; https targets, which the raw
@@ -248,6 +252,8 @@ class TcpTransport:
                     resp = await c.get(f"{target.rstrip('/')}{LINK_PATH}", headers=bearer_headers(self.token))
             except httpx.TransportError as e:
                 raise self.failed(f"target link: {type(e).__name__}: {e or 'no detail'}", True) from None
+            if resp.status_code == 404:  # a target older than the link: HTTP it is
+                return await self.fallback.push(target, transfer, frames, final=final, source=source, timeout_s=timeout_s)
             if resp.status_code >= 400:
                 raise self.failed(f"target link: HTTP {resp.status_code}: {error_message(resp)}", False)
             addr = resp.json()
@@ -256,8 +262,11 @@ class TcpTransport:
                 raise self.failed("target link: no port in the answer", False)
             hello = {"transfer": transfer, "final": final, "source": source}
             # a pre-copy round's thread (copying out of the pool, hashing, sending) is a pre-copy worker
-            status, body = await in_thread(self._push, host, port, hello, blocking(), timeout_s, stop,
-                                           background=bool(getattr(frames, "background", False)))
+            try:
+                status, body = await in_thread(self._push, host, port, hello, blocking(), timeout_s, stop,
+                                               background=bool(getattr(frames, "background", False)))
+            except _OtherVersion:  # (nothing of the round was produced yet) a target of another link version
+                return await self.fallback.push(target, transfer, frames, final=final, source=source, timeout_s=timeout_s)
         finally:
             stop.set()  # cancelled (the transfer ended): the sending thread stops at its next piece
             await frames.aclose()
@@ -275,7 +284,7 @@ class TcpTransport:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 head = _recv_exact(sock, len(LINK_MAGIC) + CHALLENGE_BYTES)
                 if not head.startswith(LINK_MAGIC):
-                    raise self.failed("target link: not a relayout frame link of this version", False)
+                    raise _OtherVersion()
                 hello = {**hello, "mac": link_mac(self.token, head[len(LINK_MAGIC):], hello["transfer"])}
                 data = json.dumps(hello).encode()
                 sock.sendall(_LEN.pack(len(data)) + data)
@@ -290,7 +299,7 @@ class TcpTransport:
                         break
                     sock.sendall(piece)
                 return _read_reply(sock)
-        except self.failed:
+        except (self.failed, _OtherVersion):
             raise
         except (OSError, ConnectionError) as e:  # refused, reset, timed out: the link failed, the round may resume
             raise self.failed(f"target import: {type(e).__name__}: {e or 'no detail'}", True) from None

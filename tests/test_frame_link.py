@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import socket
 import struct
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -185,3 +186,35 @@ def test_link_garbled_frames_refused_by_target(linked):
     assert any(w in str(m.error) for w in ("HTTP 400", "reset", "closed")), m.error
     finish(m.streams, refs, a)
     idle(b, timeout=15)
+
+
+def test_a_link_of_another_version_falls_back_to_http():
+    """A target whose link speaks another wire version (here a listener that greets with "RLK1", as
+    0.4.0's did): the source pushes over HTTP instead, and the sessions move unchanged."""
+    old = socket.create_server(("127.0.0.1", 0))
+    greeted = []
+
+    def greet() -> None:
+        while True:
+            try:
+                conn, _ = old.accept()
+            except OSError:
+                return
+            greeted.append(1)
+            conn.sendall(b"RLK1" + bytes(CHALLENGE_BYTES))
+            conn.close()
+
+    threading.Thread(target=greet, daemon=True).start()
+    env_b = {**ENV, "RELAYOUT_LINK_ADVERTISE": f"127.0.0.1:{old.getsockname()[1]}"}
+    with ThreadPoolExecutor(2) as pool:
+        procs = [f.result() for f in [pool.submit(replica, None, ENV), pool.submit(replica, None, env_b)]]
+    try:
+        a, b = (p.url for p in procs)
+        refs = [reference(b, body) for body in FAULT_BODIES]
+        m = migrate_with_streams(a, b, [b], FAULT_BODIES, max_rounds=2, timeout_s=30, token=TOKEN)
+        assert greeted and m.result.bytes_total > 0
+        finish_moved(m, refs, b, a)
+    finally:
+        old.close()
+        for p in procs:
+            p.stop()
