@@ -17,7 +17,7 @@ import httpx
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
-from relayout.engine.async_engine import AsyncEngine
+from relayout.engine.async_engine import AsyncEngine, EngineDeadError
 from relayout.engine.engine import LLMEngine
 from relayout.engine.session import SessionState, SessionStatus
 from relayout.engine.snapshot import (
@@ -184,6 +184,8 @@ def _classify(e: BaseException) -> tuple[int, str]:
         return e.status, e.message
     if isinstance(e, RestoreError):
         return 409, str(e)
+    if isinstance(e, EngineDeadError):  # as the replica's HTTP face answers it
+        return 503, str(e)
     if isinstance(e, StorageError):
         return 400, f"{type(e).__name__}: {e}"
     return 500, f"{type(e).__name__}: {e}"
