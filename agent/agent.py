@@ -232,7 +232,7 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
                     op["bytes_done"] = bytes_done
 
             res = await asyncio.to_thread(migrate_live, r["url"], tr["url"], sessions=body.sessions,
-                                          token=ag.token, mode=body.mode, progress=progress)
+                                          token=ag.token, mode=body.mode, progress=progress, transport=body.transport)
             ag.m.observe_migration(res)
             get = (lambda k, d=None: res.get(k, d)) if isinstance(res, dict) else (lambda k, d=None: getattr(res, k, d))
             op["stall_ms"] = get("stall_ms")

@@ -62,6 +62,8 @@ class MigrateBody(BaseModel):
     target: MigrateTarget
     sessions: list[str] | None = Field(None, max_length=4096)
     mode: Literal["live", "cold"] = "live"
+    # how the source pushes the rounds (docs/protocol.md#transport-interface); None: the source's default
+    transport: Literal["tcp", "http", "mooncake"] | None = None
 
 
 class DrainBody(BaseModel):

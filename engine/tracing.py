@@ -85,6 +85,15 @@ def span(name: str, kind: SpanKind = SpanKind.INTERNAL, **attrs: Any) -> Iterato
         yield s
 
 
+@contextmanager
+def continued_span(name: str, traceparent: object, kind: SpanKind = SpanKind.SERVER, **attrs: Any) -> Iterator[Span]:
+    """A span continuing a caller's trace from the W3C `traceparent` it sent, for a protocol without
+    HTTP headers (the frame link's hello); a missing or malformed one starts a new trace."""
+    ctx = _PROPAGATOR.extract({"traceparent": traceparent}) if isinstance(traceparent, str) else None
+    with tracer().start_as_current_span(name, context=ctx, kind=kind, attributes=attributes(attrs)) as s:
+        yield s
+
+
 def traced(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorator: every call of the function is a `name` span (child of the current one)."""
 

@@ -36,6 +36,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from urllib.parse import urlsplit
 
 import httpx
+from relayout.engine.tracing import continued_span, inject
 from relayout.engine.web import bearer_headers, error_message, tls_context
 from relayout.migrate.transport import in_thread
 
@@ -182,7 +183,7 @@ class FrameLinkServer:
             return self.classify(e)[0], _err(self.classify(e)[1])
         conn.sendall(_reply_bytes(GO_ON, {}))
         conn.settimeout(idle_timeout())  # a source silent this long has cut the round
-        cut = self.cut
+        cut, got = self.cut, [0]
 
         def read_into(view: memoryview) -> int:
             try:
@@ -191,17 +192,24 @@ class FrameLinkServer:
                 raise cut() from None
             if not k:
                 raise cut()  # the manifest ends a round: an end before it is a cut
+            got[0] += k
             return k
 
         assert self._loop is not None
-        try:
-            reply = asyncio.run_coroutine_threadsafe(self.import_round(tid, read_into, final, source), self._loop).result()
-            return 200, reply
-        except self.cut:
-            return 0, {}  # the source cut the round: nobody reads an answer
-        except Exception as e:  # noqa: BLE001 - refused: the source is told why, as over HTTP
-            status, msg = self.classify(e)
-            return status, _err(msg)
+        # the round's span continues the source's export (as the HTTP import route's does)
+        with continued_span("LINK /v1/sessions/import", hello.get("traceparent"), transfer=tid, final=final) as sp:
+            try:
+                reply = asyncio.run_coroutine_threadsafe(self.import_round(tid, read_into, final, source),
+                                                         self._loop).result()
+                status, body = 200, reply
+            except self.cut:
+                status, body = 0, {}  # the source cut the round: nobody reads an answer
+            except Exception as e:  # noqa: BLE001 - refused: the source is told why, as over HTTP
+                status, msg = self.classify(e)
+                body = _err(msg)
+            sp.set_attribute("relayout.bytes", got[0])
+            sp.set_attribute("relayout.status", status)
+        return status, body
 
     async def close(self) -> None:
         if self.sock is not None:
@@ -260,7 +268,7 @@ class TcpTransport:
             port, host = addr.get("port"), addr.get("host") or u.hostname or "127.0.0.1"
             if not isinstance(port, int) or not isinstance(host, str):
                 raise self.failed("target link: no port in the answer", False)
-            hello = {"transfer": transfer, "final": final, "source": source}
+            hello = inject({"transfer": transfer, "final": final, "source": source})  # + the export's traceparent
             # a pre-copy round's thread (copying out of the pool, hashing, sending) is a pre-copy worker
             try:
                 status, body = await in_thread(self._push, host, port, hello, blocking(), timeout_s, stop,

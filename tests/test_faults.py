@@ -281,8 +281,8 @@ def test_agent_killed_mid_operation_and_restarted(kit, px, refs, tmp_path):
     try:
         ss = start_streams(a.url, [b.url])
         px.arm("slow", after=0, delay=0.25)
-        r = httpx.post(f"{ag.url}/v1/replicas/src/migrate",
-                       json={"target": {"agent": ag.url, "replica": "dst"}, "mode": "live"})
+        r = httpx.post(f"{ag.url}/v1/replicas/src/migrate",  # over HTTP: the proxy slows the target's HTTP port
+                       json={"target": {"agent": ag.url, "replica": "dst"}, "mode": "live", "transport": "http"})
         assert r.status_code == 202, r.text
         oid = r.json()["operation_id"]
         assert wait_for(lambda: httpx.get(f"{ag.url}/v1/operations/{oid}").json()["phase"] in
@@ -314,8 +314,10 @@ def test_second_migration_of_same_replica_refused(ab, px, refs):
     first: dict = {}
     ss = start_streams(a, [b])
     px.arm("slow", after=0, delay=0.01)
+    # over HTTP: the proxy slows the target's HTTP port (the frame link would bypass it)
     t = threading.Thread(target=lambda: first.update(res=migrate_live(a, px.url, small_bytes=0, max_rounds=1,
-                                                                      timeout_s=30, source_for_target=a)))
+                                                                      timeout_s=30, source_for_target=a,
+                                                                      transport="http")))
     t.start()
     assert wait_for(lambda: _transfers_on(a), 10)
     with pytest.raises(MigrationError, match="409.*one outgoing migration at a time"):
