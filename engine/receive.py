@@ -116,7 +116,7 @@ def receive_round(engine: LLMEngine, t: IncomingKV, manifest: Manifest, final: b
                 raise RestoreError(f"not enough free KV blocks for session {sid} to grow to {need}")
             blocks += engine.allocators[g].allocate(need - len(blocks))
     # the gather buffers of a step over the incoming sessions, grown and touched now (in pre-copy), not
-    # in their first step here, which is part of their stall
+    # in their first step here, which is part of their stall; a dead rank is found here, before any ack
     for g in {t.blocks[sid][0] for sid in states}:
         engine.executor.reserve_kv_scratch(g, sum(len(b) for gg, b in t.blocks.values() if gg == g))
     # 2. import what arrived

@@ -203,7 +203,6 @@ class RankExecutor:
         self.procs: dict[int, mp.process.BaseProcess] = {}
         self._closed = False
         self.shared_pools: dict[int, tuple[KVCache, tuple[int, int]]] = {}  # see _attach_pools
-        self._scratch_blocks: dict[int, int] = {}  # group -> blocks its ranks' gather buffers were grown to
         host, port = split_hostport(pl.endpoint)
         self._listener = socket.create_server((host, port), backlog=64)
         self.endpoint = f"{host}:{self._listener.getsockname()[1]}"
@@ -396,9 +395,8 @@ class RankExecutor:
         self._gather(ranks)
 
     def reserve_kv_scratch(self, group: int, n_blocks: int) -> None:
-        if self._scratch_blocks.get(group, 0) >= n_blocks:
-            return  # asked for as much before: the ranks' buffers only grow
-        self._scratch_blocks[group] = n_blocks
+        """Also the proof, every round, that the group's ranks are alive: KV copied into shared pools
+        sends them nothing else, and a round must not be acknowledged into a dead rank's memory."""
         ranks = self._group_ranks(group)
         for r in ranks:
             self._send(r, "reserve", {"blocks": n_blocks})
