@@ -4,7 +4,9 @@ replica ends up owning it (like the gateway), reference outputs, and polling hel
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import httpx
@@ -13,6 +15,19 @@ import pytest
 # the same clients the soak bench uses: one copy, in relayout.bench.soak
 from relayout.bench.soak import Stream, port_of, reference, replica_state, wait_for  # noqa: F401 - re-exported to the tests
 from relayout.migrate.live import MigrationResult, migrate_live
+from relayout.migrate.procs import Proc, replica
+
+
+@contextmanager
+def replica_pair(*specs: tuple[str | None, dict | None]) -> Iterator[list[Proc]]:
+    """Replicas started side by side, one per (layout, env) spec, stopped on the way out."""
+    with ThreadPoolExecutor(len(specs)) as pool:
+        procs = [f.result() for f in [pool.submit(replica, layout, env) for layout, env in specs]]
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            p.stop()
 
 
 # ---- the arrange / migrate / finish shape of the fault tests ---------------------------------------

@@ -5,13 +5,10 @@ sessions finish on the target with exactly the tokens of an undisturbed run."""
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 from relayout.migrate.live import migrate_live
-from relayout.migrate.procs import replica
 
-from tests.migration_helpers import Moved, finish_moved, idle, port_of, reference, streams_on
+from tests.migration_helpers import Moved, finish_moved, idle, port_of, reference, replica_pair, streams_on
 from tests.proxy import Proxy
 
 # long prompts: the KV moved dwarfs the control messages, as in any real migration
@@ -22,14 +19,8 @@ BODIES = [dict(prompt=f"direct {i}: " + "pack my box with five dozen liquor jugs
 
 @pytest.fixture(scope="module")
 def pair():
-    with ThreadPoolExecutor(2) as pool:
-        futs = [pool.submit(replica), pool.submit(replica, "attn_tp=2")]
-        procs = [f.result() for f in futs]
-    try:
+    with replica_pair((None, None), ("attn_tp=2", None)) as procs:
         yield procs
-    finally:
-        for p in procs:
-            p.stop()
 
 
 def test_migrator_connections_carry_no_kv(pair):

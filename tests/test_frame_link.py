@@ -9,14 +9,12 @@ import json
 import socket
 import struct
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 from relayout.engine.workers import free_port
 from relayout.migrate.frame_link import CHALLENGE_BYTES, LINK_MAGIC, LINK_PATH, link_mac
 from relayout.migrate.live import MigrationError, migrate_live
-from relayout.migrate.procs import replica
 
 from tests.migration_helpers import (
     Moved,
@@ -25,6 +23,7 @@ from tests.migration_helpers import (
     idle,
     migrate_with_streams,
     reference,
+    replica_pair,
     streams_on,
 )
 from tests.proxy import Proxy
@@ -38,14 +37,8 @@ BODIES = [dict(prompt="link: " + "sphinx of black quartz judge my vow " * 30, ma
 
 @pytest.fixture(scope="module")
 def pair():
-    with ThreadPoolExecutor(2) as pool:
-        futs = [pool.submit(replica, None, ENV), pool.submit(replica, "attn_tp=2", ENV)]
-        procs = [f.result() for f in futs]
-    try:
+    with replica_pair((None, ENV), ("attn_tp=2", ENV)) as procs:
         yield procs
-    finally:
-        for p in procs:
-            p.stop()
 
 
 def _connect(url: str) -> tuple[socket.socket, bytes]:
@@ -145,16 +138,12 @@ def linked():
     px = Proxy(link_port)
     env_b = {**ENV, "RELAYOUT_LINK_PORT": str(link_port), "RELAYOUT_LINK_ADVERTISE": f"127.0.0.1:{px.port}",
              "RELAYOUT_LINK_IDLE_S": "2", "RELAYOUT_TRANSFER_TTL_S": "2"}
-    with ThreadPoolExecutor(2) as pool:
-        futs = [pool.submit(replica, None, {**ENV, "RELAYOUT_TRANSFER_TTL_S": "2"}), pool.submit(replica, None, env_b)]
-        procs = [f.result() for f in futs]
     try:
-        a, b = (p.url for p in procs)
-        yield a, b, px, [reference(b, body) for body in FAULT_BODIES]
+        with replica_pair((None, {**ENV, "RELAYOUT_TRANSFER_TTL_S": "2"}), (None, env_b)) as procs:
+            a, b = (p.url for p in procs)
+            yield a, b, px, [reference(b, body) for body in FAULT_BODIES]
     finally:
         px.close()
-        for p in procs:
-            p.stop()
 
 
 def test_link_cut_mid_round_resumes_from_acknowledged_chunks(linked):
@@ -206,15 +195,12 @@ def test_a_link_of_another_version_falls_back_to_http():
 
     threading.Thread(target=greet, daemon=True).start()
     env_b = {**ENV, "RELAYOUT_LINK_ADVERTISE": f"127.0.0.1:{old.getsockname()[1]}"}
-    with ThreadPoolExecutor(2) as pool:
-        procs = [f.result() for f in [pool.submit(replica, None, ENV), pool.submit(replica, None, env_b)]]
     try:
-        a, b = (p.url for p in procs)
-        refs = [reference(b, body) for body in FAULT_BODIES]
-        m = migrate_with_streams(a, b, [b], FAULT_BODIES, max_rounds=2, timeout_s=30, token=TOKEN)
-        assert greeted and m.result.bytes_total > 0
-        finish_moved(m, refs, b, a)
+        with replica_pair((None, ENV), (None, env_b)) as procs:
+            a, b = (p.url for p in procs)
+            refs = [reference(b, body) for body in FAULT_BODIES]
+            m = migrate_with_streams(a, b, [b], FAULT_BODIES, max_rounds=2, timeout_s=30, token=TOKEN)
+            assert greeted and m.result.bytes_total > 0
+            finish_moved(m, refs, b, a)
     finally:
         old.close()
-        for p in procs:
-            p.stop()

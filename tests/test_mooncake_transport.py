@@ -7,15 +7,12 @@ Mooncake off in a launched replica (RELAYOUT_MOONCAKE_DISABLED=1)."""
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import httpx
 import pytest
 from relayout.migrate.live import MigrationError, migrate_live
 from relayout.migrate.mooncake_transport import DISABLE_ENV, MOONCAKE_PATH, unavailable
-from relayout.migrate.procs import replica
 
-from tests.migration_helpers import Moved, finish_moved, idle, reference, streams_on
+from tests.migration_helpers import Moved, finish_moved, idle, reference, replica_pair, streams_on
 
 TOKEN = "mooncake-secret"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -26,21 +23,15 @@ WHY = unavailable()
 
 
 def _pair(env: dict):
-    with ThreadPoolExecutor(2) as pool:
-        futs = [pool.submit(replica, None, env), pool.submit(replica, "attn_tp=2", env)]
-        return [f.result() for f in futs]
+    return replica_pair((None, env), ("attn_tp=2", env))
 
 
 @pytest.fixture(scope="module")
 def pair():
     if WHY:
         pytest.skip(f"Mooncake is not usable here: {WHY}")
-    procs = _pair({"RELAYOUT_TOKEN": TOKEN, "RELAYOUT_MOONCAKE_BUFFER_MB": "1"})  # a small ring: it wraps many times
-    try:
+    with _pair({"RELAYOUT_TOKEN": TOKEN, "RELAYOUT_MOONCAKE_BUFFER_MB": "1"}) as procs:  # a small ring: it wraps many times
         yield procs
-    finally:
-        for p in procs:
-            p.stop()
 
 
 def test_live_migration_over_mooncake(pair):
@@ -92,12 +83,8 @@ def test_mooncake_routes_need_the_token(pair):
 
 @pytest.fixture(scope="module")
 def without_mooncake():
-    procs = _pair({"RELAYOUT_TOKEN": TOKEN, DISABLE_ENV: "1"})
-    try:
+    with _pair({"RELAYOUT_TOKEN": TOKEN, DISABLE_ENV: "1"}) as procs:
         yield procs
-    finally:
-        for p in procs:
-            p.stop()
 
 
 def test_mooncake_unavailable_is_a_clear_400(without_mooncake):
