@@ -3,7 +3,10 @@ replicas of different layouts, live (pre-copy) vs cold (stop-and-copy) vs recomp
 re-prefill on the target), at several context lengths.
 
 Everything is measured from the client's side, on the session's own token stream: the stall
-is the time from its last token on the source to its first token on the target. A second,
+is the time from its last token on the source to its first token on the target. Each context
+costs one prefill: the prompt on the target (its time to first token is the recompute move's
+stall), checkpointed there after a few tokens; both moves start from that checkpoint restored on
+the source, and the reference is the same checkpoint restored on the target, decoding undisturbed. A second,
 short session decodes on the source through the live move's pre-copy rounds; its tokens/s
 then, over its tokens/s just before, is `decode_ratio`.
 
@@ -17,11 +20,14 @@ from __future__ import annotations
 import math
 import os
 import random
+import shutil
 import statistics
+import tempfile
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 from relayout.bench.replica_client import (
@@ -43,9 +49,6 @@ QUICK_CONTEXTS = (256, 1024)
 MAX_ROUNDS = 64  # migrate_live's default, passed explicitly: the bench predicts its last pre-copy round
 SMALL_BYTES = 1 << 20
 MAX_TOKENS = 1024  # "large": sessions are stopped by the bench, never by max_tokens
-# recompute (a full re-prefill on the target) is measured up to this context; longer ones are estimated
-# from the prefill tokens/s measured at the longest measured context (a lower bound: attention grows with L)
-RECOMPUTE_MEASURED_MAX = 4096
 
 Log = Callable[[str], None]
 
@@ -70,12 +73,14 @@ class Ctx:
     dst: str
     L: int
     ids: list[int]
-    warm: int  # tokens on the source before a move
+    warm: int  # tokens the session makes after its prefill, before it is checkpointed (prefill_on_target)
     after: int  # tokens on the target after a move
     timeout: float
     log: Log
     sessions: dict = field(default_factory=dict)  # mode -> all tokens the session produced, in order
     transport: str | None = None  # how the source pushes the rounds (None: the replicas' default, tcp)
+    checkpoint_dir: str | None = None  # where the replicas write checkpoints (a file:// store)
+    checkpoint: str | None = None  # the session after its prefill and first tokens (prefill_on_target)
 
 
 def _completion(ids: list[int], max_tokens: int) -> dict:
@@ -110,8 +115,8 @@ def measure_move(c: Ctx, mode: str, with_second: bool) -> dict:
             "GET", f"{c.dst}/v1/sessions/{src_stream.sid}/stream?from_token={len(src_stream.tokens)}"
             "&return_token_ids=true", stop_after=c.after, retry_404_s=10.0)
 
-    s = TokenStream("POST", f"{c.src}/v1/completions", _completion(c.ids, MAX_TOKENS), then=reattach)
-    s.wait_tokens(c.warm, c.timeout)
+    s = _restored(c, c.src, then=reattach)
+    s.wait_tokens(s.restored_with + 2, c.timeout)  # decoding on the source before it moves
     second = None
     base: list[tuple[float, float]] = []
     if with_second:
@@ -199,6 +204,42 @@ def measure_move(c: Ctx, mode: str, with_second: bool) -> dict:
     return out
 
 
+def prefill_on_target(c: Ctx) -> dict:
+    """The context's one prefill: the session's prompt on the target, from the request to its first
+    token (the recompute move's stall: an aborted session re-prefilled there). After `warm` tokens
+    the target checkpoints the session and lets it go (`stop`); both moves and the reference start
+    from that checkpoint (`_restored`), since a second prefill of the same prompt would cost
+    minutes at 16k on a CPU."""
+    r = TokenStream("POST", f"{c.dst}/v1/completions", _completion(c.ids, MAX_TOKENS))
+    r.wait_tokens(c.warm, c.timeout)
+    if r.error is not None or len(r.tokens) < c.warm:
+        raise BenchError(f"prefill on the target: {len(r.tokens)} tokens ({r.error!r})")
+    ck = httpx.post(f"{c.dst}/v1/sessions/checkpoint",
+                    json={"sessions": [r.sid], "stop": True, "destination": c.checkpoint_dir}, timeout=c.timeout)
+    if ck.status_code >= 400:
+        raise BenchError(f"checkpoint on the target: HTTP {ck.status_code}: {ck.text[:300]}")
+    c.checkpoint = ck.json()["checkpoint"]
+    r.finish(c.timeout)  # its stream ends with the checkpoint
+    _wait_idle(c.dst)
+    return {"recompute_ms": round((r.times[0] - r.started_at) * 1000, 2), "estimated": False}
+
+
+def _restored(c: Ctx, url: str, then: Callable[[TokenStream], None] | None = None,
+              stop_after: int | None = None) -> TokenStream:
+    """The context's session restored on `url` from its checkpoint, streamed from its first token
+    (`restored_with`: the tokens it had when restored)."""
+    assert c.checkpoint is not None
+    r = httpx.post(f"{url}/v1/sessions/restore", json={"checkpoint": c.checkpoint}, timeout=c.timeout)
+    if r.status_code >= 400:
+        raise BenchError(f"restore on {url}: HTTP {r.status_code}: {r.text[:300]}")
+    sid = r.json()["sessions"][0]
+    have = len(httpx.get(f"{url}/v1/sessions/{sid}", timeout=30).json()["token_ids"])
+    s = TokenStream("GET", f"{url}/v1/sessions/{sid}/stream?from_token=0&return_token_ids=true", then=then,
+                    stop_after=stop_after)
+    s.restored_with = have  # type: ignore[attr-defined]
+    return s
+
+
 def _attach_early(dst: str, sid: str) -> Callable[[], TokenStream | None]:
     """Watch the target from the start of a move; once the session exists there (placed, held
     paused by the final round) stream it from its current token on. Returns a function that
@@ -211,7 +252,8 @@ def _attach_early(dst: str, sid: str) -> Callable[[], TokenStream | None]:
             with httpx.Client(timeout=30) as client:
                 while not quit_.is_set():
                     r = client.get(f"{dst}/v1/sessions/{sid}")
-                    if r.status_code == 200:
+                    # (the target also remembers the session's earlier life there, checkpointed or done)
+                    if r.status_code == 200 and r.json().get("state") == "running":
                         k = len(r.json()["token_ids"])
                         box["s"] = TokenStream("GET", f"{dst}/v1/sessions/{sid}/stream?from_token={k}"
                                                "&return_token_ids=true")
@@ -235,21 +277,6 @@ def _attach_early(dst: str, sid: str) -> Callable[[], TokenStream | None]:
     return done
 
 
-def measure_recompute(c: Ctx) -> dict:
-    s = TokenStream("POST", f"{c.src}/v1/completions", _completion(c.ids, MAX_TOKENS), stop_after=c.warm)
-    s.finish(c.timeout)
-    t_abort = s.closed_at or time.perf_counter()  # the disconnect aborts the session on the source
-    k = list(s.tokens)
-    t = TokenStream("POST", f"{c.dst}/v1/completions", _completion(c.ids + k, MAX_TOKENS - len(k)),
-                    stop_after=c.after)
-    t.wait_tokens(1, c.timeout)
-    t.finish(c.timeout)
-    c.sessions["recompute"] = k + t.tokens
-    _wait_idle(c.src, c.dst)
-    return {"recompute_ms": round((t.times[0] - t_abort) * 1000, 2),
-            "recompute_from_last_token_ms": round((t.times[0] - s.times[-1]) * 1000, 2)}
-
-
 def warm_up(url: str, timeout: float) -> None:
     r = httpx.post(f"{url}/v1/completions", json={"prompt": prompt(64, salt=3), "max_tokens": 4, "temperature": 0},
                    timeout=timeout)
@@ -258,11 +285,16 @@ def warm_up(url: str, timeout: float) -> None:
 
 
 def reference(c: Ctx) -> list[int]:
+    """The undisturbed run the moved sessions must match: the target's own session (its prefill,
+    checkpointed there after its first tokens) restored on the target, where nothing moves it,
+    decoding to as many tokens as the longest moved session holds."""
     n = max(len(v) for v in c.sessions.values())
-    r = httpx.post(f"{c.dst}/v1/completions", json={**_completion(c.ids, n), "stream": False}, timeout=c.timeout)
-    if r.status_code >= 400:
-        raise BenchError(f"reference request: HTTP {r.status_code}: {r.text[:300]}")
-    return r.json()["choices"][0]["token_ids"]
+    t = _restored(c, c.dst, stop_after=n)
+    t.finish(c.timeout)
+    if len(t.tokens) < n:
+        raise BenchError(f"reference: {len(t.tokens)} of {n} tokens ({t.error!r})")
+    _wait_idle(c.dst)
+    return t.tokens[:n]
 
 
 def precopy_transport(live: dict) -> tuple[int, float]:
@@ -272,20 +304,16 @@ def precopy_transport(live: dict) -> tuple[int, float]:
 
 
 def run_context(src: str, dst: str, L: int, *, warm: int, after: int, timeout: float, log: Log,
-                second: bool = True, prefill_tps: float | None = None, transport: str | None = None) -> dict:
-    c = Ctx(src, dst, L, prompt(L), warm, after, timeout, log, transport=transport)
-    log(f"context {L}: live move")
+                checkpoint_dir: str, second: bool = True, transport: str | None = None) -> dict:
+    """`checkpoint_dir`: a file:// store both replicas may write and read (prefill_on_target)."""
+    c = Ctx(src, dst, L, prompt(L), warm, after, timeout, log, transport=transport, checkpoint_dir=checkpoint_dir)
+    log(f"context {L}: prefill on the target (recompute), checkpointed after {warm} tokens")
+    rec = prefill_on_target(c)
+    log(f"context {L}: recompute {rec['recompute_ms']:.1f} ms; live move (the session restored on the source)")
     live = measure_move(c, "live", with_second=second)
     log(f"context {L}: live stall {live['stall_ms']:.1f} ms; cold move")
     cold = measure_move(c, "cold", with_second=False)
-    if prefill_tps is None:
-        log(f"context {L}: cold stall {cold['stall_ms']:.1f} ms; recompute")
-        rec = measure_recompute(c)
-        rec["estimated"] = False
-    else:
-        rec = {"recompute_ms": round(L / prefill_tps * 1000, 2), "estimated": True,
-               "note": f"estimated: {L} tokens at the {prefill_tps:.1f} prefill tokens/s measured at a shorter context"}
-    log(f"context {L}: recompute {rec['recompute_ms']:.1f} ms; undisturbed reference on the target")
+    log(f"context {L}: cold stall {cold['stall_ms']:.1f} ms; undisturbed reference on the target")
     ref = reference(c)
     match = {m: toks == ref[: len(toks)] for m, toks in c.sessions.items()}
     moved, secs = precopy_transport(live)
@@ -348,7 +376,12 @@ def _run(model: str | None, contexts: list[int] | None, quick: bool, device: str
     kv_mb = max(8, math.ceil((2 * (max(contexts) + MAX_TOKENS) + 2 * MAX_TOKENS) * per_tok / 2**20) + 8)
     timeout = 600.0
     log(f"launching {model} replicas ({SOURCE_LAYOUT} -> {TARGET_LAYOUT}, {kv_mb} MiB KV each)")
-    reps = [Replica(model, SOURCE_LAYOUT, kv_mb, device, src_cpus), Replica(model, TARGET_LAYOUT, kv_mb, device, dst_cpus)]
+    # the replicas' checkpoints (the live move's session, restored for the cold move) in memory where
+    # it can: writing 1 GiB to a disk just before the live move would compete with it
+    data = tempfile.TemporaryDirectory(prefix="relayout-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    env = {"RELAYOUT_DATA_DIR": data.name}
+    reps = [Replica(model, SOURCE_LAYOUT, kv_mb, device, src_cpus, env),
+            Replica(model, TARGET_LAYOUT, kv_mb, device, dst_cpus, env)]
     try:
         src, dst = (r.wait_ready() for r in reps)
         for url in (src, dst):  # a serving replica has run steps before anyone moves its sessions: the
@@ -356,14 +389,12 @@ def _run(model: str | None, contexts: list[int] | None, quick: bool, device: str
         links = [link_gbps(sender_cpus=src_cpus)]
         log(f"link (plain TCP between two processes): {links[0]:.2f} GB/s")
         results: dict = {}
-        prefill_tps = None
         for L in contexts:
             try:
                 results[str(L)] = run_context(src, dst, L, warm=warm, after=after, timeout=timeout, log=log,
-                                              prefill_tps=prefill_tps if L > RECOMPUTE_MEASURED_MAX else None,
-                                              transport=transport_name)
-                if not results[str(L)]["recompute_estimated"]:
-                    prefill_tps = L / (results[str(L)]["recompute_ms"] / 1000)
+                                              transport=transport_name,
+                                              checkpoint_dir=Path(data.name, f"checkpoints-{L}").as_uri())
+                shutil.rmtree(Path(data.name, f"checkpoints-{L}"), ignore_errors=True)  # up to 1 GiB at 16k
             except Exception as e:  # noqa: BLE001 - with what the replicas said
                 time.sleep(0.5)
                 tails = "".join(f"--- {r.layout} replica:\n{''.join(r.tail[-15:])}" for r in reps)
@@ -372,6 +403,7 @@ def _run(model: str | None, contexts: list[int] | None, quick: bool, device: str
     finally:
         for r in reps:
             r.stop()
+        data.cleanup()
     lo, hi = results[str(contexts[0])], results[str(contexts[-1])]
     ratio = hi["decode_ratio"]
     link = statistics.median(links)
@@ -419,8 +451,6 @@ def print_table(res: dict, console) -> None:
                   f"{r['live']['commit_ms']:.1f}", str(r["target_step_ms"]), str(r["live_stall_steps"]),
                   str(r["transport_gbps"]), str(r["tokens_match"]))
     console.print(t)
-    if any(r["recompute_estimated"] for r in res["contexts"].values()):
-        console.print(f"recompute beyond {RECOMPUTE_MEASURED_MAX} tokens is estimated from measured prefill tokens/s")
     console.print(f"link {res['link_gbps']} GB/s (plain TCP); pre-copy transport ({res.get('transport', 'tcp')}) "
                   f"{res['transport_gbps']} GB/s "
                   f"= {res['transport_vs_link']} of the link")

@@ -25,7 +25,7 @@ class BenchError(RuntimeError):
 # ---- replicas --------------------------------------------------------------------------------------
 class Replica:
     def __init__(self, model: str, layout: str, kv_cache_mb: int, device: str | None = None,
-                 cpus: set[int] | None = None):
+                 cpus: set[int] | None = None, env: dict[str, str] | None = None):
         args = [sys.executable, "-m", "relayout.agent.cli", "serve", "--model", model, "--layout", layout, "--port", "0",
                 "--kv-cache-mb", str(kv_cache_mb)]
         if device:
@@ -34,7 +34,7 @@ class Replica:
         self.tail: list[str] = []
         # `cpus`: the replica (its ranks too, which inherit it) runs only there, as on a host of its own
         self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                     env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"},
                                      preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
         self.url = ""
 
