@@ -15,7 +15,7 @@ from relayout.engine.config import ModelConfig, parse_dtype, parse_kv_dtype
 from relayout.engine.executor import Executor, LocalExecutor
 from relayout.engine.kv_cache import BLOCK_SIZE, BlockAllocator, blocks_needed, kv_storage_dtype
 from relayout.engine.layout import Layout
-from relayout.engine.logprobs import token_logprobs
+from relayout.engine.logprobs import LogprobRecord, token_logprobs
 from relayout.engine.runner import StepBatch, kv_block_bytes
 from relayout.engine.sampling import new_rng_state, sample
 from relayout.engine.scheduler import Scheduler
@@ -75,6 +75,7 @@ class LLMEngine:
         self.allocators = [BlockAllocator(self.num_blocks) for _ in range(lay.attn_dp)]
         self.scheduler = Scheduler(self.allocators, max_num_seqs, max_prefill_tokens)
         self.sessions: dict[str, SessionState] = {}
+        self.held_tokens: dict[str, tuple[int, LogprobRecord | None]] = {}  # session -> its pre-step's token (prestep)
         self.max_finished = max_finished
         self.executor: Executor
         if lay.world_size == 1 and (placement is None or placement.local_ranks in (None, [0])):
@@ -150,11 +151,33 @@ class LLMEngine:
             self.scheduler.pause(self.sessions[sid])
 
     def resume(self, session_ids: list[str]) -> None:
-        """Let paused sessions run again (unknown or not paused ones are skipped)."""
+        """Let paused sessions run again (unknown or not paused ones are skipped). A token a
+        session's pre-step computed while it was held is its next token now."""
         for sid in session_ids:
             s = self.sessions.get(sid)
-            if s is not None:
-                self.scheduler.resume(s)
+            self.scheduler.prestep.discard(sid)
+            held = self.held_tokens.pop(sid, None)
+            if s is None:
+                continue
+            if held is not None and s.status == SessionStatus.PAUSED:
+                tok, lp = held
+                s.num_computed += 1
+                if lp is not None:
+                    s.logprobs.append(lp)
+                self._append(s, tok)  # may finish it (a stop token, max_tokens): then it stays finished
+            self.scheduler.resume(s)
+
+    def prestep(self, session_ids: list[str]) -> None:
+        """Sessions just placed here, held until a migration's commit, each compute their next token
+        now, in the next step, instead of after the commit: the commit's round trips then overlap
+        that step, which is most of a migrated session's stall. The token is kept back (no event, not
+        in the session's tokens, its position not counted as computed) until `resume`; a session
+        discarded instead (the migration aborted) never produced it. Only sessions whose every token
+        but the last has KV here take part (a decode step)."""
+        for sid in session_ids:
+            s = self.sessions.get(sid)
+            if s is not None and s.status == SessionStatus.PAUSED and s.num_tokens - s.num_computed == 1:
+                self.scheduler.prestep.add(sid)
 
     def release(self, session_ids: list[str], status: SessionStatus = SessionStatus.MIGRATED) -> None:
         """The sessions live elsewhere now (a migration's commit, a checkpoint with stop): free them."""
@@ -176,11 +199,13 @@ class LLMEngine:
 
     def discard(self, session_id: str) -> None:
         """Forget a session that never became this replica's (an uncommitted transfer), freeing its blocks."""
+        self.held_tokens.pop(session_id, None)
         s = self.sessions.pop(session_id, None)
         if s is not None:
             self.scheduler.remove(s)
 
     def _finish(self, s: SessionState, reason: str, status: SessionStatus = SessionStatus.FINISHED) -> None:
+        self.held_tokens.pop(s.session_id, None)
         s.status = status
         s.finish_reason = reason if status == SessionStatus.FINISHED else s.finish_reason
         self.scheduler.remove(s)
@@ -226,7 +251,9 @@ class LLMEngine:
             row = 0
             for x in seqs:
                 s = x.session
-                s.num_computed += x.num_new
+                held = s.status == SessionStatus.PAUSED  # a pre-step (see prestep): counted at resume
+                if not held:
+                    s.num_computed += x.num_new
                 if s.status == SessionStatus.WAITING:
                     s.status = SessionStatus.RUNNING
                 if not x.sample:
@@ -234,9 +261,16 @@ class LLMEngine:
                 if self.logits_hook is not None:
                     self.logits_hook(s.session_id, logits[g][row])
                 tok = greedy[row] if s.sampling.greedy else sample(logits[g][row], s)
+                lp = None
                 if s.sampling.logprobs is not None:  # only sessions that asked pay for it
-                    s.logprobs.append(token_logprobs(logits[g][row], tok, s.sampling.logprobs))
+                    lp = token_logprobs(logits[g][row], tok, s.sampling.logprobs)
                 row += 1
+                if held:
+                    self.scheduler.prestep.discard(s.session_id)
+                    self.held_tokens[s.session_id] = (tok, lp)
+                    continue
+                if lp is not None:
+                    s.logprobs.append(lp)
                 events.append(self._append(s, tok))
         return events
 

@@ -134,6 +134,7 @@ def receive_round(engine: LLMEngine, t: IncomingKV, manifest: Manifest, final: b
             st.status = SessionStatus.PAUSED
             engine.adopt(st, g, blocks)
             t.placed.append(sid)
+        engine.prestep(list(states))  # their next token while the commit travels, kept back until it lands
     return {"sessions": sorted(states), "imported_tokens": imported}
 
 

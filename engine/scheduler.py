@@ -33,6 +33,8 @@ class Scheduler:
         self.running: list[list[SessionState]] = [[] for _ in allocators]
         self.tables: dict[str, KVBlockTable] = {}
         self.num_preemptions = 0
+        # paused sessions allowed one decode step while held (LLMEngine.prestep): its token is kept back
+        self.prestep: set[str] = set()
 
     # ---- membership ------------------------------------------------------
     def add(self, s: SessionState) -> None:
@@ -49,6 +51,7 @@ class Scheduler:
 
     def remove(self, s: SessionState) -> None:
         """Forget a session and free its blocks (finished, aborted, or moved away)."""
+        self.prestep.discard(s.session_id)
         if s in self.waiting:
             self.waiting.remove(s)
         if s in self.paused_waiting:
@@ -79,7 +82,7 @@ class Scheduler:
             s.status = SessionStatus.RUNNING if s.num_computed else SessionStatus.WAITING
 
     def has_work(self) -> bool:
-        return bool(self.waiting) or any(
+        return bool(self.waiting) or bool(self.prestep) or any(
             s.status in (SessionStatus.RUNNING, SessionStatus.WAITING) for run in self.running for s in run
         )
 
@@ -90,7 +93,10 @@ class Scheduler:
         budget = [self.max_prefill_tokens] * len(self.allocators)
         for g, run in enumerate(self.running):
             for s in list(run):
-                if s not in run or s.status == SessionStatus.PAUSED or s.is_finished:
+                if s not in run or s.is_finished:
+                    continue
+                if s.status == SessionStatus.PAUSED and not (s.session_id in self.prestep
+                                                             and s.num_tokens - s.num_computed == 1):
                     continue
                 todo = s.num_tokens - s.num_computed
                 n = todo if todo == 1 else min(todo, max(budget[g], 1))
