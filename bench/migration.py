@@ -126,7 +126,7 @@ def measure_move(c: Ctx, mode: str, with_second: bool) -> dict:
         t_base = second.times[-1]
         second.wait_tokens(len(second.tokens) + 6, c.timeout)
         base = [g for g in gaps(second.times) if g[0] >= t_base]
-    attached = _attach_early(c.dst, s.sid)
+    attach, attached = _attach_early(c.dst, s.sid)
     marks: list[tuple[str, float]] = []
     t0 = time.perf_counter()
     def progress(phase: str, total: int) -> None:
@@ -145,7 +145,8 @@ def measure_move(c: Ctx, mode: str, with_second: bool) -> dict:
 
     progress.total = 0  # type: ignore[attr-defined]
     res = migrate_live(c.src, c.dst, [s.sid], mode=mode, progress=progress, max_rounds=MAX_ROUNDS,
-                       small_bytes=SMALL_BYTES, timeout_s=max(300.0, c.timeout), transport=c.transport)
+                       small_bytes=SMALL_BYTES, timeout_s=max(300.0, c.timeout), transport=c.transport,
+                       on_phase=lambda ph: attach() if ph == "stop-and-copy" else None)
     t_done = time.perf_counter()
     s.finish(60)
     if s.done or not res.sessions:
@@ -240,9 +241,10 @@ def _restored(c: Ctx, url: str, then: Callable[[TokenStream], None] | None = Non
     return s
 
 
-def _attach_early(dst: str, sid: str) -> Callable[[], TokenStream | None]:
-    """Watch the target from the start of a move; once the session exists there (placed, held
-    paused by the final round) stream it from its current token on. Returns a function that
+def _attach_early(dst: str, sid: str) -> tuple[Callable[[], None], Callable[[], TokenStream | None]]:
+    """Watch the target from the start of the move's final round (`begin`; polling all through
+    pre-copy would take CPU from the source's decoding on a small box); once the session exists
+    there (placed, held paused by the final round) stream it from its current token on. `done`
     ends the watch and gives that stream (None if it never attached)."""
     box: dict = {}
     quit_ = threading.Event()
@@ -263,18 +265,22 @@ def _attach_early(dst: str, sid: str) -> Callable[[], TokenStream | None]:
             return  # the target went away: nothing to attach to (the move fails and says why)
 
     th = threading.Thread(target=watch, daemon=True)
-    th.start()
+
+    def begin() -> None:
+        if not th.is_alive() and th.ident is None:
+            th.start()
 
     def done() -> TokenStream | None:
         quit_.set()
-        th.join(30)
+        if th.ident is not None:
+            th.join(30)
         st = box.get("s")
         if st is not None:
             st.stop()
             st.join(30)
         return st
 
-    return done
+    return begin, done
 
 
 def warm_up(url: str, timeout: float) -> None:

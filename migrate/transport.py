@@ -91,26 +91,32 @@ def precopy_mbps() -> float | None:
     return v if v > 0 else None
 
 
-def precopy_nice() -> int:
+def precopy_nice() -> int | str:
     """RELAYOUT_PRECOPY_NICE: the nice value of the threads that copy, hash and move pre-copy rounds
     (default 10: under contention the kernel gives them about a tenth of what a decoding thread
-    gets; 0: the same as decoding)."""
+    gets; 0: the same as decoding), or `idle` (Linux SCHED_IDLE: they run only on cycles nothing
+    else wants, so pre-copy may take much longer on a busy box)."""
+    v = os.environ.get("RELAYOUT_PRECOPY_NICE", "10").strip().lower()
+    if v == "idle":
+        return "idle"
     try:
-        return max(0, min(19, int(os.environ.get("RELAYOUT_PRECOPY_NICE", "10"))))
+        return max(0, min(19, int(v)))
     except ValueError:
         return 10
 
 
 def background_thread() -> None:
-    """Make the calling thread a pre-copy worker: lower its priority (Linux: nice is per thread;
-    it can never be raised again, so only threads made for one round call this) and keep its copies
-    on it rather than on the shared chunk pool, whose threads run at normal priority."""
+    """Make the calling thread a pre-copy worker: lower its priority (Linux: nice and the policy are
+    per thread; neither can be raised again, so only threads made for one round call this) and keep
+    its copies on it rather than on the shared chunk pool, whose threads run at normal priority."""
     nice = precopy_nice()
-    if nice and hasattr(os, "setpriority"):
-        try:
+    try:
+        if nice == "idle" and hasattr(os, "SCHED_IDLE"):
+            os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
+        elif isinstance(nice, int) and nice and hasattr(os, "setpriority"):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
-        except OSError:
-            pass  # not permitted here: the round runs at normal priority
+    except OSError:
+        pass  # not permitted here: the round runs at normal priority
     work_inline()
 
 
