@@ -239,6 +239,10 @@ class _OtherVersion(Exception):
     """The target's link speaks another version of the wire."""
 
 
+class _NotConnected(Exception):
+    """Nobody listens at the link's address (e.g. a cached one, the target restarted since)."""
+
+
 class TcpTransport:
     """Pushes a round over the target's frame link (see the module docstring), from a thread that
     writes each frame piece as the round's producer hands it over; https targets, which the raw
@@ -246,6 +250,29 @@ class TcpTransport:
 
     def __init__(self, token: str | None, fallback, push_failed: type[Exception]):
         self.token, self.fallback, self.failed = token, fallback, push_failed
+        # target URL -> its link's (host, port), as its last round found it: a round, the final one
+        # above all (it is part of the stall), need not ask again; any failure forgets it
+        self.links: dict[str, tuple[str, int]] = {}
+
+    async def _address(self, target: str) -> tuple[str, int] | None:
+        """The target's link (None: it has none, it is older than the link: push over HTTP)."""
+        if target in self.links:
+            return self.links[target]
+        try:
+            async with httpx.AsyncClient(verify=tls_context(), timeout=30.0) as c:
+                resp = await c.get(f"{target.rstrip('/')}{LINK_PATH}", headers=bearer_headers(self.token))
+        except httpx.TransportError as e:
+            raise self.failed(f"target link: {type(e).__name__}: {e or 'no detail'}", True) from None
+        if resp.status_code == 404:
+            return None
+        if resp.status_code >= 400:
+            raise self.failed(f"target link: HTTP {resp.status_code}: {error_message(resp)}", False)
+        addr = resp.json()
+        port, host = addr.get("port"), addr.get("host") or urlsplit(target).hostname or "127.0.0.1"
+        if not isinstance(port, int) or not isinstance(host, str):
+            raise self.failed("target link: no port in the answer", False)
+        self.links[target] = (host, port)
+        return host, port
 
     async def push(self, target: str, transfer: str, frames, *, final: bool, source: str | None,
                    timeout_s: float) -> dict:
@@ -255,26 +282,33 @@ class TcpTransport:
             return await self.fallback.push(target, transfer, frames, final=final, source=source, timeout_s=timeout_s)
         stop = threading.Event()
         try:
-            try:
-                async with httpx.AsyncClient(verify=tls_context(), timeout=timeout_s) as c:
-                    resp = await c.get(f"{target.rstrip('/')}{LINK_PATH}", headers=bearer_headers(self.token))
-            except httpx.TransportError as e:
-                raise self.failed(f"target link: {type(e).__name__}: {e or 'no detail'}", True) from None
-            if resp.status_code == 404:  # a target older than the link: HTTP it is
+            cached = target in self.links
+            addr = await self._address(target)
+            if addr is None:  # a target older than the link: HTTP it is
                 return await self.fallback.push(target, transfer, frames, final=final, source=source, timeout_s=timeout_s)
-            if resp.status_code >= 400:
-                raise self.failed(f"target link: HTTP {resp.status_code}: {error_message(resp)}", False)
-            addr = resp.json()
-            port, host = addr.get("port"), addr.get("host") or u.hostname or "127.0.0.1"
-            if not isinstance(port, int) or not isinstance(host, str):
-                raise self.failed("target link: no port in the answer", False)
             hello = inject({"transfer": transfer, "final": final, "source": source})  # + the export's traceparent
             # a pre-copy round's thread (copying out of the pool, hashing, sending) is a pre-copy worker
+            pieces = blocking()
             try:
-                status, body = await in_thread(self._push, host, port, hello, blocking(), timeout_s, stop,
+                status, body = await in_thread(self._push, *addr, hello, pieces, timeout_s, stop,
+                                               background=bool(getattr(frames, "background", False)))
+            except _NotConnected:
+                self.links.pop(target, None)
+                if not cached:
+                    raise self.failed("target import: the link refused the connection", True) from None
+                # the target restarted since (another port): ask again (nothing of the round was produced yet)
+                addr = await self._address(target)
+                if addr is None:
+                    return await self.fallback.push(target, transfer, frames, final=final, source=source,
+                                                    timeout_s=timeout_s)
+                status, body = await in_thread(self._push, *addr, hello, blocking(), timeout_s, stop,
                                                background=bool(getattr(frames, "background", False)))
             except _OtherVersion:  # (nothing of the round was produced yet) a target of another link version
+                self.links.pop(target, None)
                 return await self.fallback.push(target, transfer, frames, final=final, source=source, timeout_s=timeout_s)
+            except BaseException:
+                self.links.pop(target, None)
+                raise
         finally:
             stop.set()  # cancelled (the transfer ended): the sending thread stops at its next piece
             await frames.aclose()
@@ -288,7 +322,11 @@ class TcpTransport:
     def _push(self, host: str, port: int, hello: dict, pieces: Iterator[bytes], timeout_s: float,
               stop: threading.Event) -> tuple[int, object]:
         try:
-            with socket.create_connection((host, port), timeout=timeout_s) as sock:
+            try:
+                sock = socket.create_connection((host, port), timeout=timeout_s)
+            except ConnectionRefusedError:
+                raise _NotConnected() from None
+            with sock:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 head = _recv_exact(sock, len(LINK_MAGIC) + CHALLENGE_BYTES)
                 if not head.startswith(LINK_MAGIC):
@@ -307,7 +345,7 @@ class TcpTransport:
                         break
                     sock.sendall(piece)
                 return _read_reply(sock)
-        except (self.failed, _OtherVersion):
+        except (self.failed, _OtherVersion, _NotConnected):
             raise
         except (OSError, ConnectionError) as e:  # refused, reset, timed out: the link failed, the round may resume
             raise self.failed(f"target import: {type(e).__name__}: {e or 'no detail'}", True) from None

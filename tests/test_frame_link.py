@@ -204,3 +204,67 @@ def test_a_link_of_another_version_falls_back_to_http():
             finish_moved(m, refs, b, a)
     finally:
         old.close()
+
+
+def test_the_link_address_is_asked_once_and_asked_again_when_it_moved():
+    """The source asks a target for its link's address once (not each round, the final one being
+    part of the stall) and asks again when nobody listens there any more (the target restarted)."""
+    import asyncio
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from relayout.migrate.frame_link import GO_ON, TcpTransport, _reply_bytes
+    from relayout.migrate.transport import RoundFrames
+
+    link = socket.create_server(("127.0.0.1", 0))
+    asked, rounds = [], []
+
+    class Ask(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            asked.append(self.path)
+            body = json.dumps({"port": link.getsockname()[1]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    def serve_link() -> None:
+        while True:
+            try:
+                conn, _ = link.accept()
+            except OSError:
+                return
+            with conn:
+                conn.sendall(LINK_MAGIC + bytes(CHALLENGE_BYTES))
+                (n,) = struct.unpack(">I", conn.recv(4))
+                hello = json.loads(conn.recv(n))
+                conn.sendall(_reply_bytes(GO_ON, {}))
+                got = b""
+                while len(got) < 6:
+                    got += conn.recv(6 - len(got))
+                rounds.append((hello["transfer"], got))
+                conn.sendall(_reply_bytes(200, {"sessions": []}))
+
+    http = ThreadingHTTPServer(("127.0.0.1", 0), Ask)
+    threading.Thread(target=http.serve_forever, daemon=True).start()
+    threading.Thread(target=serve_link, daemon=True).start()
+    target = f"http://127.0.0.1:{http.server_address[1]}"
+    t = TcpTransport(None, fallback=None, push_failed=RuntimeError)
+    dead = free_port()  # where the link was before the target restarted: nobody listens
+    t.links[target] = ("127.0.0.1", dead)
+
+    async def push(tid: str) -> dict:
+        return await t.push(target, tid, RoundFrames(iter([b"abc", b"def"])), final=False, source=None, timeout_s=10)
+
+    try:
+        assert asyncio.run(push("t1")) == {"sessions": []}
+        assert len(asked) == 1 and asked[0] == LINK_PATH, "a refused cached address is asked again"
+        assert t.links[target] == ("127.0.0.1", link.getsockname()[1])
+        assert asyncio.run(push("t2")) == {"sessions": []}
+        assert len(asked) == 1, "a known address is not asked again"
+        assert rounds == [("t1", b"abcdef"), ("t2", b"abcdef")]
+    finally:
+        http.shutdown()
+        link.close()
