@@ -19,17 +19,27 @@ from __future__ import annotations
 
 import math
 import os
-import random
 import shutil
 import statistics
 import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from relayout.bench.migration_sessions import (
+    MAX_TOKENS,
+    Ctx,
+    Log,
+    completion,
+    prefill_on_target,
+    prompt,
+    reference,
+    restored,
+    wait_idle,
+    warm_up,
+)
 from relayout.bench.replica_client import (
     BenchError,
     Replica,
@@ -48,14 +58,6 @@ DEFAULT_CONTEXTS = (1024, 4096, 16384)
 QUICK_CONTEXTS = (256, 1024)
 MAX_ROUNDS = 64  # migrate_live's default, passed explicitly: the bench predicts its last pre-copy round
 SMALL_BYTES = 1 << 20
-MAX_TOKENS = 1024  # "large": sessions are stopped by the bench, never by max_tokens
-
-Log = Callable[[str], None]
-
-
-def prompt(n: int, salt: int = 0) -> list[int]:
-    rng = random.Random(1000 + salt)
-    return [rng.randrange(32, 127) for _ in range(n)]  # printable bytes of the builtin byte vocabulary
 
 
 def kv_bytes_per_token(model: str) -> int:
@@ -67,37 +69,6 @@ def kv_bytes_per_token(model: str) -> int:
 
 
 # ---- the measurements -------------------------------------------------------------------------------
-@dataclass
-class Ctx:
-    src: str
-    dst: str
-    L: int
-    ids: list[int]
-    warm: int  # tokens the session makes after its prefill, before it is checkpointed (prefill_on_target)
-    after: int  # tokens on the target after a move
-    timeout: float
-    log: Log
-    sessions: dict = field(default_factory=dict)  # mode -> all tokens the session produced, in order
-    transport: str | None = None  # how the source pushes the rounds (None: the replicas' default, tcp)
-    checkpoint_dir: str | None = None  # where the replicas write checkpoints (a file:// store)
-    checkpoint: str | None = None  # the session after its prefill and first tokens (prefill_on_target)
-
-
-def _completion(ids: list[int], max_tokens: int) -> dict:
-    return {"prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-            "return_token_ids": True}
-
-
-def _wait_idle(*urls: str, timeout: float = 30.0) -> None:
-    """Until no replica holds a live session (aborts land at the next step boundary)."""
-    t0 = time.time()
-    for u in urls:
-        while time.time() - t0 < timeout:
-            if not httpx.get(f"{u}/v1/replica", timeout=30).json()["sessions"]:
-                break
-            time.sleep(0.05)
-
-
 def _wait_gone(url: str, sid: str | None, timeout: float = 10.0) -> None:
     t0 = time.time()
     while time.time() - t0 < timeout:
@@ -115,13 +86,13 @@ def measure_move(c: Ctx, mode: str, with_second: bool) -> dict:
             "GET", f"{c.dst}/v1/sessions/{src_stream.sid}/stream?from_token={len(src_stream.tokens)}"
             "&return_token_ids=true", stop_after=c.after, retry_404_s=10.0)
 
-    s = _restored(c, c.src, then=reattach)
+    s = restored(c, c.src, then=reattach)
     s.wait_tokens(s.restored_with + 2, c.timeout)  # decoding on the source before it moves
     second = None
     base: list[tuple[float, float]] = []
     if with_second:
         # a short session decoding next to the long one; its gaps just before the move are the baseline
-        second = TokenStream("POST", f"{c.src}/v1/completions", _completion(prompt(32, salt=7), MAX_TOKENS))
+        second = TokenStream("POST", f"{c.src}/v1/completions", completion(prompt(32, salt=7), MAX_TOKENS))
         second.wait_tokens(2, c.timeout)
         t_base = second.times[-1]
         second.wait_tokens(len(second.tokens) + 6, c.timeout)
@@ -201,44 +172,8 @@ def measure_move(c: Ctx, mode: str, with_second: bool) -> dict:
         out["precopy_ms"] = round((pre_end - t0) * 1000, 2)
         out["decode_gaps_precopy"] = len(during)
         out["decode_ratio"] = round(normal / dur, 3) if normal and dur else None
-    _wait_idle(c.src, c.dst)
+    wait_idle(c.src, c.dst)
     return out
-
-
-def prefill_on_target(c: Ctx) -> dict:
-    """The context's one prefill: the session's prompt on the target, from the request to its first
-    token (the recompute move's stall: an aborted session re-prefilled there). After `warm` tokens
-    the target checkpoints the session and lets it go (`stop`); both moves and the reference start
-    from that checkpoint (`_restored`), since a second prefill of the same prompt would cost
-    minutes at 16k on a CPU."""
-    r = TokenStream("POST", f"{c.dst}/v1/completions", _completion(c.ids, MAX_TOKENS))
-    r.wait_tokens(c.warm, c.timeout)
-    if r.error is not None or len(r.tokens) < c.warm:
-        raise BenchError(f"prefill on the target: {len(r.tokens)} tokens ({r.error!r})")
-    ck = httpx.post(f"{c.dst}/v1/sessions/checkpoint",
-                    json={"sessions": [r.sid], "stop": True, "destination": c.checkpoint_dir}, timeout=c.timeout)
-    if ck.status_code >= 400:
-        raise BenchError(f"checkpoint on the target: HTTP {ck.status_code}: {ck.text[:300]}")
-    c.checkpoint = ck.json()["checkpoint"]
-    r.finish(c.timeout)  # its stream ends with the checkpoint
-    _wait_idle(c.dst)
-    return {"recompute_ms": round((r.times[0] - r.started_at) * 1000, 2), "estimated": False}
-
-
-def _restored(c: Ctx, url: str, then: Callable[[TokenStream], None] | None = None,
-              stop_after: int | None = None) -> TokenStream:
-    """The context's session restored on `url` from its checkpoint, streamed from its first token
-    (`restored_with`: the tokens it had when restored)."""
-    assert c.checkpoint is not None
-    r = httpx.post(f"{url}/v1/sessions/restore", json={"checkpoint": c.checkpoint}, timeout=c.timeout)
-    if r.status_code >= 400:
-        raise BenchError(f"restore on {url}: HTTP {r.status_code}: {r.text[:300]}")
-    sid = r.json()["sessions"][0]
-    have = len(httpx.get(f"{url}/v1/sessions/{sid}", timeout=30).json()["token_ids"])
-    s = TokenStream("GET", f"{url}/v1/sessions/{sid}/stream?from_token=0&return_token_ids=true", then=then,
-                    stop_after=stop_after)
-    s.restored_with = have  # type: ignore[attr-defined]
-    return s
 
 
 def _attach_early(dst: str, sid: str) -> tuple[Callable[[], None], Callable[[], TokenStream | None]]:
@@ -281,26 +216,6 @@ def _attach_early(dst: str, sid: str) -> tuple[Callable[[], None], Callable[[], 
         return st
 
     return begin, done
-
-
-def warm_up(url: str, timeout: float) -> None:
-    r = httpx.post(f"{url}/v1/completions", json={"prompt": prompt(64, salt=3), "max_tokens": 4, "temperature": 0},
-                   timeout=timeout)
-    if r.status_code >= 400:
-        raise BenchError(f"warm-up request: HTTP {r.status_code}: {r.text[:300]}")
-
-
-def reference(c: Ctx) -> list[int]:
-    """The undisturbed run the moved sessions must match: the target's own session (its prefill,
-    checkpointed there after its first tokens) restored on the target, where nothing moves it,
-    decoding to as many tokens as the longest moved session holds."""
-    n = max(len(v) for v in c.sessions.values())
-    t = _restored(c, c.dst, stop_after=n)
-    t.finish(c.timeout)
-    if len(t.tokens) < n:
-        raise BenchError(f"reference: {len(t.tokens)} of {n} tokens ({t.error!r})")
-    _wait_idle(c.dst)
-    return t.tokens[:n]
 
 
 def precopy_transport(live: dict) -> tuple[int, float]:
