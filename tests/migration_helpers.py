@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 import pytest
@@ -16,6 +16,18 @@ import pytest
 from relayout.bench.soak import Stream, port_of, reference, replica_state, wait_for  # noqa: F401 - re-exported to the tests
 from relayout.migrate.live import MigrationResult, migrate_live
 from relayout.migrate.procs import Proc, replica
+from relayout.storage.stores import MemoryStore
+
+
+@dataclass
+class Incoming:
+    """What engine.receive.receive_round keeps of one incoming transfer (engine.receive.IncomingKV),
+    for tests that drive rounds between engines in one process."""
+
+    store: MemoryStore = field(default_factory=MemoryStore)
+    blocks: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
+    upto: dict[str, int] = field(default_factory=dict)
+    placed: list[str] = field(default_factory=list)
 
 
 @contextmanager

@@ -4,8 +4,6 @@ blocks, and refuses a round that does not continue what it holds, reserving noth
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import pytest
 from relayout.engine.engine import LLMEngine
 from relayout.engine.receive import abort_incoming, receive_round
@@ -16,16 +14,10 @@ from relayout.storage.errors import CorruptCheckpoint
 from relayout.storage.manifest import Manifest
 from relayout.storage.stores import MemoryStore
 
+from tests.migration_helpers import Incoming
+
 PROMPT = list(range(3, 40))
 PARAMS = SamplingParams(max_tokens=24, ignore_eos=True)
-
-
-@dataclass
-class Incoming:  # engine.receive.IncomingKV
-    store: MemoryStore = field(default_factory=MemoryStore)
-    blocks: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
-    upto: dict[str, int] = field(default_factory=dict)
-    placed: list[str] = field(default_factory=list)
 
 
 def _round(e: LLMEngine, store: MemoryStore, rnd: int, sent: dict[str, int]) -> Manifest:

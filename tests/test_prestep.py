@@ -5,8 +5,6 @@ session if the migration aborts instead. Real engines, the real final round (eng
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import pytest
 from relayout.engine.engine import LLMEngine
 from relayout.engine.receive import abort_incoming, commit_incoming, receive_round
@@ -15,18 +13,12 @@ from relayout.engine.snapshot import geometry, model_ref, take_snapshot, write_s
 from relayout.storage.checkpoint import CheckpointWriter
 from relayout.storage.stores import MemoryStore
 
+from tests.migration_helpers import Incoming
+
 PROMPT = list(range(5, 60))
 GREEDY = SamplingParams(max_tokens=20, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.9, top_p=0.9, seed=11)
 OTHER = list(range(70, 90))
-
-
-@dataclass
-class Incoming:  # engine.receive.IncomingKV
-    store: MemoryStore = field(default_factory=MemoryStore)
-    blocks: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
-    upto: dict[str, int] = field(default_factory=dict)
-    placed: list[str] = field(default_factory=list)
 
 
 def undisturbed(params: SamplingParams) -> list[int]:
