@@ -95,9 +95,8 @@ class Scheduler:
             for s in list(run):
                 if s not in run or s.is_finished:
                     continue
-                if s.status == SessionStatus.PAUSED and not (s.session_id in self.prestep
-                                                             and s.num_tokens - s.num_computed == 1):
-                    continue
+                if s.status == SessionStatus.PAUSED and s.session_id not in self.prestep:
+                    continue  # (LLMEngine.prestep admits only sessions one decode step from their next token)
                 todo = s.num_tokens - s.num_computed
                 n = todo if todo == 1 else min(todo, max(budget[g], 1))
                 if not self._grow(g, s, s.num_computed + n, out[g]):

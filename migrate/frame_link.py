@@ -282,33 +282,31 @@ class TcpTransport:
             return await self.fallback.push(target, transfer, frames, final=final, source=source, timeout_s=timeout_s)
         stop = threading.Event()
         try:
-            cached = target in self.links
-            addr = await self._address(target)
-            if addr is None:  # a target older than the link: HTTP it is
-                return await self.fallback.push(target, transfer, frames, final=final, source=source, timeout_s=timeout_s)
             hello = inject({"transfer": transfer, "final": final, "source": source})  # + the export's traceparent
             # a pre-copy round's thread (copying out of the pool, hashing, sending) is a pre-copy worker
-            pieces = blocking()
-            try:
-                status, body = await in_thread(self._push, *addr, hello, pieces, timeout_s, stop,
-                                               background=bool(getattr(frames, "background", False)))
-            except _NotConnected:
-                self.links.pop(target, None)
-                if not cached:
-                    raise self.failed("target import: the link refused the connection", True) from None
-                # the target restarted since (another port): ask again (nothing of the round was produced yet)
+            background = bool(getattr(frames, "background", False))
+            while True:  # twice at most: a kept address nobody listens at any more is asked again
+                cached = target in self.links
                 addr = await self._address(target)
-                if addr is None:
+                if addr is None:  # a target older than the link: HTTP it is
                     return await self.fallback.push(target, transfer, frames, final=final, source=source,
                                                     timeout_s=timeout_s)
-                status, body = await in_thread(self._push, *addr, hello, blocking(), timeout_s, stop,
-                                               background=bool(getattr(frames, "background", False)))
-            except _OtherVersion:  # (nothing of the round was produced yet) a target of another link version
-                self.links.pop(target, None)
-                return await self.fallback.push(target, transfer, frames, final=final, source=source, timeout_s=timeout_s)
-            except BaseException:
-                self.links.pop(target, None)
-                raise
+                try:
+                    status, body = await in_thread(self._push, *addr, hello, blocking(), timeout_s, stop,
+                                                   background=background)
+                    break
+                except _NotConnected:  # (nothing of the round was produced yet)
+                    self.links.pop(target, None)
+                    if not cached:
+                        raise self.failed("target import: the link refused the connection", True) from None
+                    # the target restarted since (another port): ask it again
+                except _OtherVersion:  # (nothing of the round was produced yet) a target of another link version
+                    self.links.pop(target, None)
+                    return await self.fallback.push(target, transfer, frames, final=final, source=source,
+                                                    timeout_s=timeout_s)
+                except BaseException:
+                    self.links.pop(target, None)
+                    raise
         finally:
             stop.set()  # cancelled (the transfer ended): the sending thread stops at its next piece
             await frames.aclose()
