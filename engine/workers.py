@@ -39,6 +39,7 @@ from relayout.engine.rank_channel import ChannelClosed, ChannelError, Encoded, M
 from relayout.engine.runner import ModelRunner, StepBatch
 from relayout.engine.shared_kv import SharedPool, attach_pool, shared_kv_enabled
 from relayout.engine.weights import model_identity
+from relayout.storage.chunks import one_malloc_arena
 
 STEP_TIMEOUT_S = float(os.environ.get("RELAYOUT_STEP_TIMEOUT_S", 300))
 JOIN_TIMEOUT_S = float(os.environ.get("RELAYOUT_RANK_JOIN_TIMEOUT_S", 600))
@@ -93,6 +94,7 @@ def rank_main(rank: int, driver: str, model_dir: str, token: str | None = None, 
     """One rank: join the driver at `driver` (HOST:PORT), then run its commands until told to stop
     or the driver goes away (0), or until a command fails (1, reported to the driver). Raises
     RankJoinError when turned away."""
+    one_malloc_arena()  # as its driver does (migrate.serve): freed buffers stay for the next round
     if threads:
         torch.set_num_threads(threads)
     sock = _connect(driver, time.monotonic() + JOIN_TIMEOUT_S)

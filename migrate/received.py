@@ -79,11 +79,12 @@ class ReceivedChunks(MemoryStore):
 
     def forget_imported(self, manifest: Manifest, upto: dict[str, int], round_bytes: int) -> None:
         """Drop the bytes of chunks all of whose entries lie below their session's imported tokens."""
+        # the buffers freed below stay with this process's malloc for the next round (no page
+        # faults anew): raised first, since malloc trims at the free that crosses its threshold
+        keep_freed_memory(round_bytes)
         done, needed = set(), set()
         for e in manifest.kv_entries:
             (done if e.tok_hi <= upto.get(e.session_id, 0) else needed).add(e.chunk.hash)
         for h in done - needed:
             self._imported.add(h)
             self._delete_chunk(h)
-        # the freed buffers stay with this process's malloc for the next round (no page faults anew)
-        keep_freed_memory(round_bytes)

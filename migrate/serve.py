@@ -20,6 +20,7 @@ from relayout.engine.tracing import install_tracing, setup_tracing
 from relayout.engine.workers import RankPlacement
 from relayout.migrate.protect_routes import install_protect_routes
 from relayout.migrate.replica_routes import install_replica_routes
+from relayout.storage.chunks import one_malloc_arena
 
 
 def create_replica_app(aengine: AsyncEngine, model_name: str, api_keys: list[str] | None = None) -> FastAPI:
@@ -57,6 +58,7 @@ def serve(model: str = "builtin:tiny", layout: str | None = None, host: str = "1
           api_keys: list[str] | None = None) -> None:
     """Load the model, serve it until SIGTERM/SIGINT, then shut the engine (and its ranks) down.
     `standby`: a replica URL to protect this one's sessions to from the start (migrate.replication)."""
+    one_malloc_arena()  # before the engine starts threads: freed round buffers stay for the next round
     import uvicorn
     from relayout.engine.engine import LLMEngine
 
