@@ -49,6 +49,7 @@ from relayout.bench.replica_client import (
     median_gap_ms,
     split_cpus,
 )
+from relayout.migrate.transport import precopy_nice
 
 SOURCE_LAYOUT = "attn_dp=1"
 TARGET_LAYOUT = "attn_tp=2"
@@ -58,6 +59,7 @@ DEFAULT_CONTEXTS = (1024, 4096, 16384)
 QUICK_CONTEXTS = (256, 1024)
 MAX_ROUNDS = 64  # migrate_live's default, passed explicitly: the bench predicts its last pre-copy round
 SMALL_BYTES = 1 << 20
+LOADED_PROBE_BYTES = 256 << 20  # at pre-copy's priority beside a decode: a few decode steps long
 
 
 def kv_bytes_per_token(model: str) -> int:
@@ -88,6 +90,8 @@ def measure_move(c: Ctx, mode: str, with_second: bool) -> dict:
 
     s = restored(c, c.src, then=reattach)
     s.wait_tokens(s.restored_with + 2, c.timeout)  # decoding on the source before it moves
+    # the link as pre-copy finds it: both ends at pre-copy's priority while the source decodes
+    loaded = link_gbps(LOADED_PROBE_BYTES, c.source_cpus, precopy_nice()) if with_second else None
     second = None
     base: list[tuple[float, float]] = []
     if with_second:
@@ -131,6 +135,7 @@ def measure_move(c: Ctx, mode: str, with_second: bool) -> dict:
     t.finish(c.timeout)
     early = attached()
     out = {
+        "loaded_link_gbps": round(loaded, 3) if loaded else None,
         "stall_ms": round((t.times[0] - s.times[-1]) * 1000, 2),
         # the same, for a client that was already attached on the target when the session resumed there
         # (no reattach latency): how long the session itself produced nothing
@@ -225,9 +230,11 @@ def precopy_transport(live: dict) -> tuple[int, float]:
 
 
 def run_context(src: str, dst: str, L: int, *, warm: int, after: int, timeout: float, log: Log,
-                checkpoint_dir: str, second: bool = True, transport: str | None = None) -> dict:
+                checkpoint_dir: str, second: bool = True, transport: str | None = None,
+                source_cpus: set[int] | None = None) -> dict:
     """`checkpoint_dir`: a file:// store both replicas may write and read (prefill_on_target)."""
-    c = Ctx(src, dst, L, prompt(L), warm, after, timeout, log, transport=transport, checkpoint_dir=checkpoint_dir)
+    c = Ctx(src, dst, L, prompt(L), warm, after, timeout, log, transport=transport, checkpoint_dir=checkpoint_dir,
+            source_cpus=source_cpus)
     log(f"context {L}: prefill on the target (recompute), checkpointed after {warm} tokens")
     rec = prefill_on_target(c)
     log(f"context {L}: recompute {rec['recompute_ms']:.1f} ms; live move (the session restored on the source)")
@@ -248,6 +255,9 @@ def run_context(src: str, dst: str, L: int, *, warm: int, after: int, timeout: f
         "recompute_estimated": rec["estimated"],
         "target_step_ms": step,  # the target's decode step at this context (median gap after the move)
         "live_stall_steps": round(live["stall_ms"] / step, 2) if step else None,
+        # a plain socket copy at pre-copy's priority while the source decodes this session: what
+        # the link carries for pre-copy here, beside decoding (transport_gbps's yardstick under load)
+        "loaded_link_gbps": live["loaded_link_gbps"],
         "precopy_bytes": moved,
         "transport_gbps": round(moved / secs / 1e9, 3) if secs > 0 else None,
         # the cold move's one round (sessions paused, nothing else running): what the path moves alone
@@ -313,7 +323,7 @@ def _run(model: str | None, contexts: list[int] | None, quick: bool, device: str
         for L in contexts:
             try:
                 results[str(L)] = run_context(src, dst, L, warm=warm, after=after, timeout=timeout, log=log,
-                                              transport=transport_name,
+                                              transport=transport_name, source_cpus=src_cpus,
                                               checkpoint_dir=Path(data.name, f"checkpoints-{L}").as_uri())
                 shutil.rmtree(Path(data.name, f"checkpoints-{L}"), ignore_errors=True)  # up to 1 GiB at 16k
             except Exception as e:  # noqa: BLE001 - with what the replicas said
@@ -332,13 +342,19 @@ def _run(model: str | None, contexts: list[int] | None, quick: bool, device: str
     secs = sum(precopy_transport(r["live"])[1] for r in results.values())
     transport = moved / secs / 1e9 if secs > 0 else None
     cold_gbps = [r["cold_transport_gbps"] for r in results.values() if r["cold_transport_gbps"]]
+    loaded = [r["loaded_link_gbps"] for r in results.values() if r["loaded_link_gbps"]]
+    loaded_link = statistics.median(loaded) if loaded else None
     out = {
         "link_gbps": round(link, 3),
         "link_gbps_samples": [round(x, 3) for x in links],
         "transport": transport_name or "tcp",  # how the source pushed the rounds
         "transport_gbps": round(transport, 3) if transport else None,
         "transport_vs_link": round(transport / link, 3) if transport else None,
-        # pre-copy runs at a low CPU priority beside decoding (RELAYOUT_PRECOPY_NICE); a cold round alone:
+        # pre-copy runs at a low CPU priority beside decoding (RELAYOUT_PRECOPY_NICE): the link at
+        # that priority beside the same decoding (median over contexts), and pre-copy against it
+        "loaded_link_gbps": round(loaded_link, 3) if loaded_link else None,
+        "transport_vs_loaded_link": round(transport / loaded_link, 3) if transport and loaded_link else None,
+        # a cold round alone:
         "cold_transport_vs_link": round(max(cold_gbps) / link, 3) if cold_gbps else None,
         "contexts": results,
         "decode_during_precopy_ratio": ratio,
@@ -374,7 +390,8 @@ def print_table(res: dict, console) -> None:
     console.print(t)
     console.print(f"link {res['link_gbps']} GB/s (plain TCP); pre-copy transport ({res.get('transport', 'tcp')}) "
                   f"{res['transport_gbps']} GB/s "
-                  f"= {res['transport_vs_link']} of the link")
+                  f"= {res['transport_vs_link']} of the link; the link at pre-copy's priority beside decoding "
+                  f"{res['loaded_link_gbps']} GB/s (pre-copy {res['transport_vs_loaded_link']} of it)")
     ratio = res["decode_during_precopy_ratio"]
     console.print(f"decode during pre-copy: {ratio if ratio is not None else 'n/a'} of normal tokens/s")
     for goal, ok in res["goals"].items():

@@ -37,6 +37,7 @@ class Ctx:
     transport: str | None = None  # how the source pushes the rounds (None: the replicas' default, tcp)
     checkpoint_dir: str | None = None  # where the replicas write checkpoints (a file:// store)
     checkpoint: str | None = None  # the session after its prefill and first tokens (prefill_on_target)
+    source_cpus: set[int] | None = None  # where the source replica runs (hosts="split"), else None
 
 
 def completion(ids: list[int], max_tokens: int) -> dict:

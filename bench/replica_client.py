@@ -179,8 +179,12 @@ def median_gap_ms(times: list[float]) -> float | None:
 
 # ---- the link ------------------------------------------------------------------------------------------
 _SENDER = """
-import socket, sys
-n, port = int(sys.argv[1]), int(sys.argv[2])
+import os, socket, sys
+n, port, nice = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+if nice == "idle":
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+elif int(nice):
+    os.nice(int(nice))
 buf = memoryview(bytearray(4 << 20))
 with socket.create_connection(("127.0.0.1", port)) as s:
     while n > 0:
@@ -197,30 +201,43 @@ def split_cpus(cpus: set[int]) -> tuple[set[int], set[int]]:
     return set(ordered[:half]), set(ordered[half:]) or set(ordered)
 
 
-def link_gbps(nbytes: int = 512 << 20, sender_cpus: set[int] | None = None) -> float:
+def link_gbps(nbytes: int = 512 << 20, sender_cpus: set[int] | None = None, nice: int | str = 0) -> float:
     """A plain TCP socket copy of `nbytes` from another process (on `sender_cpus`, default anywhere)
     to this one, over loopback (where the bench's replicas talk): what the link itself moves, in GB/s
-    (1e9 bytes/s)."""
+    (1e9 bytes/s). `nice`: both ends at that priority (a nice value, or "idle" for SCHED_IDLE), as
+    pre-copy's workers run (migrate.transport.precopy_nice): beside a decoding replica, what the
+    link still moves for them."""
     import socket
 
+    from relayout.migrate.transport import background_thread
+
+    res: dict[str, float | int] = {}
     with socket.create_server(("127.0.0.1", 0)) as srv:
         port = srv.getsockname()[1]
-        p = subprocess.Popen([sys.executable, "-c", _SENDER, str(nbytes), str(port)],
+        p = subprocess.Popen([sys.executable, "-c", _SENDER, str(nbytes), str(port), str(nice)],
                              preexec_fn=(lambda: os.sched_setaffinity(0, sender_cpus)) if sender_cpus else None)
-        try:
+
+        def receive() -> None:
+            if nice:  # on a thread of its own: a thread's priority cannot be raised back
+                background_thread(nice)
             conn, _ = srv.accept()
             with conn:
-                buf = bytearray(4 << 20)
-                view = memoryview(buf)
+                view = memoryview(bytearray(4 << 20))
                 got, t0 = 0, time.perf_counter()
                 while got < nbytes:
                     k = conn.recv_into(view)
                     if k == 0:
                         break
                     got += k
-                dt = time.perf_counter() - t0
+                res.update(got=got, dt=time.perf_counter() - t0)
+
+        try:
+            t = threading.Thread(target=receive, name="link-probe", daemon=True)
+            t.start()
+            t.join(120)
         finally:
             p.wait(60)
+    got = int(res.get("got", 0))
     if got < nbytes:
         raise BenchError(f"link probe: {got} of {nbytes} bytes arrived")
-    return nbytes / dt / 1e9
+    return nbytes / res["dt"] / 1e9

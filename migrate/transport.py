@@ -105,11 +105,12 @@ def precopy_nice() -> int | str:
         return 10
 
 
-def background_thread() -> None:
+def background_thread(nice: int | str | None = None) -> None:
     """Make the calling thread a pre-copy worker: lower its priority (Linux: nice and the policy are
     per thread; neither can be raised again, so only threads made for one round call this) and keep
-    its copies on it rather than on the shared chunk pool, whose threads run at normal priority."""
-    nice = precopy_nice()
+    its copies on it rather than on the shared chunk pool, whose threads run at normal priority.
+    `nice`: instead of precopy_nice()'s (the bench's loaded-link probe)."""
+    nice = precopy_nice() if nice is None else nice
     try:
         if nice == "idle" and hasattr(os, "SCHED_IDLE"):
             os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))

@@ -31,4 +31,9 @@ def test_quick_bench_reports_documented_keys():
         assert r["cold_bytes"] >= int(L) * res["kv_bytes_per_token"]
     ratio = res["decode_during_precopy_ratio"]
     assert ratio is None or 0 < ratio < 100
+    # the link at pre-copy's priority beside decoding: a socket copy measured in the same run
+    for r in res["contexts"].values():
+        assert r["loaded_link_gbps"] > 0
+    assert res["loaded_link_gbps"] > 0
+    assert abs(res["transport_vs_loaded_link"] - res["transport_gbps"] / res["loaded_link_gbps"]) < 0.01
     assert set(res["goals"]) and all(isinstance(v, bool) for v in res["goals"].values())
