@@ -49,6 +49,7 @@ from relayout.bench.replica_client import (
     median_gap_ms,
     split_cpus,
 )
+from relayout.migrate.live import SMALL_ROUND_BYTES
 from relayout.migrate.transport import precopy_nice
 
 SOURCE_LAYOUT = "attn_dp=1"
@@ -58,7 +59,7 @@ QUICK_MODEL = "builtin:tiny"
 DEFAULT_CONTEXTS = (1024, 4096, 16384)
 QUICK_CONTEXTS = (256, 1024)
 MAX_ROUNDS = 64  # migrate_live's default, passed explicitly: the bench predicts its last pre-copy round
-SMALL_BYTES = 1 << 20
+SMALL_BYTES = SMALL_ROUND_BYTES  # migrate_live's default, passed explicitly as MAX_ROUNDS is
 LOADED_PROBE_BYTES = 256 << 20  # at pre-copy's priority beside a decode: a few decode steps long
 
 

@@ -34,6 +34,10 @@ from relayout.engine.web import bearer_headers, check_response, tls_context
 from relayout.migrate.observe import phase_boundary, round_bytes, traced_migration
 
 PRECOPY_ROUND_BYTES = 256 << 20  # a pre-copy round's KV over all its sessions (the target stages about a round)
+# pre-copy is caught up once a round moves at most this: the stop-and-copy round then carries about
+# as much. Each round waits for a step boundary on the source, so a round that moves almost nothing
+# costs up to a decode step (300 ms at 16k tokens here) for a few tokens' KV
+SMALL_ROUND_BYTES = 4 << 20
 SLICE_GRAIN = 256  # tokens: the chunks' alignment, so a round ends where a chunk does
 
 
@@ -151,7 +155,7 @@ def _commit_target(client: httpx.Client, dst: str, t: str, token: str | None, tr
 
 @traced_migration  # the migration's trace: a span per phase (migrate.observe)
 def migrate_live(source_url: str, target_url: str, sessions: list[str] | None = None, *, token: str | None = None,
-                 mode: str = "live", max_rounds: int = 64, small_bytes: int = 1 << 20, codec: str = "none",
+                 mode: str = "live", max_rounds: int = 64, small_bytes: int = SMALL_ROUND_BYTES, codec: str = "none",
                  precopy_slice_tokens: int | None = None, precopy_round_bytes: int | None = PRECOPY_ROUND_BYTES,
                  retries: int = 3,
                  progress: Progress | None = None, timeout_s: float = 300.0, on_phase: OnPhase | None = None,
