@@ -46,12 +46,16 @@ def completion(ids: list[int], max_tokens: int) -> dict:
 
 
 def wait_idle(*urls: str, timeout: float = 30.0) -> None:
-    """Until no replica holds a live session (aborts land at the next step boundary)."""
+    """Until no replica holds a live session (aborts land at the next step boundary). A session
+    still decoding would take CPU from the next measurement: past `timeout`, a BenchError."""
     t0 = time.time()
     for u in urls:
-        while time.time() - t0 < timeout:
-            if not httpx.get(f"{u}/v1/replica", timeout=30).json()["sessions"]:
+        while True:
+            live = httpx.get(f"{u}/v1/replica", timeout=30).json()["sessions"]
+            if not live:
                 break
+            if time.time() - t0 > timeout:
+                raise BenchError(f"{u} still holds {len(live)} live session(s) after {timeout:.0f} s: {live[:3]}")
             time.sleep(0.05)
 
 
