@@ -3,7 +3,8 @@ from one, and the live-transfer protocol's routes — a thin HTTP face over
 migrate.transfers.TransferTable.
 
 A live transfer is the same manifest + chunks as a checkpoint, framed (storage.stream): each
-round streams only chunks the target lacks plus a cumulative manifest. These routes need the
+round streams only chunks the target lacks plus a manifest listing each session's KV from where the
+last round ended (a delta). These routes need the
 replica's bearer token when it has one (RELAYOUT_TOKEN)."""
 
 from __future__ import annotations

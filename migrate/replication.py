@@ -174,7 +174,7 @@ class Replicator:
     def _frames(self, cut: Cut, sent: dict[str, int], rnd: int) -> tuple[Manifest, list[bytes]]:
         """One round's frames: the new chunks, then a delta manifest (any thread): every live
         session's state, and its KV from what the standby holds on (SessionEntry.kv_from). A
-        cumulative manifest, as a migration's pre-copy sends, would list every earlier round's
+        cumulative manifest (what a migration's rounds sent before 0.5.0) would list every earlier round's
         chunks again: its size, and the work on both ends, would grow with every round of a
         protection that lasts as long as its sessions. A session missing from the round (finished)
         is dropped by the standby; a new chunk is sent even when an earlier one had the same bytes

@@ -60,7 +60,7 @@ class UnknownProtection(ProtectionError):
 
 class Staging(MemoryStore):
     """The standby's chunks, held only until the round that brought them is imported into the
-    reserved blocks: then only their hashes stay (each round's cumulative manifest lists them again,
+    reserved blocks: then only their hashes stay (a manifest may list a chunk imported already,
     and the stream receiver checks it holds every chunk listed), so the copies cost the KV pool's
     blocks and one round's chunks in RAM, not a second copy of every protected session's KV."""
 

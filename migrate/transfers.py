@@ -26,7 +26,7 @@ from relayout.engine.snapshot import SessionSnapshot, write_snapshot_steps
 from relayout.migrate.frame_sink import FrameSink
 from relayout.migrate.received import ReadInto, ReceivedChunks, receive_round_bytes
 from relayout.storage.checkpoint import CheckpointWriter
-from relayout.storage.manifest import KVEntry, KVGeometry, Manifest, ModelRef
+from relayout.storage.manifest import KVGeometry, Manifest, ModelRef
 from relayout.storage.stream import LimitExceeded, StreamReceiver, encode_abort_frame
 
 MAX_TRANSFERS = 64  # incoming transfers in flight at once
@@ -89,10 +89,10 @@ class Cut:
 
 @dataclass
 class SentRound:
-    """What one framed round sent: its cumulative manifest entries, KV tokens per session."""
+    """What one framed round sent: KV tokens per session (its manifest lists each from where the
+    last round sent ended: a delta, SessionEntry.kv_from)."""
 
     epoch: int
-    entries: list[KVEntry]
     upto: dict[str, int]
 
 
@@ -103,7 +103,6 @@ class Outgoing:
     transfer_id: str
     last: float  # clock time of the last sign of life (a round started or produced bytes)
     sent_upto: dict[str, int] = field(default_factory=dict)  # session -> KV tokens sent
-    entries: list[KVEntry] = field(default_factory=list)  # every chunk sent by completed rounds
     # chunks whose bytes the target holds (acknowledged by a resumed round), not sent again; the
     # target drops a round's bytes once imported, so chunks of completed rounds are not among them
     target_holds: set[str] = field(default_factory=set)
@@ -117,7 +116,7 @@ class Outgoing:
         if r is self.framed:
             self.framed = None
         if r is not None and r.epoch == self.epoch:  # not overtaken by a retry (whose cut covers this one's)
-            self.entries, self.target_holds = r.entries, set()
+            self.target_holds = set()
             self.sent_upto.update(r.upto)
 
 
@@ -212,7 +211,7 @@ class TransferTable:
         sent = dict(o.sent_upto)
         if have is not None:
             # the previous round was cut: what it sent may not have arrived; resend all but the
-            # chunks the target says it holds (completed rounds' chunks are carried, not resent)
+            # chunks the target says it holds (completed rounds' KV is before kv_from: not listed)
             o.target_holds = {h for h in have if isinstance(h, str) and len(h) == 32}
         try:
             cut = await self.ops.cut(sessions, pause, sent, None if pause else max_tokens)
@@ -231,21 +230,20 @@ class TransferTable:
         try:
             # its own copy: a cut round's producer may still run when its retry starts (merged by mark_sent)
             sink = FrameSink(set(o.target_holds))
-            w = CheckpointWriter(sink, f"{o.transfer_id}-r{rnd}", codec=codec)
-            # earlier rounds' chunks, of the sessions still moving (one that finished since has no
-            # entry in this manifest; the target frees its reservation)
-            moving = {snap.state.session_id for snap in cut.snaps}
-            w.carry([e for e in o.entries if e.session_id in moving])
+            # a delta: each session's KV from where the rounds the target holds end (kv_from), so the
+            # final round's manifest, on the stall's path, grows with what changed, not with the
+            # context (16k tokens listed whole: ~15 ms more to build, check and parse here). A
+            # session that finished since has no entry; the target frees its reservation
+            w = CheckpointWriter(sink, f"{o.transfer_id}-r{rnd}", codec=codec, kv_from=sent)
             for _ in write_snapshot_steps(cut.snaps, w, sent):  # a batch of chunks at a time
                 o.last = self.clock()
                 yield from sink.take()
-            m = w.commit(cut.model, cut.layout, cut.geometry, {"transfer": o.transfer_id, "round": rnd,
-                                                               "final": final})
+            w.commit(cut.model, cut.layout, cut.geometry, {"transfer": o.transfer_id, "round": rnd,
+                                                           "final": final})
         except Exception as e:  # noqa: BLE001 - tell the receiver why, in-band, instead of a torn stream
             yield encode_abort_frame(f"source failed to export round {rnd}: {type(e).__name__}: {e}")
             return
-        done = SentRound(epoch, list(m.kv_entries),
-                         {snap.state.session_id: snap.num_kv_tokens for snap in cut.snaps})
+        done = SentRound(epoch, {snap.state.session_id: snap.num_kv_tokens for snap in cut.snaps})
         o.framed = done
         if not confirm_on_delivery:
             o.mark_sent(done)

@@ -112,13 +112,6 @@ class CheckpointWriter:
             self.progress(done)
         return entry
 
-    def carry(self, entries: list[KVEntry]) -> None:
-        """List entries whose chunks the destination already holds (earlier pre-copy rounds),
-        so this manifest covers every token while only new chunks travel."""
-        with self._lock:
-            self._check_open()
-            self._entries.extend(entries)
-
     def add_session(self, session_id: str, state: dict[str, Any], num_kv_tokens: int) -> SessionEntry:
         try:  # normalise through JSON now, so commit cannot fail (or silently change NaN) later
             state = json.loads(json.dumps(state, allow_nan=False))

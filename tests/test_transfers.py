@@ -26,7 +26,7 @@ from relayout.migrate.transfers import (
 )
 from relayout.storage.checkpoint import CheckpointWriter
 from relayout.storage.errors import CorruptCheckpoint
-from relayout.storage.manifest import KVGeometry, ModelRef
+from relayout.storage.manifest import KVGeometry, Manifest, ModelRef
 from relayout.storage.stores import MemoryStore
 from relayout.storage.stream import FrameDecoder, StreamReceiver
 
@@ -222,7 +222,8 @@ def test_pushed_round_counts_as_sent_only_once_delivered():
         sent = list(again)
         assert [f for f in sent if f[:4] == b"RLC1"] == chunks
         reply = await p.src.push("t1", p.dst.import_round("t1", _pieces(sent), False, "http://src:1"))
-        assert reply["sessions"] and len(p.src.outgoing["t1"].entries) == 2  # delivered: counted as sent
+        sent_upto = p.src.outgoing["t1"].sent_upto
+        assert reply["sessions"] and len(sent_upto) == 2 and all(sent_upto.values())  # delivered: counted as sent
         assert not [f for f in await p.src.export("t1", None, confirm_on_delivery=True) if f[:4] == b"RLC1"]
 
     run(go())
@@ -435,7 +436,16 @@ def test_live_transfer_between_two_real_engines_continues_token_for_token():
         d = TransferTable(EngineThreadOps(direct(dst)), clock=clock, autosweep=False)
         await d.import_round("t1", _pieces(await s.export("t1", ids, max_tokens=16)), False)
         src.step()  # the source keeps decoding between rounds
-        reply = await d.import_round("t1", _pieces(await s.export("t1", ids, pause=True)), True)
+        sent = dict(s.outgoing["t1"].sent_upto)
+        final = list(await s.export("t1", ids, pause=True))
+        # the final round is a delta: each session's KV from where the pre-copy round ended
+        manifest = next(f for f in FrameDecoder().feed(b"".join(final)) if f.kind == "manifest")
+        m = Manifest.parse(bytes(manifest.payload))
+        assert sorted(sent) == sorted(ids) and all(sent.values())
+        for i in ids:
+            assert m.session(i).kv_from == sent[i] < m.session(i).num_kv_tokens
+            assert all(e.tok_lo >= sent[i] for e in m.kv_entries if e.session_id == i)
+        reply = await d.import_round("t1", _pieces(final), True)
         assert sorted(reply["placed"]) == sorted(ids)
         assert all(dst.sessions[i].status == SessionStatus.PAUSED for i in ids)
         await s.release(ids, "t1", "http://dst")
