@@ -1,7 +1,7 @@
 """The live-migration protocol's state machine (migrate.transfers.TransferTable), in one process
 with a fake clock: leases, the two-phase commit, aborts in every phase, the sweeper's verdicts
 on transfers left in doubt. Frames are real (a source table's export feeds a target table's
-import); the engine is a recording fake, and in the last test a real builtin:tiny LLMEngine."""
+import); the engine is a recording fake (a real builtin:tiny LLMEngine: test_transfers_engine.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Iterable
 
 import pytest
 import torch
-from relayout.engine.session import SamplingParams, SessionState, SessionStatus
+from relayout.engine.session import SamplingParams, SessionState
 from relayout.engine.snapshot import SessionSnapshot
 from relayout.migrate.frame_sink import FrameSink
 from relayout.migrate.transfers import (
@@ -26,7 +26,7 @@ from relayout.migrate.transfers import (
 )
 from relayout.storage.checkpoint import CheckpointWriter
 from relayout.storage.errors import CorruptCheckpoint
-from relayout.storage.manifest import KVGeometry, Manifest, ModelRef
+from relayout.storage.manifest import KVGeometry, ModelRef
 from relayout.storage.stores import MemoryStore
 from relayout.storage.stream import FrameDecoder, StreamReceiver
 
@@ -404,57 +404,3 @@ def test_frame_sink_frames_what_the_plain_writer_writes(codec):
     recv = StreamReceiver(store)
     recv.feed(b"".join(frames))
     assert recv.close().checkpoint_id == "c1" and len(store.chunk_hashes()) == 3
-
-
-# ---- against a real engine ---------------------------------------------------------------------------------
-def test_live_transfer_between_two_real_engines_continues_token_for_token():
-    """Two builtin:tiny engines in this process, the real engine operations called directly:
-    pre-copy round, final round, release, commit; the moved sessions finish with exactly the
-    tokens of an unmigrated run."""
-    from relayout.engine.engine import LLMEngine
-    from relayout.migrate.engine_ops import EngineThreadOps
-
-    prompts = [[5, 6, 7, 8] * 5, [9, 10, 11] * 7]
-    params = [SamplingParams(max_tokens=24, ignore_eos=True),
-              SamplingParams(max_tokens=24, temperature=0.9, seed=3, ignore_eos=True)]
-    ref = LLMEngine("builtin:tiny", None, kv_cache_bytes=4 << 20)
-    expected = ref.generate(prompts, params)
-    src = LLMEngine("builtin:tiny", None, kv_cache_bytes=4 << 20)
-    dst = LLMEngine("builtin:tiny", "attn_tp=1", kv_cache_bytes=4 << 20)
-    ids = [src.add_session(p, q).session_id for p, q in zip(prompts, params, strict=True)]
-    for _ in range(6):
-        src.step()
-
-    def direct(engine):
-        async def call(fn):
-            return fn(engine)
-        return call
-
-    async def go():
-        clock = Clock()
-        s = TransferTable(EngineThreadOps(direct(src)), clock=clock, autosweep=False)
-        d = TransferTable(EngineThreadOps(direct(dst)), clock=clock, autosweep=False)
-        await d.import_round("t1", _pieces(await s.export("t1", ids, max_tokens=16)), False)
-        src.step()  # the source keeps decoding between rounds
-        sent = dict(s.outgoing["t1"].sent_upto)
-        final = list(await s.export("t1", ids, pause=True))
-        # the final round is a delta: each session's KV from where the pre-copy round ended
-        manifest = next(f for f in FrameDecoder().feed(b"".join(final)) if f.kind == "manifest")
-        m = Manifest.parse(bytes(manifest.payload))
-        assert sorted(sent) == sorted(ids) and all(sent.values())
-        for i in ids:
-            assert m.session(i).kv_from == sent[i] < m.session(i).num_kv_tokens
-            assert all(e.tok_lo >= sent[i] for e in m.kv_entries if e.session_id == i)
-        reply = await d.import_round("t1", _pieces(final), True)
-        assert sorted(reply["placed"]) == sorted(ids)
-        assert all(dst.sessions[i].status == SessionStatus.PAUSED for i in ids)
-        await s.release(ids, "t1", "http://dst")
-        assert (await d.commit("t1"))["sessions"] == reply["placed"]
-
-    run(go())
-    assert all(src.sessions[i].status == SessionStatus.MIGRATED for i in ids) and src.kv_blocks_used() == 0
-    while dst.has_work():
-        dst.step()
-    assert [dst.sessions[i].output_token_ids for i in ids] == expected
-    for e in (ref, src, dst):
-        e.shutdown()
