@@ -59,7 +59,6 @@ QUICK_MODEL = "builtin:tiny"
 DEFAULT_CONTEXTS = (1024, 4096, 16384)
 QUICK_CONTEXTS = (256, 1024)
 MAX_ROUNDS = 64  # migrate_live's default, passed explicitly: the bench predicts its last pre-copy round
-SMALL_BYTES = SMALL_ROUND_BYTES  # migrate_live's default, passed explicitly as MAX_ROUNDS is
 LOADED_PROBE_BYTES = 256 << 20  # at pre-copy's priority beside a decode: a few decode steps long
 
 
@@ -112,7 +111,7 @@ def measure_move(c: Ctx, mode: str, with_second: bool) -> dict:
         pre = [m for m in marks if m[0] == "pre-copy"]
         last_bytes = total - progress.total  # type: ignore[attr-defined]
         progress.total = total  # type: ignore[attr-defined]
-        if last_bytes <= SMALL_BYTES or len(pre) >= MAX_ROUNDS:
+        if last_bytes <= SMALL_ROUND_BYTES or len(pre) >= MAX_ROUNDS:
             # the final round comes next: end the second session first, so that it does not compete
             # with the target for this machine's cores while the moved session resumes there
             second.stop()
@@ -121,7 +120,7 @@ def measure_move(c: Ctx, mode: str, with_second: bool) -> dict:
 
     progress.total = 0  # type: ignore[attr-defined]
     res = migrate_live(c.src, c.dst, [s.sid], mode=mode, progress=progress, max_rounds=MAX_ROUNDS,
-                       small_bytes=SMALL_BYTES, timeout_s=max(300.0, c.timeout), transport=c.transport,
+                       small_bytes=SMALL_ROUND_BYTES, timeout_s=max(300.0, c.timeout), transport=c.transport,
                        on_phase=lambda ph: attach() if ph == "stop-and-copy" else None)
     t_done = time.perf_counter()
     s.finish(60)

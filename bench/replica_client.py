@@ -181,6 +181,8 @@ def median_gap_ms(times: list[float]) -> float | None:
 _SENDER = """
 import os, socket, sys
 n, port, nice = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+# as migrate.transport.background_thread lowers a pre-copy worker; not imported from there: it
+# loads torch, seconds in which a short session on the measured replica may finish decoding
 if nice == "idle":
     os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 elif int(nice):

@@ -18,7 +18,7 @@ ROUND = """
 import json, resource, sys, threading
 from relayout.storage.chunks import keep_freed_memory, new_buffer, one_malloc_arena
 
-arena = sys.argv[1] == "1" and one_malloc_arena()
+arena = one_malloc_arena()
 N, SIZE = 128, 2 << 20  # a 256 MiB round of 2 MiB chunks, as a link reader receives them
 PAGES = N * SIZE // 4096
 keep_freed_memory(N * SIZE)
@@ -41,18 +41,12 @@ print(json.dumps({"arena": arena, "faults": faults, "pages": PAGES}))
 """
 
 
-def _rounds(one_arena: bool) -> dict:
-    out = subprocess.run([sys.executable, "-c", ROUND, "1" if one_arena else "0"], capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)
-
-
 def test_freed_round_buffers_are_reused_by_the_next_round():
-    res = _rounds(True)
+    out = subprocess.run([sys.executable, "-c", ROUND], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout)
     assert res["arena"] is True
     first, *later = res["faults"]
     assert first >= res["pages"] // 2, res  # the first round touches fresh memory (the test measures faults)
     for n in later:  # the next rounds, each on a new thread, land in the pages the last one freed
         assert n < res["pages"] // 20, res
-
