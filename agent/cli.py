@@ -15,6 +15,7 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="Checkpoint and live-migrate the in-flight sessions of MoE serving replicas.")
@@ -25,7 +26,7 @@ err = Console(stderr=True)
 
 
 def _fail(msg: str, code: int = 2) -> None:
-    err.print(f"[red]error:[/red] {msg}")
+    err.print(f"[red]error:[/red] {escape(msg)}")
     raise typer.Exit(code)
 
 
@@ -134,7 +135,7 @@ def up(
     from relayout.agent.up import run_up
 
     _check_dtypes(dtype, kv_dtype)
-    raise typer.Exit(run_up(host, port, agent_port, data_dir, model, layout, log=lambda m: err.print(f"up: {m}"),
+    raise typer.Exit(run_up(host, port, agent_port, data_dir, model, layout, log=lambda m: err.print(f"up: {escape(m)}"),
                             dtype=dtype, kv_dtype=kv_dtype))
 
 
@@ -153,7 +154,7 @@ def model_create(
         create_builtin(name, out, shards=shards)
     except ValueError as e:
         _fail(str(e))
-    Console().print(f"wrote builtin:{name} to {out}")
+    Console().print(escape(f"wrote builtin:{name} to {out}"))
 
 
 # ---- gateway and live migration ------------------------------------------------------------------
@@ -485,7 +486,7 @@ def _plan_reference():
         try:
             return ep.load(), ep.name
         except (ImportError, AttributeError) as e:
-            err.print(f"[yellow]warning:[/yellow] plan reference {ep.name!r} not loaded: {e}")
+            err.print(f"[yellow]warning:[/yellow] plan reference {ep.name!r} not loaded: {escape(str(e))}")
     return None, "reference"
 
 
@@ -573,7 +574,7 @@ def add_plugin_commands(root: typer.Typer) -> list[str]:
         try:
             root.add_typer(ep.load(), name=ep.name)
         except (ImportError, AttributeError) as e:
-            err.print(f"[yellow]warning:[/yellow] plugin command {ep.name!r} ({ep.value}) not loaded: {e}",
+            err.print(f"[yellow]warning:[/yellow] plugin command {ep.name!r} ({ep.value}) not loaded: {escape(str(e))}",
                       soft_wrap=True)
             continue
         added.append(ep.name)

@@ -10,6 +10,7 @@ import json
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks, measured side by side in one run.")
 
@@ -17,7 +18,7 @@ err = Console(stderr=True)
 
 
 def _fail(msg: str, code: int = 2) -> None:
-    err.print(f"[red]error:[/red] {msg}")
+    err.print(f"[red]error:[/red] {escape(msg)}")
     raise typer.Exit(code)
 
 
@@ -56,7 +57,7 @@ def bench_migration(
     hosts: str = typer.Option("shared", "--hosts", help="split: the source on half the CPUs, the target and "
                               "clients on the other half (two hosts); shared: all on every CPU"),
     transport: str = typer.Option(None, "--transport", help="how the source pushes the rounds: tcp (default, "
-                                  "the frame link), http or mooncake (pip install 'relayout[mooncake]')"),
+                                  "the frame link), http or mooncake (pip install 'relayout\\[mooncake]')"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object on the last line"),
 ) -> None:
     """Stall per session for live, cold and recompute moves between two layouts, at several context lengths."""

@@ -39,3 +39,16 @@ def test_entry_point_plugins_become_sub_commands(tmp_path):
     p = _cli(path, "--help")
     assert p.returncode == 0, p.stderr[-2000:]
     assert "hello" in p.stdout and "bench" in p.stdout and "broken" not in p.stdout
+
+
+def test_cli_prints_caller_text_and_extras_literally():
+    """Errors echo what the caller typed, and help names extras, as text, not as rich markup: a
+    `[/x]` in an argument would otherwise crash the error path, and `relayout[mooncake]` lose its extra."""
+    from relayout.agent.cli import app
+    from typer.testing import CliRunner
+
+    r = CliRunner().invoke(app, ["bench", "migration", "--hosts", "[/bold]odd[x]"])
+    assert r.exit_code == 2, r.output
+    assert "not '[/bold]odd[x]'" in " ".join(r.output.split())
+    r = CliRunner().invoke(app, ["bench", "migration", "--help"], terminal_width=200)
+    assert "relayout[mooncake]" in r.output
