@@ -45,6 +45,7 @@ from relayout.bench.replica_client import (
     Replica,
     TokenStream,
     gaps,
+    link_copy,
     link_gbps,
     median_gap_ms,
     split_cpus,
@@ -59,7 +60,8 @@ QUICK_MODEL = "builtin:tiny"
 DEFAULT_CONTEXTS = (1024, 4096, 16384)
 QUICK_CONTEXTS = (256, 1024)
 MAX_ROUNDS = 64  # migrate_live's default, passed explicitly: the bench predicts its last pre-copy round
-LOADED_PROBE_BYTES = 256 << 20  # at pre-copy's priority beside a decode: a few decode steps long
+LOADED_PROBE_BYTES = 4 << 30  # at pre-copy's priority beside a decode: a cap; PROBE_STEPS decode steps long
+PROBE_STEPS = 4  # the source's decode steps before the loaded-link probe (its baseline) and during it
 
 
 def kv_bytes_per_token(model: str) -> int:
@@ -90,8 +92,7 @@ def measure_move(c: Ctx, mode: str, with_second: bool) -> dict:
 
     s = restored(c, c.src, then=reattach)
     s.wait_tokens(s.restored_with + 2, c.timeout)  # decoding on the source before it moves
-    # the link as pre-copy finds it: both ends at pre-copy's priority while the source decodes
-    loaded = link_gbps(LOADED_PROBE_BYTES, c.source_cpus, precopy_nice()) if with_second else None
+    loaded, loaded_decode = loaded_link(c, s) if with_second else (None, None)
     second = None
     base: list[tuple[float, float]] = []
     if with_second:
@@ -136,6 +137,7 @@ def measure_move(c: Ctx, mode: str, with_second: bool) -> dict:
     early = attached()
     out = {
         "loaded_link_gbps": round(loaded, 3) if loaded else None,
+        "loaded_link_decode_ratio": loaded_decode,
         "stall_ms": round((t.times[0] - s.times[-1]) * 1000, 2),
         # the same, for a client that was already attached on the target when the session resumed there
         # (no reattach latency): how long the session itself produced nothing
@@ -179,6 +181,20 @@ def measure_move(c: Ctx, mode: str, with_second: bool) -> dict:
         out["decode_ratio"] = round(normal / dur, 3) if normal and dur else None
     wait_idle(c.src, c.dst)
     return out
+
+
+def loaded_link(c: Ctx, s: TokenStream) -> tuple[float, float | None]:
+    """The link as pre-copy finds it: a plain socket copy, both ends at pre-copy's priority, for
+    PROBE_STEPS of the source's decode steps while it decodes `s` alone (GB/s); and that decoding's
+    rate meanwhile against its rate just before. A bare copy has no framing, hashing or pool copies:
+    what it leaves of the decoding is the most any transport moving bytes at its rate can leave."""
+    t_base = s.times[-1]
+    s.wait_tokens(len(s.tokens) + PROBE_STEPS, c.timeout)
+    base = [b - a for a, b in gaps(s.times) if a >= t_base]
+    cp = link_copy(LOADED_PROBE_BYTES, c.source_cpus, precopy_nice(), seconds=PROBE_STEPS * statistics.median(base))
+    s.wait_tokens(len(s.tokens) + 1, c.timeout)  # the gap the copy ended in
+    during = [b - a for a, b in gaps(s.times) if b > cp.started and a < cp.ended]
+    return cp.gbps, round(statistics.mean(base) / statistics.mean(during), 3) if base and during else None
 
 
 def _attach_early(dst: str, sid: str) -> tuple[Callable[[], None], Callable[[], TokenStream | None]]:
@@ -258,6 +274,9 @@ def run_context(src: str, dst: str, L: int, *, warm: int, after: int, timeout: f
         # a plain socket copy at pre-copy's priority while the source decodes this session: what
         # the link carries for pre-copy here, beside decoding (transport_gbps's yardstick under load)
         "loaded_link_gbps": live["loaded_link_gbps"],
+        # the source's decode rate during that copy against just before it: the most of decode_ratio
+        # a transport moving bytes at loaded_link_gbps could leave (a bare copy does no more work)
+        "loaded_link_decode_ratio": live["loaded_link_decode_ratio"],
         "precopy_bytes": moved,
         "transport_gbps": round(moved / secs / 1e9, 3) if secs > 0 else None,
         # the cold move's one round (sessions paused, nothing else running): what the path moves alone
@@ -344,6 +363,7 @@ def _run(model: str | None, contexts: list[int] | None, quick: bool, device: str
     cold_gbps = [r["cold_transport_gbps"] for r in results.values() if r["cold_transport_gbps"]]
     loaded = [r["loaded_link_gbps"] for r in results.values() if r["loaded_link_gbps"]]
     loaded_link = statistics.median(loaded) if loaded else None
+    bare = [r["loaded_link_decode_ratio"] for r in results.values() if r["loaded_link_decode_ratio"]]
     out = {
         "link_gbps": round(link, 3),
         "link_gbps_samples": [round(x, 3) for x in links],
@@ -354,6 +374,8 @@ def _run(model: str | None, contexts: list[int] | None, quick: bool, device: str
         # that priority beside the same decoding (median over contexts), and pre-copy against it
         "loaded_link_gbps": round(loaded_link, 3) if loaded_link else None,
         "transport_vs_loaded_link": round(transport / loaded_link, 3) if transport and loaded_link else None,
+        "loaded_link_vs_link": round(loaded_link / link, 3) if loaded_link else None,
+        "loaded_link_decode_ratio": round(statistics.median(bare), 3) if bare else None,  # median over contexts
         # a cold round alone:
         "cold_transport_vs_link": round(max(cold_gbps) / link, 3) if cold_gbps else None,
         "contexts": results,
@@ -393,6 +415,7 @@ def print_table(res: dict, console) -> None:
                   f"= {res['transport_vs_link']} of the link; the link at pre-copy's priority beside decoding "
                   f"{res['loaded_link_gbps']} GB/s (pre-copy {res['transport_vs_loaded_link']} of it)")
     ratio = res["decode_during_precopy_ratio"]
-    console.print(f"decode during pre-copy: {ratio if ratio is not None else 'n/a'} of normal tokens/s")
+    console.print(f"decode during pre-copy: {ratio if ratio is not None else 'n/a'} of normal tokens/s; during "
+                  f"the bare copy at pre-copy's priority: {res['loaded_link_decode_ratio']}")
     for goal, ok in res["goals"].items():
         console.print(f"  {goal}: {'met' if ok else 'NOT met'}")

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import httpx
 from relayout.migrate.procs import URL_RE
@@ -179,8 +180,8 @@ def median_gap_ms(times: list[float]) -> float | None:
 
 # ---- the link ------------------------------------------------------------------------------------------
 _SENDER = """
-import os, socket, sys
-n, port, nice = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+import os, socket, sys, time
+n, port, nice, seconds = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], float(sys.argv[4])
 # as migrate.transport.background_thread lowers a pre-copy worker; not imported from there: it
 # loads torch, seconds in which a short session on the measured replica may finish decoding
 if nice == "idle":
@@ -188,8 +189,9 @@ if nice == "idle":
 elif int(nice):
     os.nice(int(nice))
 buf = memoryview(bytearray(4 << 20))
+end = time.monotonic() + seconds if seconds > 0 else float("inf")
 with socket.create_connection(("127.0.0.1", port)) as s:
-    while n > 0:
+    while n > 0 and time.monotonic() < end:
         k = min(n, len(buf))
         s.sendall(buf[:k])
         n -= k
@@ -203,12 +205,23 @@ def split_cpus(cpus: set[int]) -> tuple[set[int], set[int]]:
     return set(ordered[:half]), set(ordered[half:]) or set(ordered)
 
 
-def link_gbps(nbytes: int = 512 << 20, sender_cpus: set[int] | None = None, nice: int | str = 0) -> float:
-    """A plain TCP socket copy of `nbytes` from another process (on `sender_cpus`, default anywhere)
-    to this one, over loopback (where the bench's replicas talk): what the link itself moves, in GB/s
-    (1e9 bytes/s). `nice`: both ends at that priority (a nice value, or "idle" for SCHED_IDLE), as
-    pre-copy's workers run (migrate.transport.precopy_nice): beside a decoding replica, what the
-    link still moves for them."""
+@dataclass
+class LinkCopy:
+    """One plain socket copy: GB/s (1e9 bytes/s), and when it ran (time.perf_counter, as the
+    TokenStreams' times)."""
+
+    gbps: float
+    started: float
+    ended: float
+
+
+def link_copy(nbytes: int = 512 << 20, sender_cpus: set[int] | None = None, nice: int | str = 0,
+              seconds: float = 0.0) -> LinkCopy:
+    """A plain TCP socket copy of `nbytes` (or for `seconds`, if that ends first) from another
+    process (on `sender_cpus`, default anywhere) to this one, over loopback (where the bench's
+    replicas talk): what the link itself moves. `nice`: both ends at that priority (a nice value,
+    or "idle" for SCHED_IDLE), as pre-copy's workers run (migrate.transport.precopy_nice): beside
+    a decoding replica, what the link still moves for them."""
     import socket
 
     from relayout.migrate.transport import background_thread
@@ -216,7 +229,7 @@ def link_gbps(nbytes: int = 512 << 20, sender_cpus: set[int] | None = None, nice
     res: dict[str, float | int] = {}
     with socket.create_server(("127.0.0.1", 0)) as srv:
         port = srv.getsockname()[1]
-        p = subprocess.Popen([sys.executable, "-c", _SENDER, str(nbytes), str(port), str(nice)],
+        p = subprocess.Popen([sys.executable, "-c", _SENDER, str(nbytes), str(port), str(nice), str(seconds)],
                              preexec_fn=(lambda: os.sched_setaffinity(0, sender_cpus)) if sender_cpus else None)
 
         def receive() -> None:
@@ -231,7 +244,7 @@ def link_gbps(nbytes: int = 512 << 20, sender_cpus: set[int] | None = None, nice
                     if k == 0:
                         break
                     got += k
-                res.update(got=got, dt=time.perf_counter() - t0)
+                res.update(got=got, t0=t0, t1=time.perf_counter())
 
         try:
             t = threading.Thread(target=receive, name="link-probe", daemon=True)
@@ -240,6 +253,11 @@ def link_gbps(nbytes: int = 512 << 20, sender_cpus: set[int] | None = None, nice
         finally:
             p.wait(60)
     got = int(res.get("got", 0))
-    if got < nbytes:
+    if got < (1 if seconds else nbytes) or "t1" not in res:
         raise BenchError(f"link probe: {got} of {nbytes} bytes arrived")
-    return nbytes / res["dt"] / 1e9
+    return LinkCopy(got / (res["t1"] - res["t0"]) / 1e9, res["t0"], res["t1"])
+
+
+def link_gbps(nbytes: int = 512 << 20, sender_cpus: set[int] | None = None, nice: int | str = 0) -> float:
+    """link_copy's GB/s."""
+    return link_copy(nbytes, sender_cpus, nice).gbps

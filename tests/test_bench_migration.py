@@ -37,4 +37,9 @@ def test_quick_bench_reports_documented_keys():
         assert r["loaded_link_gbps"] > 0
     assert res["loaded_link_gbps"] == round(statistics.median(r["loaded_link_gbps"] for r in res["contexts"].values()), 3)
     assert abs(res["transport_vs_loaded_link"] - res["transport_gbps"] / res["loaded_link_gbps"]) < 0.01
+    assert abs(res["loaded_link_vs_link"] - res["loaded_link_gbps"] / res["link_gbps"]) < 0.01
+    # the source's decoding during that copy, against just before it: a rate ratio, measured
+    bare = [r["loaded_link_decode_ratio"] for r in res["contexts"].values()]
+    assert all(b is not None and 0 < b < 100 for b in bare), bare
+    assert res["loaded_link_decode_ratio"] == round(statistics.median(bare), 3)
     assert set(res["goals"]) and all(isinstance(v, bool) for v in res["goals"].values())
