@@ -74,7 +74,7 @@ def create_gateway_app(agents: list[str], replicas: list[str] | None = None, tok
         if found is None:
             raise HTTPError(404, f"no session {sid!r} on any replica", "not_found_error")
         url, info = found
-        return {**info, "replica": url}
+        return JSONResponse({**info, "replica": url})  # (not jsonable_encoder: see the replica's route)
 
     @app.get("/v1/sessions/{sid}/stream")
     async def session_stream(sid: str, request: Request, from_token: int = 0, return_token_ids: bool = False):
