@@ -58,6 +58,18 @@ def error_response(status: int, message: str, type_: str | None = None,
     return JSONResponse({"error": body}, status_code=status)
 
 
+async def json_object(request: Request) -> dict | JSONResponse:
+    """A request's body as a JSON object, or the 400 error response that says why it is not one
+    (for routes that take any body and pass it on, as the gateway's)."""
+    try:
+        body = await request.json()
+    except ValueError:
+        return error_response(400, "request body is not valid JSON")
+    if not isinstance(body, dict):
+        return error_response(400, "request body must be a JSON object")
+    return body
+
+
 def validation_message(exc: RequestValidationError, limit: int = 5) -> str:
     parts = []
     for e in exc.errors()[:limit]:

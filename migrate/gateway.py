@@ -23,6 +23,7 @@ from relayout.engine.web import (
     env_token,
     error_response,
     install_error_handlers,
+    json_object,
     tls_context,
 )
 from relayout.migrate.gateway_chat import collect_completion, install_chat_gateway_route
@@ -92,12 +93,9 @@ def create_gateway_app(agents: list[str], replicas: list[str] | None = None, tok
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        try:
-            body = await request.json()
-        except ValueError:
-            return error_response(400, "request body is not valid JSON")
+        body = await json_object(request)
         if not isinstance(body, dict):
-            return error_response(400, "request body must be a JSON object")
+            return body
         want_stream = bool(body.get("stream"))
         want_ids = bool(body.get("return_token_ids"))
         up = {**body, "stream": True, "return_token_ids": True}

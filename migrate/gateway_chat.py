@@ -16,19 +16,16 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from relayout.engine.web import error_response
+from relayout.engine.web import error_response, json_object
 from relayout.migrate.gateway_sessions import Upstreams, open_upstream, relay_sse, unless_client_leaves
 
 
 def install_chat_gateway_route(app: FastAPI, ups: Upstreams, client: httpx.AsyncClient) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        try:
-            body = await request.json()
-        except ValueError:
-            return error_response(400, "request body is not valid JSON")
+        body = await json_object(request)
         if not isinstance(body, dict):
-            return error_response(400, "request body must be a JSON object")
+            return body
         want_stream = bool(body.get("stream"))
         want_ids = bool(body.get("return_token_ids"))
         up = {**body, "stream": True, "return_token_ids": True, "stream_options": {"include_usage": True}}

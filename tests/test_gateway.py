@@ -106,8 +106,11 @@ def test_gateway_errors_are_openai_shaped(keyed):
         assert r.json()["error"]["type"] == "not_found_error" and r.json()["error"]["code"] == 404
     r = httpx.get(f"{gw}/v1/sessions/cmpl-x/stream", headers=h, params={"from_token": -1})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
-    r = httpx.post(f"{gw}/v1/completions", headers=h, content=b"{nope")
-    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    for path in ("/v1/completions", "/v1/chat/completions"):  # the gateway passes bodies on: it checks only their shape
+        for body, says in ((b"{nope", "not valid JSON"), (b"[1, 2]", "must be a JSON object")):
+            r = httpx.post(f"{gw}{path}", headers=h, content=body)
+            assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", (path, r.text)
+            assert says in r.json()["error"]["message"], (path, r.text)
     r = httpx.delete(f"{gw}/v1/completions", headers=h)
     assert r.status_code == 405 and r.json()["error"]["message"]
 
