@@ -58,15 +58,15 @@ def error_response(status: int, message: str, type_: str | None = None,
     return JSONResponse({"error": body}, status_code=status)
 
 
-async def json_object(request: Request) -> dict | JSONResponse:
-    """A request's body as a JSON object, or the 400 error response that says why it is not one
-    (for routes that take any body and pass it on, as the gateway's)."""
+async def json_object(request: Request) -> dict:
+    """A request's body as a JSON object, else HTTPError 400 saying why it is not one (for routes
+    that take any body and pass it on, as the gateway's)."""
     try:
         body = await request.json()
     except ValueError:
-        return error_response(400, "request body is not valid JSON")
+        raise HTTPError(400, "request body is not valid JSON") from None
     if not isinstance(body, dict):
-        return error_response(400, "request body must be a JSON object")
+        raise HTTPError(400, "request body must be a JSON object")
     return body
 
 

@@ -94,8 +94,6 @@ def create_gateway_app(agents: list[str], replicas: list[str] | None = None, tok
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await json_object(request)
-        if not isinstance(body, dict):
-            return body
         want_stream = bool(body.get("stream"))
         want_ids = bool(body.get("return_token_ids"))
         up = {**body, "stream": True, "return_token_ids": True}

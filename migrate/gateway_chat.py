@@ -24,8 +24,6 @@ def install_chat_gateway_route(app: FastAPI, ups: Upstreams, client: httpx.Async
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await json_object(request)
-        if not isinstance(body, dict):
-            return body
         want_stream = bool(body.get("stream"))
         want_ids = bool(body.get("return_token_ids"))
         up = {**body, "stream": True, "return_token_ids": True, "stream_options": {"include_usage": True}}

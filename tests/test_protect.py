@@ -160,14 +160,14 @@ def between_rounds(source: str, standby: str, pid: str, got: Callable[[], int], 
     (`got`: generated tokens, all clients together) more than the standby holds: a kill right after
     a round was acknowledged, or while the clients' streams lag behind the last sync, would leave
     no tail for the promotion to recompute. And the next round is not about to land between this
-    check and the caller's kill: no session is more than 10 tokens past the last sync (rounds go
-    every 16 tokens, `protect`), and that sync's round was cut less than `every_ms` - 60 ms ago (rounds
+    check and the caller's kill: every session is at least 6 tokens short of `every_tokens` past the
+    last sync, and that sync's round was cut less than `every_ms` - 60 ms ago (rounds
     also go every `every_ms`; a round in flight has not renewed the lease yet, so it counts as not cut)."""
     def ahead() -> bool:
         v = httpx.get(f"{source}/v1/protection", timeout=5, headers=headers).json()
         since_cut = v["lease_s"] - v["lease_left_s"]  # the lease runs from the last acknowledged round's cut
         if (not v["sessions"] or since_cut > v["every_ms"] / 1000 - 0.06
-                or any(not 1 <= s["lag_tokens"] <= 10 for s in v["sessions"])):
+                or any(not 1 <= s["lag_tokens"] <= v["every_tokens"] - 6 for s in v["sessions"])):
             return False
         held = httpx.get(f"{standby}/v1/standby/{pid}", timeout=5, headers=headers).json()
         return got() >= sum(s["output_tokens"] for s in held["sessions"]) + 4
