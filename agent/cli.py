@@ -11,6 +11,7 @@ module loads by name and never imports.
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 import typer
@@ -70,15 +71,22 @@ def serve(
                                                        "standby replica at URL (promoted there if this one dies)"),
     api_key: list[str] = typer.Option([], "--api-key", help="a client API key (repeatable; default "
                                                           "RELAYOUT_API_KEYS, comma-separated; none: open)"),
+    engine: str = typer.Option("builtin", "--engine", help="builtin (relayout's reference engine) or vllm (the "
+                                                          "installed stock vLLM server; --model is an HF directory)"),
+    vllm_args: str = typer.Option("", "--vllm-args", help='more arguments for vLLM\'s server, as one string, '
+                                                         'e.g. "--max-model-len 4096"'),
 ) -> None:
     """Serve one model replica with an OpenAI-compatible API; prints its URL once listening."""
     from relayout.engine.config import ModelConfigError
     from relayout.engine.layout import LayoutError
+    from relayout.engine.vllm_server import VllmUnavailable
     from relayout.engine.weights import ModelNotFoundError
     from relayout.engine.workers import RankFailure
     from relayout.migrate.serve import rank_placement
     from relayout.migrate.serve import serve as _serve
 
+    if engine not in ("builtin", "vllm"):
+        _fail(f"--engine must be builtin or vllm, not {engine!r}")
     if kv_cache_mb is not None and kv_cache_mb < 1:
         _fail("--kv-cache-mb must be at least 1")
     _check_dtypes(dtype, kv_dtype)
@@ -89,8 +97,9 @@ def serve(
         _fail(f"--rank-endpoint: {e}")
     try:
         _serve(model, layout, host, port, kv_cache_mb=kv_cache_mb, device=device, placement=placement, dtype=dtype,
-               kv_dtype=kv_dtype, standby=standby, api_keys=api_key or None)
-    except (LayoutError, ModelNotFoundError, ModelConfigError, RankFailure, ValueError) as e:
+               kv_dtype=kv_dtype, standby=standby, api_keys=api_key or None, engine_kind=engine,
+               vllm_args=shlex.split(vllm_args))
+    except (LayoutError, ModelNotFoundError, ModelConfigError, RankFailure, ValueError, VllmUnavailable) as e:
         _fail(str(e))
 
 

@@ -22,6 +22,7 @@ from relayout.engine.scheduler import Scheduler
 from relayout.engine.session import SamplingParams, SessionState, SessionStatus
 
 if TYPE_CHECKING:
+    from relayout.engine.tokenizer import Tokenizer
     from relayout.engine.workers import RankPlacement
 
 DEFAULT_KV_BYTES = int(os.environ.get("RELAYOUT_KV_BYTES", 256 * 2**20))
@@ -45,7 +46,44 @@ def pick_device(name: str | None = None) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def check_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int) -> None:
+    """RequestError for a request no replica of this model could serve (any engine)."""
+    if not prompt_token_ids:
+        raise RequestError("prompt is empty")
+    if any((not isinstance(t, int)) or t < 0 or t >= vocab_size for t in prompt_token_ids):
+        raise RequestError(f"prompt token ids must be integers in [0, {vocab_size})")
+    if params.max_tokens < 1:
+        raise RequestError("max_tokens must be at least 1")
+    if params.temperature < 0 or not 0 < params.top_p <= 1:
+        raise RequestError("temperature must be >= 0 and top_p in (0, 1]")
+    total = len(prompt_token_ids) + params.max_tokens
+    if total > max_model_len:
+        raise RequestError(
+            f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
+            f"this replica's context limit of {max_model_len} tokens"
+        )
+
+
+def finish_reason_after(s: SessionState, tok: int, tokenizer: Tokenizer) -> str | None:
+    """Why the session ends with `tok` just appended (None: it goes on): the same rules on every engine."""
+    p = s.sampling
+    if not p.ignore_eos and tok in tokenizer.eos_token_ids:
+        return "stop"
+    if tok in p.stop_token_ids:
+        return "stop"
+    if p.stop:
+        longest = max(len(x) for x in p.stop)
+        tail = tokenizer.decode(s.output_token_ids[-(longest + 8):])
+        if any(x in tail for x in p.stop):
+            return "stop"
+    if len(s.output_token_ids) >= p.max_tokens:
+        return "length"
+    return None
+
+
 class LLMEngine:
+    engine_name = "builtin"
+
     def __init__(self, model: str, layout: Layout | str | None = None, *, kv_cache_bytes: int | None = None,
                  num_blocks: int | None = None, device: str | None = None, dtype: torch.dtype | str | None = None,
                  kv_dtype: str | None = None, max_num_seqs: int = 64, max_prefill_tokens: int = 512,
@@ -104,20 +142,7 @@ class LLMEngine:
 
     # ---- sessions ----------------------------------------------------------
     def add_session(self, prompt_token_ids: list[int], params: SamplingParams, session_id: str | None = None) -> SessionState:
-        if not prompt_token_ids:
-            raise RequestError("prompt is empty")
-        if any((not isinstance(t, int)) or t < 0 or t >= self.cfg.vocab_size for t in prompt_token_ids):
-            raise RequestError(f"prompt token ids must be integers in [0, {self.cfg.vocab_size})")
-        if params.max_tokens < 1:
-            raise RequestError("max_tokens must be at least 1")
-        if params.temperature < 0 or not 0 < params.top_p <= 1:
-            raise RequestError("temperature must be >= 0 and top_p in (0, 1]")
-        total = len(prompt_token_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise RequestError(
-                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
-                f"this replica's context limit of {self.max_model_len} tokens"
-            )
+        check_request(prompt_token_ids, params, self.cfg.vocab_size, self.max_model_len)
         sid = session_id or f"cmpl-{uuid.uuid4().hex}"
         if sid in self.sessions:
             raise RequestError(f"session {sid} already exists")
@@ -277,24 +302,10 @@ class LLMEngine:
     def _append(self, s: SessionState, tok: int) -> TokenEvent:
         s.output_token_ids.append(tok)
         self.tokens_generated += 1
-        p = s.sampling
-        reason = None
-        if not p.ignore_eos and tok in self.tokenizer.eos_token_ids:
-            reason = "stop"
-        elif tok in p.stop_token_ids:
-            reason = "stop"
-        elif p.stop and self._hit_stop_string(s):
-            reason = "stop"
-        elif len(s.output_token_ids) >= p.max_tokens:
-            reason = "length"
+        reason = finish_reason_after(s, tok, self.tokenizer)
         if reason is not None:
             self._finish(s, reason)
         return TokenEvent(s.session_id, tok, reason is not None, reason)
-
-    def _hit_stop_string(self, s: SessionState) -> bool:
-        longest = max(len(x) for x in s.sampling.stop)
-        tail = self.tokenizer.decode(s.output_token_ids[-(longest + 8):])
-        return any(x in tail for x in s.sampling.stop)
 
     # ---- convenience -----------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
@@ -303,6 +314,12 @@ class LLMEngine:
         while self.has_work():
             self.step()
         return [s.output_token_ids for s in ss]
+
+    def engine_info(self) -> dict:
+        """Which engine serves this replica (GET /v1/replica)."""
+        from importlib.metadata import version
+
+        return {"engine": self.engine_name, "engine_version": version("relayout")}
 
     def expert_stats(self) -> dict:
         """Per layer, tokens routed to each logical expert; all-to-all bytes between rank pairs;

@@ -208,6 +208,7 @@ def create_app(aengine: AsyncEngine, model_name: str, api_keys: list[str] | None
             st = e.expert_stats()
             return {
                 "model": model_name,
+                **e.engine_info(),  # engine (builtin | vllm), engine_version, vLLM's own engine_url
                 "layout": e.layout.to_dict(),
                 "dtype": str(e.dtype).removeprefix("torch."),
                 "kv_dtype": e.kv_dtype_name,

@@ -4,6 +4,7 @@ AsyncEngine.call on a serving replica; a direct call where the caller owns the e
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from collections.abc import Awaitable, Callable
@@ -12,8 +13,20 @@ from typing import Any
 from relayout.engine.async_engine import AsyncEngine
 from relayout.engine.engine import LLMEngine
 from relayout.engine.receive import abort_incoming, commit_incoming, receive_round
-from relayout.engine.snapshot import CHUNK_TOKENS, geometry, model_ref, take_snapshot
+from relayout.engine.session import SessionState
+from relayout.engine.snapshot import (
+    CHUNK_TOKENS,
+    check_compatible,
+    geometry,
+    kv_conversion,
+    model_ref,
+    plan_restore,
+    restore,
+    take_snapshot,
+)
 from relayout.migrate.transfers import Cut, Incoming
+from relayout.storage.checkpoint import CheckpointReader
+from relayout.storage.errors import CorruptCheckpoint
 from relayout.storage.manifest import Manifest, ModelRef
 
 EngineCall = Callable[[Callable[[LLMEngine], Any]], Awaitable[Any]]
@@ -58,6 +71,29 @@ class EngineThreadOps:
 
         return await self.call(cut)
 
+    async def checkpoint_cut(self, sessions: list[str] | None, stop: bool) -> Cut:
+        """A checkpoint's cut: the sessions' KV copied now (they may go on decoding); with `stop`, held."""
+        def cut(e: LLMEngine) -> Cut:
+            snaps = take_snapshot(e, sessions)
+            if stop:
+                e.pause([s.state.session_id for s in snaps])
+            return Cut([s.state.session_id for s in snaps] if stop else [], snaps, model_ref(e), e.layout.to_dict(),
+                       geometry(e))
+
+        return await self.call(cut)
+
+    async def restore(self, reader: CheckpointReader, sessions: list[str] | None, exact: bool
+                      ) -> tuple[list[str], dict | None]:
+        """Import sessions from a checkpoint: (their ids, the KV conversion if any). The cheap refusals
+        first (model, geometry, ids, room), then every hash, before the engine is touched."""
+        await self.call(lambda e: precheck_restore(e, reader.manifest, sessions))
+        await asyncio.to_thread(reader.verify)
+        return await self.call(lambda e: (restore(e, reader, sessions, verify=False, exact=exact),
+                                          kv_conversion(e, reader.manifest)))
+
+    def import_limits(self, engine: LLMEngine) -> tuple[int, int]:
+        return import_limits(engine)
+
     async def resume(self, session_ids: list[str]) -> None:
         await self.call(lambda e: e.resume(session_ids))
 
@@ -95,3 +131,25 @@ def import_limits(engine: LLMEngine) -> tuple[int, int]:
     if env and env.isdigit():
         limit = int(env)
     return limit, min(frame, limit)
+
+
+def precheck_restore(engine: LLMEngine, manifest: Manifest, sessions: list[str] | None) -> None:
+    """Refusals that need no chunk: model, geometry, ids, room, and KV no longer than the
+    session's tokens (so no declared size can make verify() decode more than the replica holds)."""
+    check_compatible(engine, manifest)
+    plan_restore(engine, manifest, sessions)
+    for e in manifest.sessions:
+        if sessions is None or e.session_id in sessions:
+            n = SessionState.from_dict(e.state).num_tokens
+            if e.num_kv_tokens > n:
+                raise CorruptCheckpoint(f"session {e.session_id} declares {e.num_kv_tokens} KV tokens but holds "
+                                        f"only {n} tokens")
+
+
+def engine_ops_for(aengine: AsyncEngine, defer_copy: bool = False):
+    """The protocol's engine operations for whichever engine serves the replica: the one place that asks."""
+    if getattr(aengine.engine, "engine_name", "builtin") == "vllm":
+        from relayout.migrate.vllm_ops import VllmOps
+
+        return VllmOps(aengine)
+    return EngineThreadOps.of(aengine, defer_copy)

@@ -19,18 +19,10 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from relayout.engine.async_engine import AsyncEngine, EngineDeadError
-from relayout.engine.engine import LLMEngine
-from relayout.engine.session import SessionState, SessionStatus
+from relayout.engine.session import SessionStatus
 from relayout.engine.snapshot import (
     RestoreError,
-    check_compatible,
-    geometry,
-    kv_conversion,
-    model_ref,
     new_checkpoint_id,
-    plan_restore,
-    restore,
-    take_snapshot,
     write_snapshot,
 )
 from relayout.engine.web import (
@@ -47,7 +39,7 @@ from relayout.engine.web import (
     error_response,
     tls_context,
 )
-from relayout.migrate.engine_ops import EngineThreadOps, import_limits
+from relayout.migrate.engine_ops import engine_ops_for
 from relayout.migrate.frame_link import LINK_PATH, FrameLinkServer, TcpTransport, link_address
 from relayout.migrate.mooncake_transport import MooncakeTransport, install_mooncake_routes
 from relayout.migrate.mooncake_transport import unavailable as mooncake_unavailable
@@ -71,7 +63,7 @@ from relayout.migrate.transport import (
     pump,
 )
 from relayout.storage.checkpoint import CheckpointReader, CheckpointWriter
-from relayout.storage.errors import CorruptCheckpoint, StorageError
+from relayout.storage.errors import StorageError
 from relayout.storage.stores import open_store
 from starlette.requests import ClientDisconnect
 
@@ -142,19 +134,6 @@ class SessionsBody(BaseModel):
     transfer: str | None = Field(None, max_length=128)  # release: the commit of this transfer (refused if expired)
 
 
-def _precheck_restore(engine: LLMEngine, manifest, sessions: list[str] | None) -> None:
-    """Refusals that need no chunk: model, geometry, ids, room, and KV no longer than the
-    session's tokens (so no declared size can make verify() decode more than the replica holds)."""
-    check_compatible(engine, manifest)
-    plan_restore(engine, manifest, sessions)
-    for e in manifest.sessions:
-        if sessions is None or e.session_id in sessions:
-            n = SessionState.from_dict(e.state).num_tokens
-            if e.num_kv_tokens > n:
-                raise CorruptCheckpoint(f"session {e.session_id} declares {e.num_kv_tokens} KV tokens but holds "
-                                        f"only {n} tokens")
-
-
 def source_asker(token: str | None):
     """How a target in doubt asks its source replica for the transfer's outgoing state."""
 
@@ -195,9 +174,10 @@ def _classify(e: BaseException) -> tuple[int, str]:
 def install_replica_routes(app: FastAPI, aengine: AsyncEngine, token: str | None = None) -> TransferTable:
     """Mount the session-moving routes on a replica's app; returns the replica's TransferTable."""
     token = token if token is not None else env_token()
-    import_limit, frame_limit = import_limits(aengine.engine)
-    table = TransferTable(EngineThreadOps.of(aengine, defer_copy=True), source_asker(token), import_limit=import_limit,
-                          frame_limit=frame_limit)
+    engine_name = aengine.engine.engine_name
+    ops = engine_ops_for(aengine, defer_copy=True)  # builtin or vLLM: the only place that differs
+    import_limit, frame_limit = ops.import_limits(aengine.engine)
+    table = TransferTable(ops, source_asker(token), import_limit=import_limit, frame_limit=frame_limit)
     r = APIRouter(dependencies=[Depends(bearer_auth(token))])
     # chosen per export (`transport`, default RELAYOUT_TRANSPORT); tcp and mooncake push https targets over HTTP
     http_transport = HttpTransport(token)
@@ -216,22 +196,16 @@ def install_replica_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
         dest = body.destination or allowed_roots()[0].joinpath("checkpoints").as_uri()
         store = _open_store(dest)
 
-        def cut(e: LLMEngine):
-            snaps = take_snapshot(e, body.sessions)
-            if body.stop:
-                e.pause([s.state.session_id for s in snaps])
-            return snaps, model_ref(e), e.layout.to_dict(), geometry(e)
-
         try:
-            snaps, mref, lay, geo = await aengine.call(cut)
+            cut = await ops.checkpoint_cut(body.sessions, body.stop)
         except KeyError as e:
             raise HTTPError(404, str(e.args[0])) from None
-        ids = [s.state.session_id for s in snaps]
+        ids = [s.state.session_id for s in cut.snaps]
 
         def write():
             with CheckpointWriter(store, cid, codec=body.codec) as w:
-                write_snapshot(snaps, w)
-                w.commit(mref, lay, geo, {"stop": body.stop})
+                write_snapshot(cut.snaps, w)
+                w.commit(cut.model, cut.layout, cut.geometry, {"stop": body.stop, "engine": engine_name})
                 return w.bytes_written
 
         try:
@@ -252,7 +226,8 @@ def install_replica_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
         if body.stop:  # their streams end with finish_reason "checkpointed"; GET /v1/sessions/{id} names the URI
             aengine.note_checkpointed(ids, uri)
             await aengine.call(lambda e: e.release(ids, SessionStatus.CHECKPOINTED))
-        return {"checkpoint": uri, "checkpoint_id": cid, "sessions": ids, "bytes": nbytes}
+        return {"checkpoint": uri, "checkpoint_id": cid, "sessions": ids, "bytes": nbytes,
+                "not_moved": cut.not_moved}
 
     @r.post("/v1/sessions/restore")
     async def restore_route(body: RestoreBody):
@@ -261,11 +236,8 @@ def install_replica_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
         store = _open_store(base)
         reader = await asyncio.to_thread(CheckpointReader, store, cid)
         # cheap refusals first (model, geometry, ids, room): the sizes a manifest declares are
-        # bounded by what this replica can hold before any chunk is fetched or decoded
-        await aengine.call(lambda e: _precheck_restore(e, reader.manifest, body.sessions))
-        await asyncio.to_thread(reader.verify)  # hashes checked before the engine is touched
-        ids, conv = await aengine.call(lambda e: (restore(e, reader, body.sessions, verify=False, exact=body.exact),
-                                                  kv_conversion(e, reader.manifest)))
+        # bounded by what this replica can hold before any chunk is fetched or decoded; then every hash
+        ids, conv = await ops.restore(reader, body.sessions, body.exact)
         return {"sessions": ids, "converted": conv}
 
     @r.post("/v1/sessions/export")

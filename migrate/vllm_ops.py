@@ -1,0 +1,231 @@
+"""The protocol's engine operations on a vLLM replica (migrate.transfers.EngineOps, beside
+migrate.engine_ops.EngineThreadOps for the builtin engine): the same cuts, rounds, commits and
+restores, with the KV read out of and loaded into vLLM by relayout's connector
+(engine.vllm_engine, engine.vllm_connector). The protocol does not know which engine it drives.
+
+A cut freezes each session's state on the engine thread (at a step boundary, as the builtin's),
+then reads its KV out of vLLM for tokens up to all but its last (the one vLLM feeds next). An
+arriving session's KV is written to load files round by round as it arrives (pre-copy rounds
+while the source still decodes), and its vLLM request starts at the commit, loading them.
+
+A seeded sampled session is not moved: vLLM seeds one generator per request, so a resubmitted
+request would restart its random stream and change its tokens. It keeps running on the source,
+and the cut says why (`Cut.not_moved`)."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import time
+from pathlib import Path
+
+from relayout.engine.async_engine import AsyncEngine
+from relayout.engine.session import SessionState
+from relayout.engine.snapshot import RestoreError, SessionSnapshot, geometry, model_ref
+from relayout.engine.vllm_engine import VllmEngine
+from relayout.engine.vllm_exchange import ExchangeError, write_kv
+from relayout.migrate.transfers import Cut, Incoming
+from relayout.storage.checkpoint import CheckpointReader
+from relayout.storage.errors import CorruptCheckpoint, ModelMismatch
+from relayout.storage.manifest import Manifest
+
+SEEDED_NOT_MOVED = ("a seeded sampled session continues exactly only where its vLLM request runs (vLLM seeds a "
+                    "generator per request): not moved, it keeps running here")
+
+
+def not_movable(st: SessionState) -> str | None:
+    return SEEDED_NOT_MOVED if not st.sampling.greedy and st.sampling.seed is not None else None
+
+
+class VllmOps:
+    def __init__(self, aengine: AsyncEngine):
+        self.aengine = aengine
+        self.engine: VllmEngine = aengine.engine  # type: ignore[assignment]
+        self.cut_engine_s = 0.0
+        self.note_migrated = aengine.note_migrated
+        self._files: dict[tuple[str, str], list[str]] = {}  # (transfer, session) -> its load files so far
+
+    # ---- source --------------------------------------------------------------------------------
+    async def cut(self, sessions: list[str] | None, pause: bool, sent: dict[str, int],
+                  max_tokens: int | None) -> Cut:
+        def freeze(e: VllmEngine) -> tuple[dict[str, SessionState], dict[str, str]]:
+            if sessions is None:
+                live = [sid for sid, s in e.sessions.items() if not s.is_finished]
+            else:
+                for sid in sessions:
+                    if sid not in e.sessions:
+                        raise KeyError(f"session {sid} is not on this replica")
+                live = [sid for sid in sessions if not e.sessions[sid].is_finished]
+            why = {sid: r for sid in live if (r := not_movable(e.sessions[sid])) is not None}
+            moving = [sid for sid in live if sid not in why]
+            if pause:
+                e.pause(moving)
+            return {sid: copy.deepcopy(e.sessions[sid]) for sid in moving}, why
+
+        t0 = time.perf_counter()
+        states, why = await self.aengine.call(freeze)
+        self.cut_engine_s += time.perf_counter() - t0
+        snaps, gone = [], []
+        for sid, st in states.items():
+            lo = sent.get(sid, 0)
+            hi = st.num_tokens - 1
+            if max_tokens is not None:
+                hi = min(hi, lo + max_tokens)
+            kv: list = []
+            if hi > lo:
+                try:
+                    kv = await asyncio.to_thread(self.engine.export_tensors, sid, lo, hi)
+                except ExchangeError:
+                    # vLLM ended the request meanwhile (it finished there): nothing left to move
+                    gone.append(sid)
+                    continue
+            n = lo + (kv[0][2].shape[3] if kv else 0)
+            snaps.append(SessionSnapshot(st, n, kv=kv))
+        paused = [sid for sid in states if sid not in gone] if pause else []
+        if pause and gone:
+            await self.resume(gone)  # each ends here with what vLLM already produced
+        return Cut(paused, snaps, model_ref(self.engine), self.engine.layout.to_dict(),  # type: ignore[arg-type]
+                   geometry(self.engine), not_moved=why)  # type: ignore[arg-type]
+
+    async def checkpoint_cut(self, sessions: list[str] | None, stop: bool) -> Cut:
+        return await self.cut(sessions, stop, {}, None)
+
+    async def resume(self, session_ids: list[str]) -> None:
+        await self.aengine.call(lambda e: e.resume(session_ids))
+
+    async def release(self, session_ids: list[str], migrated_to: str | None) -> None:
+        if migrated_to:
+            self.note_migrated(session_ids, migrated_to)
+        await self.aengine.call(lambda e: e.release(session_ids))
+
+    # ---- target --------------------------------------------------------------------------------
+    def check(self, manifest: Manifest) -> None:
+        e = self.engine
+        if manifest.model.fingerprint != e.fingerprint:
+            raise ModelMismatch(f"checkpoint {manifest.checkpoint_id} is of model {manifest.model.name} "
+                                f"(fingerprint {manifest.model.fingerprint[:12]}), this replica serves "
+                                f"{e.model_ref} (fingerprint {e.fingerprint[:12]})")
+        g, kv = geometry(e), manifest.kv  # type: ignore[arg-type]
+        if (kv.num_layers, kv.num_kv_heads, kv.head_dim) != (g.num_layers, g.num_kv_heads, g.head_dim):
+            raise CorruptCheckpoint(f"checkpoint KV geometry {kv} does not match the model's {g}")
+        if (kv.dtype, kv.scale) != (g.dtype, g.scale):
+            raise RestoreError(f"checkpoint {manifest.checkpoint_id} holds {kv.dtype} KV"
+                               f"{' (fp8 with scales)' if kv.scale else ''}; this vLLM replica's KV is {g.dtype}: "
+                               "a vLLM replica imports KV of its own dtype only")
+
+    def _states(self, manifest: Manifest, session_ids: list[str] | None = None) -> list[tuple[SessionState, int]]:
+        e = self.engine
+        entries = [manifest.session(sid) for sid in session_ids] if session_ids else manifest.sessions
+        out = []
+        for en in entries:
+            st = SessionState.from_dict(en.state)
+            if st.session_id != en.session_id:
+                raise CorruptCheckpoint(f"session entry {en.session_id} holds state of {st.session_id}")
+            if any(t >= e.cfg.vocab_size for t in st.all_token_ids):
+                raise CorruptCheckpoint(f"session {st.session_id} holds token ids outside the vocabulary")
+            if st.num_tokens + st.sampling.max_tokens - len(st.output_token_ids) > e.max_model_len:
+                raise RestoreError(f"session {st.session_id} needs more context than this replica's {e.max_model_len}")
+            if (why := not_movable(st)) is not None:
+                raise RestoreError(f"session {st.session_id}: {why.split(':')[0]}; it cannot continue in a vLLM replica")
+            if en.num_kv_tokens > st.num_tokens:
+                raise CorruptCheckpoint(f"session {en.session_id} declares {en.num_kv_tokens} KV tokens but holds "
+                                        f"only {st.num_tokens} tokens")
+            old = e.sessions.get(st.session_id)
+            if old is not None and not old.is_finished:
+                raise RestoreError(f"session {st.session_id} is already live on this replica")
+            out.append((st, en.num_kv_tokens))
+        return out
+
+    def _write(self, key: tuple[str, str], reader: CheckpointReader, sid: str, lo: int, hi: int) -> None:
+        path = self.engine.staging / f"l-{key[0]}-{sid}-{lo}.safetensors"
+        write_kv(path, reader.read_tokens(sid, lo, hi), 0, self.engine.cfg.num_kv_heads, lo, hi)
+        self._files.setdefault(key, []).append(str(path))
+
+    async def receive(self, t: Incoming, manifest: Manifest, final: bool) -> dict:
+        self.check(manifest)
+        states = self._states(manifest)
+        reader = CheckpointReader(t.store, manifest=manifest)
+        imported = 0
+        for st, n_kv in states:
+            sid = st.session_id
+            have = t.upto.get(sid, 0)
+            if manifest.session(sid).kv_from > have:
+                raise CorruptCheckpoint(f"session {sid}: this round's KV starts at token "
+                                        f"{manifest.session(sid).kv_from}, this replica holds {have} of it")
+            if n_kv > have:
+                await asyncio.to_thread(self._write, (t.transfer_id, sid), reader, sid, have, n_kv)
+                imported += n_kv - have
+            t.upto[sid] = max(have, n_kv)
+        if final:
+            def place(e: VllmEngine) -> None:
+                for st, n_kv in states:
+                    st.num_computed = n_kv
+                    e.adopt(st, self._load(t.transfer_id, st.session_id, n_kv))
+                    t.placed.append(st.session_id)
+
+            await self.aengine.call(place)
+        return {"sessions": sorted(st.session_id for st, _ in states), "imported_tokens": imported}
+
+    def _load(self, tid: str, sid: str, n_kv: int) -> dict | None:
+        files = self._files.pop((tid, sid), [])
+        return {"tokens": n_kv, "files": files} if files and n_kv else None
+
+    async def commit(self, t: Incoming) -> list[str]:
+        self._drop(t.transfer_id)
+        await self.resume(t.placed)
+        return list(t.placed)
+
+    async def abort(self, t: Incoming) -> None:
+        placed, t.placed = list(t.placed), []
+
+        def drop(e: VllmEngine) -> None:
+            for sid in placed:
+                e.discard(sid)
+
+        await self.aengine.call(drop)
+        self._drop(t.transfer_id)
+
+    def _drop(self, tid: str) -> None:
+        for key in [k for k in self._files if k[0] == tid]:
+            for f in self._files.pop(key):
+                Path(f).unlink(missing_ok=True)
+
+    async def restore(self, reader: CheckpointReader, sessions: list[str] | None, exact: bool
+                      ) -> tuple[list[str], dict | None]:
+        """All or nothing: every check and every load file before any session is placed."""
+        m = reader.manifest
+        self.check(m)
+        states = self._states(m, sessions)
+        gap = m.coverage_error()
+        if gap is not None:
+            raise CorruptCheckpoint(f"checkpoint {m.checkpoint_id} is incomplete: {gap}")
+        await asyncio.to_thread(reader.verify)
+        tid = f"restore-{m.checkpoint_id}"
+        try:
+            for st, n_kv in states:
+                if n_kv:
+                    await asyncio.to_thread(self._write, (tid, st.session_id), reader, st.session_id, 0, n_kv)
+        except BaseException:
+            self._drop(tid)
+            raise
+
+        def place(e: VllmEngine) -> list[str]:
+            for st, n_kv in states:
+                st.num_computed = n_kv
+                e.adopt(st, self._load(tid, st.session_id, n_kv))
+            ids = [st.session_id for st, _ in states]
+            e.resume(ids)
+            return ids
+
+        return await self.aengine.call(place), None
+
+    def import_limits(self, engine: VllmEngine) -> tuple[int, int]:
+        """Bytes one incoming transfer may stage, and its largest frame: what this replica's context could hold."""
+        from relayout.engine.snapshot import CHUNK_TOKENS
+        from relayout.storage.manifest import MAX_MANIFEST_BYTES
+
+        c, item = engine.cfg, engine.dtype.itemsize
+        per_token = c.num_layers * 2 * c.num_kv_heads * c.head_dim * item
+        chunk = 2 * c.num_kv_heads * CHUNK_TOKENS * c.head_dim * item + (64 << 10)
+        limit = 64 * engine.max_model_len * per_token + MAX_MANIFEST_BYTES
+        return limit, min(max(MAX_MANIFEST_BYTES, 2 * chunk) + (1 << 20), limit)
