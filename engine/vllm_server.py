@@ -99,7 +99,7 @@ class VllmLaunch:
         argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
                 "--served-model-name", self.served_name, "--host", self.host, "--port", str(self.port),
                 "--tensor-parallel-size", str(lay.attn_tp), "--dtype", self.dtype,
-                "--kv-transfer-config", json.dumps(kv_config), "--disable-log-stats"]
+                "--kv-transfer-config", json.dumps(kv_config)]
         if lay.moe_ep > 1:
             argv.append("--enable-expert-parallel")
         argv += self.extra_args

