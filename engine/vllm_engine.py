@@ -81,6 +81,20 @@ def _records(lp: dict | None, n: int) -> list[list] | None:
     return out
 
 
+async def _sse_events(r: httpx.Response):
+    """The `data:` payloads of a server-sent event stream. Split here on bytes: httpx's aiter_lines
+    re-scans its whole buffer per line, so a stream read behind (thousands of events in one read)
+    held the GIL for seconds, and the replica's event loop with it."""
+    buf = b""
+    async for chunk in r.aiter_bytes():
+        buf += chunk
+        *events, buf = buf.split(b"\n\n")
+        for ev in events:
+            for line in ev.split(b"\n"):
+                if line.startswith(b"data: "):
+                    yield line[6:].strip()
+
+
 class VllmEngine:
     engine_name = "vllm"
 
@@ -349,11 +363,8 @@ class VllmEngine:
                     text = (await r.aread()).decode(errors="replace")[:500]
                     put(_Arrival(sid, gen, [], None, error=f"vLLM answered {r.status_code}: {text}"))
                     return
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: "):
-                        continue
-                    data = line[6:]
-                    if data == "[DONE]":
+                async for data in _sse_events(r):
+                    if data == b"[DONE]":
                         return
                     obj = json.loads(data)
                     if "error" in obj:
