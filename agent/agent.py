@@ -91,7 +91,8 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
     async def list_replicas():
         # `draining` per replica: the gateway sends no new sessions to a draining node's replicas
         return {"draining": ag.draining,
-                "replicas": [{**ag.refresh(rid), "draining": ag.draining} for rid in list(ag.reg.replicas)]}
+                "replicas": [{"engine": "builtin", **ag.refresh(rid), "draining": ag.draining}
+                             for rid in list(ag.reg.replicas)]}
 
     @v1.post("/replicas", status_code=201)
     async def create_replica(body: ReplicaBody):
@@ -99,8 +100,10 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
             raise HTTPError(409, "agent is draining: no new replicas until POST /v1/undrain")
         if body.name and body.name in ag.reg.replicas:
             raise HTTPError(409, f"replica {body.name!r} already exists")
-        layout = await asyncio.to_thread(validate_layout, body.model, body.layout)
-        return await ag.launch(body.model, layout, body.name, dtype=body.dtype, kv_dtype=body.kv_dtype)
+        vargs = body.checked_vllm_args()
+        layout = await asyncio.to_thread(validate_layout, body.model, body.layout, body.engine)
+        return await ag.launch(body.model, layout, body.name, dtype=body.dtype, kv_dtype=body.kv_dtype,
+                               engine=body.engine, vllm_args=vargs)
 
     @v1.get("/replicas/{rid}")
     async def get_replica(rid: str):
@@ -174,7 +177,9 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
                 raise HTTPError(409, "agent is draining")
             nr = body.replica
             check_dtypes(nr.dtype, nr.kv_dtype)
-            new = (nr.model, await asyncio.to_thread(validate_layout, nr.model, nr.layout), None, nr.dtype, nr.kv_dtype)
+            vargs = nr.checked_vllm_args()
+            new = (nr.model, await asyncio.to_thread(validate_layout, nr.model, nr.layout, nr.engine), None, nr.dtype,
+                   nr.kv_dtype, nr.engine, vargs)
             rid = None
 
         async def work(op):
@@ -217,8 +222,12 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
                 if t.replica is not None:
                     resp = await c.get(f"{agent_url}/v1/replicas/{t.replica}", headers=ag.headers())
                 else:
-                    resp = await c.post(f"{agent_url}/v1/replicas", headers=ag.headers(),
-                                        json={"model": t.model or r["model"], "layout": t.layout})
+                    # a new target: the source's engine (and its vLLM flags) unless the caller names another
+                    engine = t.engine or r.get("engine", "builtin")
+                    spec = {"model": t.model or r["model"], "layout": t.layout, "engine": engine}
+                    if engine == r.get("engine", "builtin") and r.get("vllm_args"):
+                        spec["vllm_args"] = r["vllm_args"]
+                    resp = await c.post(f"{agent_url}/v1/replicas", headers=ag.headers(), json=spec)
             if resp.status_code >= 400:
                 raise HTTPError(502, f"target agent answered {resp.status_code}: {web.error_message(resp)[:300]}")
             tr = resp.json()
@@ -238,7 +247,10 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
             op["stall_ms"] = get("stall_ms")
             if get("bytes_total") is not None:
                 op["bytes_done"] = op["bytes_total"] = get("bytes_total")
-            return {"replica": tr["id"], "sessions": list(get("sessions", []) or [])}
+            not_moved = get("not_moved", {}) or {}
+            # exactly what moved, and every session that did not with the source's reason
+            return {"replica": tr["id"], "sessions": list(get("sessions", []) or []),
+                    "sessions_not_moved": [{"id": k, "error": v} for k, v in sorted(not_moved.items())]}
 
         return {"operation_id": ag.new_op("migrate", rid, work)}
 

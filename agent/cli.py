@@ -203,7 +203,7 @@ def migrate_replica(
                                progress=lambda phase, n: bar.update(task, description=f"{phase} {n / 2**20:.1f} MiB"))
         except MigrationError as e:
             _fail(str(e), 1)
-    print(json.dumps({"sessions": res.sessions, "rounds": [r.__dict__ for r in res.rounds],
+    print(json.dumps({"sessions": res.sessions, "not_moved": res.not_moved, "rounds": [r.__dict__ for r in res.rounds],
                       "bytes": res.bytes_total, "stall_ms": round(res.stall_ms, 2)}))
 
 

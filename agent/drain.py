@@ -37,8 +37,10 @@ async def drain_node(ag: Agent, op: dict, target: str, layouts: dict[str, str | 
 
     async def sessions_of(url: str) -> list[str]:
         async with ag.client(30.0) as c:
-            info = (await c.get(f"{url}/v1/replica", headers=ag.headers())).json()
-        return [s["id"] for s in info.get("sessions", [])]
+            resp = await c.get(f"{url}/v1/replica", headers=ag.headers())
+        if resp.status_code != 200:  # an error's body lists no sessions: that is not "none left"
+            raise HTTPError(502, f"replica {url} answered {resp.status_code}: {web.error_message(resp)[:300]}")
+        return [s["id"] for s in resp.json()["sessions"]]
 
     async def session_state(url: str, sid: str) -> str:
         try:
@@ -59,7 +61,9 @@ async def drain_node(ag: Agent, op: dict, target: str, layouts: dict[str, str | 
         e["state"] = "launching"
         async with ag.client(OP_TIMEOUT) as c:
             resp = await c.post(f"{target}/v1/replicas", headers=ag.headers(),
-                                json={"model": r["model"], "layout": (layouts or {}).get(rid, r.get("layout"))})
+                                json={"model": r["model"], "layout": (layouts or {}).get(rid, r.get("layout")),
+                                      "engine": r.get("engine", "builtin"),  # same engine, same vLLM flags
+                                      **({"vllm_args": r["vllm_args"]} if r.get("vllm_args") else {})})
         if resp.status_code >= 400:
             raise HTTPError(502, f"target agent refused the replica ({resp.status_code}): {web.error_message(resp)[:300]}")
         tr = resp.json()
@@ -108,10 +112,12 @@ async def drain_node(ag: Agent, op: dict, target: str, layouts: dict[str, str | 
                 op["bytes_done"] = sum(x["bytes_done"] for x in entries.values())
                 op["stall_ms"] = max(op.get("stall_ms") or 0.0, mr.stall_ms)
                 e["sessions_moved"] += [s for s in mr.sessions if s not in e["sessions_moved"]]
-                for sid in group:
-                    if sid not in mr.sessions and sid not in e["sessions_finished_here"]:
-                        if await session_state(src, sid) == "finished":
+                for sid, why in mr.not_moved.items():  # the source's word on each one it kept
+                    if why.startswith("finished"):
+                        if sid not in e["sessions_finished_here"]:
                             e["sessions_finished_here"].append(sid)
+                    else:  # the engine keeps it (e.g. a seeded vLLM request): no later pass moves it
+                        failed[sid] = why
         left = [s for s in await sessions_of(src)]
         # the source's own word settles any session the migration results did not name (e.g. a
         # move whose answer was lost after its commit): released to the target, or finished here
@@ -155,6 +161,8 @@ async def drain_node(ag: Agent, op: dict, target: str, layouts: dict[str, str | 
         t0 = time.monotonic()
         try:
             await move(rid)
+        except HTTPError as err:
+            e.update(state="failed", error=err.message)
         except (httpx.HTTPError, ValueError, KeyError) as err:
             e.update(state="failed", error=f"{type(err).__name__}: {err}")
         finally:
@@ -166,7 +174,7 @@ async def drain_node(ag: Agent, op: dict, target: str, layouts: dict[str, str | 
             try:
                 live_at_start[rid] = set(await sessions_of(ag.reg.replicas[rid]["url"]))
                 entries[rid]["sessions_at_start"] = len(live_at_start[rid])  # what progress counts against
-            except (httpx.HTTPError, ValueError):
+            except (httpx.HTTPError, HTTPError, ValueError):
                 pass  # move() lists again; an unreachable replica fails there with the reason
         op["phase"] = "launching target replicas"
         await asyncio.gather(*(drain_replica(rid) for rid in rids))
@@ -176,7 +184,7 @@ async def drain_node(ag: Agent, op: dict, target: str, layouts: dict[str, str | 
             if e["state"] == "failed" and not e["sessions_not_moved"]:
                 try:
                     left = await sessions_of(ag.reg.replicas[rid]["url"])
-                except (httpx.HTTPError, ValueError):
+                except (httpx.HTTPError, HTTPError, ValueError):
                     left = []
                 e["sessions_not_moved"] = [{"id": s, "error": e["error"]} for s in left]
     finally:

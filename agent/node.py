@@ -14,13 +14,14 @@ from pathlib import Path
 import httpx
 from relayout.agent.metrics import AgentMetrics
 from relayout.agent.registry import Registry
-from relayout.agent.schema import OP_TIMEOUT
+from relayout.agent.schema import OP_TIMEOUT, serve_flags
 from relayout.engine import tracing, web
 from relayout.engine.web import HTTPError, tls_context
 from relayout.migrate import procs
 from relayout.migrate.procs import stop_process
 
 LAUNCH_TIMEOUT = float(os.environ.get("RELAYOUT_LAUNCH_TIMEOUT", "180"))
+VLLM_LAUNCH_TIMEOUT = float(os.environ.get("RELAYOUT_LAUNCH_TIMEOUT", "600"))
 
 
 def check_dtypes(dtype: str | None, kv_dtype: str | None) -> None:
@@ -122,7 +123,10 @@ class Agent:
 
     # ---- replicas ---------------------------------------------------------------------------
     async def launch(self, model: str, layout: str | None, name: str | None = None, dtype: str | None = None,
-                     kv_dtype: str | None = None) -> dict:
+                     kv_dtype: str | None = None, engine: str = "builtin", vllm_args: list[str] | None = None
+                     ) -> dict:
+        """Start a replica of `model` served by `engine` ("builtin" or "vllm", with `vllm_args` for
+        vLLM's own server) and wait until it answers."""
         check_dtypes(dtype, kv_dtype)  # before any process starts
         rid = name or f"r-{secrets.token_hex(4)}"
         if rid in self.reg.replicas:
@@ -130,16 +134,18 @@ class Agent:
         log = self.data_dir / "replicas" / f"{rid}.log"
         env = {"RELAYOUT_DATA_DIR": str(self.data_dir), "RELAYOUT_FILE_ROOTS": os.pathsep.join(self.file_roots()),
                "RELAYOUT_TOKEN": self.token}  # None: the replica runs without one, whatever this env says
-        args = [*(["--dtype", dtype] if dtype else []), *(["--kv-dtype", kv_dtype] if kv_dtype else [])]
-        self.reg.replicas[rid] = {"id": rid, "model": model, "layout": layout, "status": "starting", "pid": None,
-                                  "url": None, "created_at": time.time()}
+        args = [*(["--dtype", dtype] if dtype else []), *(["--kv-dtype", kv_dtype] if kv_dtype else []),
+                *serve_flags(engine, vllm_args)]
+        self.reg.replicas[rid] = {"id": rid, "model": model, "engine": engine, "layout": layout, "status": "starting",
+                                  "pid": None, "url": None, "created_at": time.time(), "vllm_args": vllm_args or []}
         # its own session and a log file: the replica outlives an agent restart, which adopts it again
         proc = procs.replica(layout, env, model, args, host=self.host, log=log, new_session=True, wait=False)
         p = proc.p
         self.procs[rid] = p
         self.reg.replicas[rid]["pid"] = p.pid
         try:
-            url = await asyncio.to_thread(proc.wait_ready, LAUNCH_TIMEOUT)
+            # a stock vLLM server loads and compiles for a minute or more before it answers
+            url = await asyncio.to_thread(proc.wait_ready, LAUNCH_TIMEOUT if engine == "builtin" else VLLM_LAUNCH_TIMEOUT)
         except procs.LaunchError as e:
             self.reg.replicas.pop(rid, None)
             self.procs.pop(rid, None)
@@ -156,10 +162,10 @@ class Agent:
             pass
         self.reg.replicas[rid].update(status="running", url=url, layout=lay or layout)
         self.reg.save()
-        return {"id": rid, "url": url, "layout": lay or layout}
+        return {"id": rid, "url": url, "layout": lay or layout, "engine": engine}
 
     async def describe(self, rid: str, timeout: float = 5.0) -> dict:
-        r = dict(self.get_replica(rid))
+        r = {"engine": "builtin", **self.get_replica(rid)}  # records from before engines were recorded
         if r["status"] == "running":
             try:
                 async with self.client(timeout) as c:

@@ -3,6 +3,7 @@ work starts. Ids, errors and their shape come from relayout.engine.web."""
 
 from __future__ import annotations
 
+import shlex
 from typing import Any, Literal
 
 import httpx
@@ -14,10 +15,34 @@ OP_TIMEOUT = httpx.Timeout(600.0, connect=10.0)
 
 # ---- request bodies ---------------------------------------------------------------------------
 _STRICT = ConfigDict(extra="forbid")
+Engine = Literal["builtin", "vllm"]  # who serves the replica: relayout's engine, or stock vLLM (docs: vLLM replicas)
+VllmArgs = list[str] | None  # more flags for vLLM's own server, one argv item each (no shell)
 
 
-class ReplicaBody(BaseModel):
+class EngineChoice(BaseModel):
+    """The serving engine of a replica the agent launches, and what only that engine takes."""
+
     model_config = _STRICT
+    engine: Engine = "builtin"
+    vllm_args: VllmArgs = Field(None, max_length=64)
+
+    def checked_vllm_args(self) -> list[str]:
+        if self.vllm_args and self.engine != "vllm":
+            raise web.HTTPError(400, "vllm_args: only for engine vllm")
+        for a in self.vllm_args or []:
+            if not 0 < len(a) <= 512 or "\x00" in a:
+                raise web.HTTPError(400, "vllm_args: each item 1..512 characters")
+        return list(self.vllm_args or [])
+
+
+def serve_flags(engine: str, vllm_args: list[str] | None) -> list[str]:
+    """The `relayout serve` flags of a replica served by `engine`."""
+    if engine != "vllm":
+        return []
+    return ["--engine", "vllm", *(["--vllm-args", shlex.join(vllm_args)] if vllm_args else [])]
+
+
+class ReplicaBody(EngineChoice):
     model: str = Field(..., min_length=1, max_length=1024)
     layout: str | dict[str, Any] | None = None
     name: str | None = Field(None, pattern=web.ID_PATTERN, max_length=128)
@@ -33,8 +58,7 @@ class CheckpointBody(BaseModel):
     stop: bool = False
 
 
-class NewReplica(BaseModel):
-    model_config = _STRICT
+class NewReplica(EngineChoice):
     model: str = Field(..., min_length=1, max_length=1024)
     layout: str | dict[str, Any] | None = None
     dtype: str | None = Field(None, max_length=32)
@@ -54,6 +78,7 @@ class MigrateTarget(BaseModel):
     agent: str = Field(..., pattern=r"^https?://[^\s]+$", max_length=2048)
     replica: str | None = Field(None, pattern=web.ID_PATTERN, max_length=128)
     layout: str | dict[str, Any] | None = None
+    engine: Engine | None = None  # of a new target replica (default: the source's)
     model: str | None = Field(None, max_length=1024)
 
 
@@ -73,8 +98,9 @@ class DrainBody(BaseModel):
     layouts: dict[str, str | dict] | None = Field(None, max_length=1024)
 
 
-def validate_layout(model: str, layout: str | dict | None) -> str | None:
-    """Parse and check a layout against the model before anything is launched; 400 naming the field."""
+def validate_layout(model: str, layout: str | dict | None, engine: str = "builtin") -> str | None:
+    """Parse and check a layout against the model (and, for vLLM, against what vLLM can express
+    here) before anything is launched; 400 naming the field."""
     import json
 
     from relayout.engine.config import ModelConfig, ModelConfigError
@@ -85,12 +111,24 @@ def validate_layout(model: str, layout: str | dict | None) -> str | None:
         path = resolve_model(model)
     except (ModelNotFoundError, ValueError, OSError) as e:
         raise web.HTTPError(400, f"model: {e}") from None
+    if engine == "vllm":
+        from relayout.engine.vllm_server import check_layout, on_cuda, vllm_version
+
+        if vllm_version() is None:
+            raise web.HTTPError(400, "engine: vllm is not installed on this agent's host "
+                                     "(pip install -e '.[vllm]')")
     try:
         cfg = ModelConfig.from_dir(path)
     except (ModelConfigError, ValueError, OSError) as e:
-        raise web.HTTPError(400, f"model: {e}") from None
+        if engine != "vllm":
+            raise web.HTTPError(400, f"model: {e}") from None
+        cfg = None  # a model vLLM serves that relayout's engine does not: vLLM judges it at launch
     try:
-        lay = Layout.parse(layout).validate(cfg)
+        lay = Layout.parse(layout)
+        if cfg is not None:
+            lay = lay.validate(cfg)
+        if engine == "vllm":
+            check_layout(lay, on_cuda())
     except (LayoutError, ValueError, TypeError) as e:
         raise web.HTTPError(400, f"layout: {e}") from None
     if layout is None:

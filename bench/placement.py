@@ -76,10 +76,10 @@ def _route(rng: np.random.Generator, pop: np.ndarray, clusters: list[np.ndarray]
 
 
 def synthetic(name: str, s: float, *, experts: int = 64, layers: int = 8, tokens: int = 4000, k: int = 2,
-              clusters: int = 8, p_in: float = 0.7, bursts: int = 0, seed: int = 0) -> Trace:
-    """Zipf(s) popularity over a random expert order per layer; `bursts` > 0 splits the tokens
-    into that many windows, each with a few random experts 8x hotter than usual, folded in by
-    ExpertLoad's moving average."""
+              clusters: int = 8, p_in: float = 0.7, bursts: int = 0, seed: int = 0, gamma: bool = False) -> Trace:
+    """Zipf(s) popularity over a random expert order per layer (`gamma`: Gamma(s)-distributed
+    popularity, drawn afresh each window); `bursts` > 0 splits the tokens into that many windows,
+    each with a few random experts 8x hotter than usual, folded in by ExpertLoad's moving average."""
     rng = np.random.default_rng(seed)
     el = ExpertLoad()
     windows = max(1, bursts)
@@ -89,7 +89,10 @@ def synthetic(name: str, s: float, *, experts: int = 64, layers: int = 8, tokens
         counts, coacts = [], []
         for layer in range(layers):
             pop = np.empty(experts)
-            pop[perms[layer]] = 1.0 / np.arange(1, experts + 1) ** s
+            if gamma:
+                pop[:] = rng.gamma(s, 1.0, experts) + 1e-6
+            else:
+                pop[perms[layer]] = 1.0 / np.arange(1, experts + 1) ** s
             if bursts:
                 pop[rng.choice(experts, size=4, replace=False)] *= 8.0  # this window's burst
             c, co = _route(rng, pop, groups[layer], tokens // windows, k, p_in)
@@ -137,7 +140,7 @@ def engine_trace(prompts: int = 6, max_tokens: int = 8) -> Trace:
 
 def default_traces(include_engine: bool = True) -> list[Trace]:
     tr = [synthetic("zipf0.6", 0.6, seed=1), synthetic("zipf1.1", 1.1, seed=2), synthetic("zipf1.6", 1.6, seed=3),
-          synthetic("bursty", 0.8, bursts=6, seed=4)]
+          synthetic("bursty", 0.8, bursts=6, seed=4), synthetic("gamma-bursty", 0.5, bursts=6, seed=5, gamma=True)]
     if include_engine:
         tr.append(engine_trace())
     return tr
@@ -174,23 +177,34 @@ def evaluate(trace: Trace, topo: str, locality_weight: float = DEFAULT_LOCALITY_
     return out
 
 
+def meets_goal(r: dict, nodes: int) -> bool:
+    """The planner's goal against EPLB: balance >= EPLB-global's (and hierarchical's) and, across
+    nodes, cross-node copies <= 0.8 x EPLB-hierarchical's."""
+    p, h, g = r["planner"], r["eplb_hierarchical"], r["eplb_global"]
+    ok = p["balance"] >= max(h["balance"], g["balance"]) - 1e-9
+    return ok and (nodes == 1 or p["cross_node_fraction"] <= 0.8 * h["cross_node_fraction"] + 1e-9)
+
+
 def run_bench(json_out: bool = False, include_engine: bool = True) -> dict:
     results: dict[str, dict] = {}
     table = Table(title="placement: planner vs DeepSeek EPLB (locality-first dispatch model)")
     for col in ("trace", "topo", "bal plan", "bal hier", "bal glob", "worst plan", "worst glob",
-                "xnode plan", "xnode hier", "xnode glob", "plan ms"):
+                "xnode plan", "xnode hier", "xnode glob", "plan ms", "goal"):
         table.add_column(col, justify="left" if col in ("trace", "topo") else "right")
     for tr in default_traces(include_engine):
         for topo in TOPOLOGIES:
             r = evaluate(tr, topo)
             r = {k: {m: x for m, x in v.items() if m != "placement"} for k, v in r.items()}
+            r["meets_goal"] = meets_goal(r, TOPOLOGIES[topo][0])
             results[f"{tr.name}@{topo}"] = r
             p, h, g = r["planner"], r["eplb_hierarchical"], r["eplb_global"]
             table.add_row(tr.name, topo, f"{p['balance']:.3f}", f"{h['balance']:.3f}", f"{g['balance']:.3f}",
                           f"{p['worst_layer_balance']:.3f}", f"{g['worst_layer_balance']:.3f}",
                           f"{p['cross_node_fraction']:.3f}", f"{h['cross_node_fraction']:.3f}",
-                          f"{g['cross_node_fraction']:.3f}", f"{p['plan_ms']:.0f}")
+                          f"{g['cross_node_fraction']:.3f}", f"{p['plan_ms']:.0f}",
+                          "met" if r["meets_goal"] else "MISSED")
     out = {"bench": "placement", "traces": results, "locality_weight": DEFAULT_LOCALITY_WEIGHT,
+           "all_meet_goal": all(r["meets_goal"] for r in results.values()),
            "model": "locality-first dispatch: a token uses a copy of its expert on its own GPU, else on its own "
                     "node, else crosses the network; balance = mean/max GPU load per layer, averaged; "
                     "cross_node_fraction = cross-node token copies / routed copies (co-activated copies bound "

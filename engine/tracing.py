@@ -176,9 +176,27 @@ class BodySizeMiddleware:
         self.app = app
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        s = trace.get_current_span()
-        if scope["type"] != "http" or not s.is_recording():
+        if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        s = trace.get_current_span()
+        if not s.is_recording():
+            # a FastAPI without its own server spans (vLLM pins fastapi < 0.137): make the span here,
+            # continuing the caller's traceparent, named after the route once routing found it
+            headers = dict(scope.get("headers") or [])
+            tp = headers.get(b"traceparent", b"").decode("latin-1") or None
+            method = scope.get("method", "GET")
+            with continued_span(f"{method} {scope.get('path', '')}", tp,
+                                **{"http.request.method": method, "url.path": scope.get("path", "")}) as own:
+                try:
+                    await self._counted(own, scope, receive, send, own_span=True)
+                finally:
+                    route = getattr(scope.get("route"), "path", None)
+                    if route:
+                        own.update_name(f"{scope.get('method', 'GET')} {route}")
+            return None
+        await self._counted(s, scope, receive, send)
+
+    async def _counted(self, s: Span, scope: dict, receive: Any, send: Any, own_span: bool = False) -> None:
         sizes = {"in": 0, "out": 0}
 
         async def counting_receive():
@@ -190,6 +208,10 @@ class BodySizeMiddleware:
         async def counting_send(msg):
             if msg["type"] == "http.response.start":
                 s.set_attribute("http.request.body.size", sizes["in"])
+                if own_span:
+                    s.set_attribute("http.response.status_code", int(msg.get("status", 0)))
+                    if int(msg.get("status", 0)) >= 500:
+                        s.set_status(Status(StatusCode.ERROR))
             elif msg["type"] == "http.response.body":
                 sizes["out"] += len(msg.get("body", b""))
                 if not msg.get("more_body", False):  # the span ends with the last piece

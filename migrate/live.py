@@ -72,7 +72,10 @@ class PreCopyRound:
 @dataclass
 class MigrationResult:
     transfer_id: str
-    sessions: list[str] = field(default_factory=list)
+    sessions: list[str] = field(default_factory=list)  # moved: they run on the target now
+    # asked for (or listed on the source) but not moved, each with the source's reason: finished
+    # there before the final round, or an engine that keeps it (a seeded vLLM request)
+    not_moved: dict[str, str] = field(default_factory=dict)
     rounds: list[PreCopyRound] = field(default_factory=list)
     bytes_total: int = 0
     stall_ms: float = 0.0  # the sessions' pause: from the source's hold to the target's resume
@@ -92,9 +95,10 @@ class RoundNotDelivered(RuntimeError):
 def _round(client: httpx.Client, src: str, dst: str, transfer: str, sessions: list[str] | None, final: bool,
            codec: str, token: str | None, source_for_target: str | None = None,
            slice_tokens: int | None = None, have: list[str] | None = None, timeout_s: float = 300.0,
-           transport: str | None = None) -> tuple[dict, int]:
+           transport: str | None = None) -> tuple[dict, int, dict[str, str]]:
     """One round: the source pushes it to the target (`dst`, as the source reaches it) and answers
-    with the target's reply; only that small answer comes here. Returns (target reply, bytes moved)."""
+    with the target's reply; only that small answer comes here. Returns (target reply, bytes moved,
+    the sessions asked for that the round does not carry, with the source's reason)."""
     body: dict = {"transfer": transfer, "sessions": sessions, "pause": final, "codec": codec, "target": dst,
                   "timeout_s": timeout_s}
     if source_for_target:
@@ -117,12 +121,16 @@ def _round(client: httpx.Client, src: str, dst: str, transfer: str, sessions: li
     if "error" in doc:
         msg = f"source push: {(doc.get('error') or {}).get('message', 'failed')}"
         raise RoundNotDelivered(msg) if doc.get("retryable") else RuntimeError(msg)
-    return doc["reply"], int(doc.get("bytes", 0))
+    not_moved = doc.get("not_moved") or {}
+    if not isinstance(not_moved, dict):
+        raise RuntimeError("source export: not_moved is not an object")
+    return doc["reply"], int(doc.get("bytes", 0)), {str(k): str(v) for k, v in not_moved.items()}
 
 
 def _precopy_round(client: httpx.Client, src: str, dst: str, t: str, ids: list[str], codec: str,
                    token: str | None, back: str, slice_tokens: int | None, retries: int,
-                   res: MigrationResult, push_to: str, timeout_s: float, transport: str | None = None) -> tuple[dict, int]:
+                   res: MigrationResult, push_to: str, timeout_s: float, transport: str | None = None
+                   ) -> tuple[dict, int, dict[str, str]]:
     have: list[str] | None = None
     for attempt in range(retries + 1):
         try:
@@ -203,7 +211,7 @@ def migrate_live(source_url: str, target_url: str, sessions: list[str] | None = 
                     at(f"pre-copy:{i}")
                     t0 = time.perf_counter()
                     # bounded slices per round: the source's decoding never waits on a long copy
-                    reply, n = _precopy_round(client, src, dst, t, ids, codec, token, back, precopy_slice_tokens,
+                    _, n, _ = _precopy_round(client, src, dst, t, ids, codec, token, back, precopy_slice_tokens,
                                               retries, res, push_to, timeout_s, transport)
                     res.rounds.append(PreCopyRound(i, n, time.perf_counter() - t0, False))
                     round_bytes(n, res.rounds[-1].seconds)
@@ -216,9 +224,14 @@ def migrate_live(source_url: str, target_url: str, sessions: list[str] | None = 
             at(phase)
             t_hold = time.perf_counter()
             paused = list(ids)
-            reply, n = _round(client, src, push_to, t, ids, True, codec, token, back, timeout_s=timeout_s,
-                              transport=transport)
+            reply, n, res.not_moved = _round(client, src, push_to, t, ids, True, codec, token, back,
+                                             timeout_s=timeout_s, transport=transport)
             res.sessions = paused = list(reply.get("placed", reply["sessions"]))
+            # every session asked for is either placed on the target or named with the source's reason
+            unnamed = set(ids) - set(res.sessions) - set(res.not_moved)
+            if unnamed or not set(res.sessions) <= set(ids):
+                raise RuntimeError(f"the final round placed {sorted(res.sessions)} for {sorted(ids)}; "
+                                   f"{sorted(unnamed)} neither moved nor named by the source")
             res.rounds.append(PreCopyRound(len(res.rounds), n, time.perf_counter() - t_hold, True))
             round_bytes(n, res.rounds[-1].seconds)
             res.bytes_total += n

@@ -260,7 +260,8 @@ def install_replica_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
                                                                counter=counter, background=not body.pause),
                               final=body.pause, source=body.source, timeout_s=body.timeout_s)
         return StreamingResponse(progress_stream(table.push(body.transfer, send), counter,
-                                                 min(1.0, body.timeout_s / 4)), media_type="application/json")
+                                                 min(1.0, body.timeout_s / 4), table.not_moved(body.transfer)),
+                                 media_type="application/json")
 
     @r.post(IMPORT_PATH)
     async def import_route(request: Request, transfer: str, final: bool = False, source: str | None = None):

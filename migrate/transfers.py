@@ -112,6 +112,8 @@ class Outgoing:
     pushing: asyncio.Future | None = None  # the round being sent to the target (push mode), if any
     epoch: int = 0  # bumped by every export: a round framed under an older epoch is stale
     framed: SentRound | None = None  # push mode: the round framed, counted as sent once delivered
+    # the last round's sessions asked for but not in it, with why: the migrator's result names all
+    not_moved: dict[str, str] = field(default_factory=dict)
 
     def mark_sent(self, r: SentRound | None) -> None:
         if r is self.framed:
@@ -174,6 +176,9 @@ class TransferTable:
         self._sweeper: asyncio.Task | None = None
 
     # ---- what the replica reports -------------------------------------------------------------------
+    def not_moved(self, tid: str) -> dict[str, str]:  # source: sessions the last round lacks, with why
+        return dict(o.not_moved) if (o := self.outgoing.get(tid)) else {}
+
     def migrating_out(self) -> str | None:  # the outgoing transfer in flight, if any (at most one)
         return next(iter(self.outgoing), None)
 
@@ -221,8 +226,9 @@ class TransferTable:
         if self.outgoing.get(tid) is not o:  # expired or aborted meanwhile: give them back
             await self._resume(cut.paused)
             raise TransferConflict(f"transfer {tid} ended while its round was cut")
-        o.paused = cut.paused
-        o.rounds += 1
+        o.paused, o.rounds, carried = cut.paused, o.rounds + 1, {snap.state.session_id for snap in cut.snaps}
+        o.not_moved = {**{sid: "finished on the source before this round" for sid in sessions or []
+                          if sid not in carried}, **cut.not_moved}
         return self._frames(o, cut, sent, codec, pause, epoch, confirm_on_delivery)
 
     def _frames(self, o: Outgoing, cut: Cut, sent: dict[str, int], codec: str, final: bool, epoch: int,

@@ -257,10 +257,12 @@ async def _pumped(rf: RoundFrames) -> AsyncIterator[bytes]:
         room.release()
 
 
-async def progress_stream(push: Awaitable[dict], counter: list[int], every_s: float = 1.0) -> AsyncIterator[bytes]:
+async def progress_stream(push: Awaitable[dict], counter: list[int], every_s: float = 1.0,
+                          not_moved: dict[str, str] | None = None) -> AsyncIterator[bytes]:
     """The export reply of a pushed round: a space every `every_s` while the push runs (so the
     migrator's read timeout measures silence, not the round's length), then one JSON object,
-    {"reply": <target's import reply>, "bytes": n} or {"error": {"message"}, "retryable"}."""
+    {"reply": <target's import reply>, "bytes": n, "not_moved": {session: why}} or
+    {"error": {"message"}, "retryable"}. `not_moved`: the sessions asked for that the round does not carry."""
     task = asyncio.ensure_future(push)
     try:
         while True:
@@ -269,7 +271,7 @@ async def progress_stream(push: Awaitable[dict], counter: list[int], every_s: fl
                 break
             yield b" "
         try:
-            out: dict = {"reply": task.result(), "bytes": counter[0]}
+            out: dict = {"reply": task.result(), "bytes": counter[0], "not_moved": not_moved or {}}
         except PushFailed as e:
             out = {"error": {"message": str(e), "type": "push_failed"}, "retryable": e.retryable, "bytes": counter[0]}
         except asyncio.CancelledError:

@@ -67,3 +67,30 @@ def test_live_transfer_between_two_real_engines_continues_token_for_token():
     assert [dst.sessions[i].output_token_ids for i in ids] == expected
     for e in (ref, src, dst):
         e.shutdown()
+
+
+def test_final_round_names_every_session_it_does_not_carry():
+    """A session asked for that finished on the source between rounds is not in the final round,
+    and the source says so (`not_moved` with its reason), so a migrator's result can list exactly
+    what moved and what did not."""
+    src = LLMEngine("builtin:tiny", None, kv_cache_bytes=4 << 20)
+    short = src.add_session([5, 6, 7] * 4, SamplingParams(max_tokens=3, ignore_eos=True)).session_id
+    long = src.add_session([9, 10] * 6, SamplingParams(max_tokens=40, ignore_eos=True)).session_id
+
+    async def call(fn):
+        return fn(src)
+
+    async def go():
+        s = TransferTable(EngineThreadOps(call), autosweep=False)
+        list(await s.export("t1", [short, long], max_tokens=16))
+        assert s.not_moved("t1") == {}  # both still running: both in the round
+        while not src.sessions[short].is_finished:
+            src.step()
+        final = list(await s.export("t1", [short, long], pause=True))
+        m = Manifest.parse(bytes(next(f for f in FrameDecoder().feed(b"".join(final)) if f.kind == "manifest").payload))
+        assert [e.session_id for e in m.sessions] == [long]
+        assert s.not_moved("t1") == {short: "finished on the source before this round"}
+        assert s.outgoing["t1"].paused == [long]
+
+    asyncio.run(go())
+    src.shutdown()
