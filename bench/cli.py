@@ -82,6 +82,30 @@ def bench_migration(
         print(json.dumps(res), flush=True)
 
 
+@bench_app.command("vllm")
+def bench_vllm(
+    model: str = typer.Option(None, "--model", "-m", help="an HF MoE model directory vLLM serves (default: a tiny "
+                              "Qwen3-MoE made here)"),
+    contexts: str = typer.Option("256,1024,1536", "--contexts", help="context lengths in tokens, comma-separated"),
+    kv_cache_mb: int = typer.Option(1024, "--kv-cache-mb", help="each replica's KV cache"),
+    source_layout: str = typer.Option("attn_tp=1", "--source-layout"),
+    target_layout: str = typer.Option("attn_tp=2,moe_tp=2", "--target-layout", help="e.g. attn_tp=1 on one GPU"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object on the last line"),
+) -> None:
+    """Live migration between stock vLLM replicas (TP1 -> TP2): stall vs the target's step, migrate time vs
+    re-prefill, source decode during pre-copy, KV bytes moved vs the KV's size."""
+    from relayout.bench import vllm as bv
+
+    try:
+        res = bv.run(model, [int(x) for x in contexts.split(",") if x.strip()], log=err.print,
+                     kv_cache_mb=kv_cache_mb, source_layout=source_layout, target_layout=target_layout)
+    except (ValueError, bv.BenchError) as e:
+        _fail(str(e))
+    bv.print_table(res, Console(stderr=as_json))
+    if as_json:
+        print(json.dumps(res), flush=True)
+
+
 @bench_app.command("replication")
 def bench_replication(
     model: str = typer.Option("builtin:tiny", "--model", "-m"),

@@ -119,6 +119,18 @@ class VllmLaunch:
         return argv, env
 
 
+def lower_priority(nice: int) -> None:
+    """In the child, after setsid: nicer by `nice`, and so is its new scheduler autogroup (with
+    autogroups on, a new session is a group of its own, and a thread's nice weighs only inside its
+    group: without this vLLM's spinning ranks get as much CPU as everything else together)."""
+    os.nice(nice)
+    try:
+        with open("/proc/self/autogroup", "w") as f:
+            f.write(str(nice))
+    except OSError:
+        pass  # no autogroups here: the per-process nice is what counts
+
+
 def free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -147,7 +159,7 @@ class VllmServer:
         nice = 0 if cuda else CPU_NICE
         self.proc = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True,
-                                     preexec_fn=(lambda: os.nice(nice)) if nice else None)
+                                     preexec_fn=(lambda: lower_priority(nice)) if nice else None)
         self.argv = argv
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> dict:

@@ -10,9 +10,10 @@
 #      CUDA, stager D2H GB/s vs a raw pinned copy_, decode steps while a snapshot drains);
 #   4. relayout bench snapshot --json;  5. relayout bench migration --quick --json;
 #   6. the CPU tests of the staging/topology/checkpoint paths, now on CUDA (engines default to it).
+#   5b. relayout bench vllm --json, where the image has vLLM (stock vLLM replicas, issue 28);
 # Writes at most 8 files under $OUT (the device tool's limit): summary.txt, summary.json,
-# env.log, pytest_cuda.log, cuda_results.jsonl, bench_snapshot.log, bench_migration.log,
-# pytest_more.log.
+# env.log, pytest_cuda.log, bench_snapshot.log, bench_migration.log, bench_vllm.log,
+# pytest_more.log (cuda_results.jsonl is folded into summary.json).
 set -u
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -93,6 +94,16 @@ step bench_snapshot 110 "$PY" -m relayout.agent.cli bench snapshot --json
 (( NGPU < 2 )) && say "note: $NGPU GPU(s); bench migration's attn_tp=2 target puts 2 ranks on one GPU"
 RELAYOUT_STEP_TIMEOUT_S=60 step bench_migration 130 "$PY" -m relayout.agent.cli bench migration --quick --json
 
+# ---- 5b. stock vLLM (issue 28): live migration of in-flight requests, where this image has vLLM ---------
+# (RELAYOUT_GPU_VLLM_MODEL: an HF MoE directory, default the bench's tiny Qwen3-MoE; TP2 needs 2 GPUs)
+if "$PY" -c 'import vllm' >/dev/null 2>&1; then
+  VLLM_TARGET=$( (( NGPU >= 2 )) && echo "attn_tp=2,moe_tp=2" || echo "attn_tp=1")
+  step bench_vllm 150 "$PY" -m relayout.agent.cli bench vllm --json --contexts 256,1024 --target-layout "$VLLM_TARGET" \
+    ${RELAYOUT_GPU_VLLM_MODEL:+--model "$RELAYOUT_GPU_VLLM_MODEL"}
+else
+  say "SKIP bench_vllm: vllm is not importable in this image"; echo "bench_vllm skipped" >>/tmp/relayout_rcs
+fi
+
 # ---- 6. the CPU suite's staging/checkpoint tests, on CUDA ---------------------------------------
 step pytest_more 90 "$PY" -m pytest -q -x -p no:cacheprovider tests/test_staging.py tests/test_topology_discover.py \
   tests/test_checkpoint.py
@@ -107,7 +118,7 @@ for line in pathlib.Path("/tmp/relayout_rcs").read_text().splitlines():
     res["steps"][name] = rc
 for line in (out / "cuda_results.jsonl").read_text().splitlines():
     d = json.loads(line); res[d.pop("test")] = d
-for name in ("bench_snapshot", "bench_migration"):
+for name in ("bench_snapshot", "bench_migration", "bench_vllm"):
     p = out / f"{name}.log"
     last = [l for l in p.read_text(errors="replace").splitlines() if l.startswith("{")] if p.exists() else []
     try:
@@ -127,6 +138,9 @@ print(f"decode while draining: {dd.get('steps_while_draining')} steps, {dd.get('
 print(f"bench snapshot: memcpy {s.get('memcpy_gbps')} snapshot {s.get('snapshot_gbps')} restore {s.get('restore_gbps')} GB/s")
 m = res.get("bench_migration") or {}
 print("bench migration:", json.dumps(m.get("contexts")) if m else None)
+v = res.get("bench_vllm") or {}
+print("bench vllm:", json.dumps(v.get("contexts")) if v else None)
+(out / "cuda_results.jsonl").unlink()  # in summary.json now: the device tool brings back 8 files at most
 PY
 rm -f /tmp/relayout_rcs
 say "done"
