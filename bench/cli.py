@@ -101,7 +101,7 @@ def bench_vllm(
                      kv_cache_mb=kv_cache_mb, source_layout=source_layout, target_layout=target_layout)
     except (ValueError, bv.BenchError) as e:
         _fail(str(e))
-    bv.print_table(res, Console(stderr=as_json))
+    bv.print_table(res, Console(stderr=as_json, width=160))
     if as_json:
         print(json.dumps(res), flush=True)
 

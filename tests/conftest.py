@@ -9,6 +9,52 @@ import torch
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 os.environ.setdefault("RELAYOUT_KV_BYTES", str(32 * 2**20))
 
+# The process tier: test files that start replica, agent, gateway, rank or vLLM processes. They are
+# marked `slow`, so `pytest -m "not slow"` runs the in-process tier alone (the README's command and
+# .ci/run run both). A new file that starts processes belongs here.
+PROCESS_TEST_FILES = {
+    "test_agent",
+    "test_bench_migration",
+    "test_bf16_serving",
+    "test_chat",
+    "test_cli_plugins",
+    "test_dashboard",
+    "test_deploy",
+    "test_direct_transfer",
+    "test_drain",
+    "test_dtypes",
+    "test_faults",
+    "test_fleet_controller",
+    "test_frame_link",
+    "test_gateway",
+    "test_layouts",
+    "test_logprobs",
+    "test_malloc_arena",
+    "test_migration",
+    "test_migration_result",
+    "test_mooncake_transport",
+    "test_multinode",
+    "test_netns",
+    "test_policy",
+    "test_procs",
+    "test_protect",
+    "test_reattach",
+    "test_server",
+    "test_staging",
+    "test_status",
+    "test_stream_memory",
+    "test_tracing",
+    "test_up",
+    "test_vllm",
+    "test_wheel",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.stem in PROCESS_TEST_FILES:
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture(scope="session")
 def hf_models(tmp_path_factory):
