@@ -15,6 +15,7 @@ import shlex
 from pathlib import Path
 
 import typer
+from relayout.storage.settings import settings
 from rich.console import Console
 from rich.markup import escape
 
@@ -29,6 +30,17 @@ err = Console(stderr=True)
 def _fail(msg: str, code: int = 2) -> None:
     err.print(f"[red]error:[/red] {escape(msg)}")
     raise typer.Exit(code)
+
+
+@app.callback()
+def _check_environment() -> None:
+    """Every RELAYOUT_* variable is checked before any command runs (exit 2 naming a bad one)."""
+    from relayout.storage.settings import SettingsError, check_settings
+
+    try:
+        check_settings()
+    except SettingsError as e:
+        _fail(str(e))
 
 
 # ---- serving ---------------------------------------------------------------------------------------
@@ -368,7 +380,6 @@ def _drain_target(agent_url: str, headers: dict) -> str:
     """A drain target from RELAYOUT_DRAIN_TARGET or RELAYOUT_AGENTS (comma/space separated; a name that resolves to
     several addresses, like a headless Service, counts as each of them): the first healthy agent that is neither
     this one nor draining."""
-    import os
     import re
     import socket
     from urllib.parse import urlsplit
@@ -379,7 +390,8 @@ def _drain_target(agent_url: str, headers: dict) -> str:
         me = httpx.get(f"{agent_url}/healthz", timeout=10).json().get("agent_id")
     except (httpx.HTTPError, ValueError, AttributeError) as e:
         _fail(f"cannot reach agent {agent_url}: {e}", 1)
-    raw = os.environ.get("RELAYOUT_DRAIN_TARGET") or os.environ.get("RELAYOUT_AGENTS") or ""
+    st = settings()
+    raw = st.drain_target or st.agents or ""
     for url in [u for u in re.split(r"[,\s]+", raw) if u]:
         parts = urlsplit(url.rstrip("/"))
         try:
@@ -517,7 +529,6 @@ def controller(
 
     --replica URL watches one replica; --agents/--agent watch every replica of every agent, and the
     replica's own agent launches the new layout and migrates onto it."""
-    import os
     import signal
     import threading
 
@@ -527,8 +538,8 @@ def controller(
     agent_urls = [u for u in ([agents] if agents else []) + list(agent or []) if u.strip()]
     if replica and agent_urls:
         _fail("give either --replica URL (one replica) or --agents/--agent URL (every replica of the agents), not both")
-    if not replica and not agent_urls and os.environ.get("RELAYOUT_AGENTS", "").strip():
-        agent_urls = [os.environ["RELAYOUT_AGENTS"]]
+    if not replica and not agent_urls and (settings().agents or "").strip():
+        agent_urls = [settings().agents or ""]
     if not replica and not agent_urls:
         _fail("give --replica URL (one replica) or --agents URL[,URL...] (or RELAYOUT_AGENTS) for the fleet")
     if interval <= 0 or consecutive < 1 or margin <= 0:

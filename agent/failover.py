@@ -13,22 +13,19 @@ restarts is handled the same way (its protection was saved in the registry)."""
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 
 import httpx
 from relayout.agent.node import Agent
 from relayout.engine import web
+from relayout.storage.settings import settings
 
 MISSED_CHECKS = 2  # unanswered health checks in a row that count as a failure of a live process
 PROMOTE_TIMEOUT_S = 60.0  # the standby waits for the lease to lapse first: a few seconds at most
 
 
 def health_interval_s() -> float:
-    try:
-        return max(0.1, float(os.environ.get("RELAYOUT_HEALTH_S", "1")))
-    except ValueError:
-        return 1.0
+    return settings().health_s
 
 
 class HealthCheck:

@@ -19,9 +19,14 @@ from relayout.engine import tracing, web
 from relayout.engine.web import HTTPError, tls_context
 from relayout.migrate import procs
 from relayout.migrate.procs import stop_process
+from relayout.storage.settings import settings
 
-LAUNCH_TIMEOUT = float(os.environ.get("RELAYOUT_LAUNCH_TIMEOUT", "180"))
-VLLM_LAUNCH_TIMEOUT = float(os.environ.get("RELAYOUT_LAUNCH_TIMEOUT", "600"))
+
+def launch_timeout(engine: str = "builtin") -> float:
+    """Seconds a launched replica has to print its URL: RELAYOUT_LAUNCH_TIMEOUT, else 180 (600 for
+    vLLM, which loads and compiles for a minute or more first)."""
+    return settings().launch_timeout or (600.0 if engine == "vllm" else 180.0)
+
 
 
 def check_dtypes(dtype: str | None, kv_dtype: str | None) -> None:
@@ -81,9 +86,7 @@ class Agent:
 
     def file_roots(self) -> list[str]:
         roots = [str(self.data_dir)]
-        extra = os.environ.get("RELAYOUT_FILE_ROOTS")
-        if extra:
-            roots += [r for r in extra.split(os.pathsep) if r]
+        roots += [str(r) for r in settings().file_root_list()]
         return roots
 
     def startup(self) -> None:
@@ -144,8 +147,7 @@ class Agent:
         self.procs[rid] = p
         self.reg.replicas[rid]["pid"] = p.pid
         try:
-            # a stock vLLM server loads and compiles for a minute or more before it answers
-            url = await asyncio.to_thread(proc.wait_ready, LAUNCH_TIMEOUT if engine == "builtin" else VLLM_LAUNCH_TIMEOUT)
+            url = await asyncio.to_thread(proc.wait_ready, launch_timeout(engine))
         except procs.LaunchError as e:
             self.reg.replicas.pop(rid, None)
             self.procs.pop(rid, None)

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from relayout.agent.node import LAUNCH_TIMEOUT
+from relayout.agent.node import launch_timeout
 from relayout.engine import web
 from relayout.migrate import procs
 
@@ -49,7 +49,7 @@ def run_up(host: str, port: int, agent_port: int, data_dir: Path, model: str = "
         if layout:
             body["layout"] = layout
         body.update({k: v for k, v in (("dtype", dtype), ("kv_dtype", kv_dtype)) if v})
-        r = httpx.post(f"{agent_url}/v1/replicas", json=body, headers=hdr, timeout=LAUNCH_TIMEOUT + 30)
+        r = httpx.post(f"{agent_url}/v1/replicas", json=body, headers=hdr, timeout=launch_timeout() + 30)
         if r.status_code != 201:
             raise RuntimeError(f"the agent could not launch the replica ({r.status_code}): {web.error_message(r)}")
         rid = r.json()["id"]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import secrets
 import threading
 import uuid
@@ -20,12 +19,12 @@ from relayout.engine.runner import StepBatch, kv_block_bytes
 from relayout.engine.sampling import new_rng_state, sample
 from relayout.engine.scheduler import Scheduler
 from relayout.engine.session import SamplingParams, SessionState, SessionStatus
+from relayout.storage.settings import settings
 
 if TYPE_CHECKING:
     from relayout.engine.tokenizer import Tokenizer
     from relayout.engine.workers import RankPlacement
 
-DEFAULT_KV_BYTES = int(os.environ.get("RELAYOUT_KV_BYTES", 256 * 2**20))
 
 
 class RequestError(ValueError):
@@ -44,6 +43,18 @@ def pick_device(name: str | None = None) -> torch.device:
     if name:
         return torch.device(name)
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def running_sessions(sessions: dict[str, SessionState], session_ids: list[str]) -> list[SessionState]:
+    """The named sessions, each still running here (KeyError naming the first that is not): what a
+    pause (a checkpoint with stop, a migration's cutover) may hold, in either engine."""
+    out = []
+    for sid in session_ids:
+        s = sessions.get(sid)
+        if s is None or s.is_finished:
+            raise KeyError(f"session {sid} is not running on this replica")
+        out.append(s)
+    return out
 
 
 def check_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int) -> None:
@@ -108,7 +119,7 @@ class LLMEngine:
         lay = self.layout
         kv_heads = lay.kv_head_range(0, self.cfg.num_kv_heads)
         per_block = kv_block_bytes(self.cfg, kv_heads[1] - kv_heads[0], self.kv_dtype)
-        self.num_blocks = num_blocks or max(4, (kv_cache_bytes or DEFAULT_KV_BYTES) // per_block)
+        self.num_blocks = num_blocks or max(4, (kv_cache_bytes or settings().kv_bytes) // per_block)
         self.max_model_len = min(self.cfg.max_position_embeddings, self.num_blocks * BLOCK_SIZE - 1)
         self.allocators = [BlockAllocator(self.num_blocks) for _ in range(lay.attn_dp)]
         self.scheduler = Scheduler(self.allocators, max_num_seqs, max_prefill_tokens)
@@ -168,12 +179,8 @@ class LLMEngine:
 
     def pause(self, session_ids: list[str]) -> None:
         """Hold sessions at this step boundary (checkpoint with stop, migration cutover)."""
-        for sid in session_ids:
-            s = self.sessions.get(sid)
-            if s is None or s.is_finished:
-                raise KeyError(f"session {sid} is not running on this replica")
-        for sid in session_ids:
-            self.scheduler.pause(self.sessions[sid])
+        for s in running_sessions(self.sessions, session_ids):
+            self.scheduler.pause(s)
 
     def resume(self, session_ids: list[str]) -> None:
         """Let paused sessions run again (unknown or not paused ones are skipped). A token a

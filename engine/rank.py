@@ -13,6 +13,8 @@ import os
 import sys
 from collections.abc import Mapping
 
+from relayout.storage.settings import settings
+
 
 class RankConfigError(ValueError):
     """The environment or flags do not say which rank this is or where its driver is."""
@@ -44,13 +46,18 @@ def run_rank(model: str, driver: str | None, threads: int | None, log=print) -> 
     rank, world, local, driver = rank_env(os.environ, driver)
     model_dir = resolve_model(model)
     log(f"relayout rank {rank} joining {driver}")
-    return rank_main(rank, driver, str(model_dir), os.environ.get("RELAYOUT_TOKEN"), threads, local, world)
+    return rank_main(rank, driver, str(model_dir), settings().token, threads, local, world)
 
 
 def main(argv: list[str] | None = None) -> None:
     from relayout.engine.weights import ModelNotFoundError
     from relayout.engine.workers import RankJoinError
+    from relayout.storage.settings import SettingsError, check_settings
 
+    try:
+        check_settings()  # every RELAYOUT_* variable, before anything starts
+    except SettingsError as e:
+        raise SystemExit(f"error: {e}") from None
     ap = argparse.ArgumentParser(prog="python -m relayout.engine.rank", description=__doc__.splitlines()[0])
     ap.add_argument("--model", "-m", default="builtin:tiny", help="the same model as the driver's, on this host")
     ap.add_argument("--driver", default=None, help="the driver's rank endpoint HOST:PORT "

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from relayout.engine.moe import SparseMoE
 from relayout.engine.parallel import ParallelState
 from relayout.engine.shared_kv import SharedPool, create_pool
 from relayout.engine.staging import KVStager
+from relayout.storage.settings import settings
 
 
 @dataclass
@@ -33,7 +33,6 @@ class StepBatch:
         return not self.input_ids
 
 
-STAGING_BYTES = int(os.environ.get("RELAYOUT_STAGING_BYTES", 2 << 30))  # pinned host bytes kept per rank
 
 
 class ModelRunner:
@@ -56,7 +55,7 @@ class ModelRunner:
                           compute_dtype=dtype, tensors=shared[1:] if shared else None)
         # on CUDA, KV leaves and enters through pinned staging buffers on side streams
         # (engine/staging.py); on the CPU the plain host copies below are already the fastest path
-        self.stager: KVStager | None = (KVStager(device, max_bytes=STAGING_BYTES) if device.type == "cuda"
+        self.stager: KVStager | None = (KVStager(device, max_bytes=settings().staging_bytes) if device.type == "cuda"
                                         else None)
 
     def execute(self, b: StepBatch) -> torch.Tensor:

@@ -17,12 +17,13 @@ import tempfile
 from dataclasses import asdict, dataclass
 
 import torch
+from relayout.storage.settings import settings
 
 SHM_DIR = "/dev/shm"
 
 
 def shared_kv_enabled() -> bool:
-    return os.environ.get("RELAYOUT_SHARED_KV", "1") != "0" and os.path.isdir(SHM_DIR)
+    return settings().shared_kv and os.path.isdir(SHM_DIR)
 
 
 @dataclass

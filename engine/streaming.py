@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
@@ -23,6 +22,7 @@ from relayout.engine.logprobs import CompletionLogprobs, LogprobRecord
 from relayout.engine.session import SamplingParams, SessionState
 from relayout.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from relayout.engine.web import HTTPError
+from relayout.storage.settings import settings
 
 
 class StopTextStream:
@@ -148,17 +148,11 @@ class CompletionShape:
         return {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}
 
 
-DEFAULT_DETACH_GRACE_S = 60.0
-
-
 def detach_grace_s() -> float:
     """How long a session whose client vanished (a bare disconnect) waits to be reattached before it is
     aborted: RELAYOUT_DETACH_GRACE_S, default 60 s. An explicit abort (POST /v1/sessions/{id}/abort,
     what a live gateway sends when its client hangs up) frees it at once."""
-    try:
-        return max(0.0, float(os.environ.get("RELAYOUT_DETACH_GRACE_S", DEFAULT_DETACH_GRACE_S)))
-    except ValueError:
-        return DEFAULT_DETACH_GRACE_S
+    return settings().detach_grace_s
 
 
 class _Reader:

@@ -30,7 +30,14 @@ from pathlib import Path
 import httpx
 import torch
 from relayout.engine.config import ModelConfig, parse_dtype
-from relayout.engine.engine import RequestError, TokenEvent, check_request, finish_reason_after, pick_device
+from relayout.engine.engine import (
+    RequestError,
+    TokenEvent,
+    check_request,
+    finish_reason_after,
+    pick_device,
+    running_sessions,
+)
 from relayout.engine.layout import Layout
 from relayout.engine.sampling import new_rng_state
 from relayout.engine.session import SamplingParams, SessionState, SessionStatus
@@ -182,12 +189,8 @@ class VllmEngine:
         return not self.server.alive or any(not s.is_finished for s in self.sessions.values())
 
     def pause(self, session_ids: list[str]) -> None:
-        for sid in session_ids:
-            s = self.sessions.get(sid)
-            if s is None or s.is_finished:
-                raise KeyError(f"session {sid} is not running on this replica")
-        for sid in session_ids:
-            self.sessions[sid].status = SessionStatus.PAUSED
+        for s in running_sessions(self.sessions, session_ids):
+            s.status = SessionStatus.PAUSED
 
     def resume(self, session_ids: list[str]) -> None:
         """Paused sessions run again: what vLLM computed meanwhile is theirs now. A session placed

@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 import hmac
 import json
-import os
 import re
 import ssl
 from collections.abc import Callable, Iterable
@@ -22,6 +21,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from relayout.storage.settings import settings
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 # Session, transfer, checkpoint, replica and operation ids: what may appear in a URL path or a
@@ -122,7 +122,7 @@ def check_ids(values: Iterable[Any] | None, what: str = "session id") -> list[st
 
 # ---- auth -------------------------------------------------------------------------------------
 def env_token() -> str | None:
-    return os.environ.get("RELAYOUT_TOKEN") or None
+    return settings().token or None
 
 
 @functools.lru_cache(maxsize=1)
@@ -156,7 +156,7 @@ def bearer_auth(token: str | Callable[[], str | None] | None) -> Callable[[Reque
 
 def env_api_keys() -> list[str]:
     """Client API keys from RELAYOUT_API_KEYS (comma-separated); none: the client routes are open."""
-    return [k.strip() for k in os.environ.get("RELAYOUT_API_KEYS", "").split(",") if k.strip()]
+    return settings().api_key_list()
 
 
 class ClientKeyAuth:

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 import xxhash
 from relayout.engine.builtin import BUILTIN_NAMES, BUILTIN_VERSION, create_builtin
+from relayout.storage.settings import settings
 from safetensors import safe_open
 
 BUILTIN_PREFIX = "builtin:"
@@ -27,8 +28,7 @@ class ModelNotFoundError(FileNotFoundError):
 
 
 def cache_root() -> Path:
-    env = os.environ.get("RELAYOUT_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "relayout"
+    return settings().cache
 
 
 def resolve_model(ref: str | Path) -> Path:

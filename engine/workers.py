@@ -24,7 +24,7 @@ import socket
 import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.connection import wait
 from pathlib import Path
@@ -40,9 +40,16 @@ from relayout.engine.runner import ModelRunner, StepBatch
 from relayout.engine.shared_kv import SharedPool, attach_pool, shared_kv_enabled
 from relayout.engine.weights import model_identity
 from relayout.storage.chunks import one_malloc_arena
+from relayout.storage.settings import settings
 
-STEP_TIMEOUT_S = float(os.environ.get("RELAYOUT_STEP_TIMEOUT_S", 300))
-JOIN_TIMEOUT_S = float(os.environ.get("RELAYOUT_RANK_JOIN_TIMEOUT_S", 600))
+
+def step_timeout_s() -> float:  # RELAYOUT_STEP_TIMEOUT_S
+    return settings().step_timeout_s
+
+
+def rank_join_timeout_s() -> float:  # RELAYOUT_RANK_JOIN_TIMEOUT_S
+    return settings().rank_join_timeout_s
+
 HELLO_TIMEOUT_S = 15.0  # a connection that says nothing this long is not one of our ranks
 
 
@@ -61,7 +68,7 @@ class RankPlacement:
     local_ranks: list[int] | None = None  # None: all of them
     endpoint: str = "127.0.0.1:0"  # where ranks join the driver (port 0: a free one)
     token: str | None = None  # remote ranks must present it (RELAYOUT_TOKEN)
-    join_timeout_s: float = JOIN_TIMEOUT_S
+    join_timeout_s: float = field(default_factory=rank_join_timeout_s)
 
 
 def split_hostport(addr: str) -> tuple[str, int]:
@@ -97,14 +104,14 @@ def rank_main(rank: int, driver: str, model_dir: str, token: str | None = None, 
     one_malloc_arena()  # as its driver does (migrate.serve): freed buffers stay for the next round
     if threads:
         torch.set_num_threads(threads)
-    sock = _connect(driver, time.monotonic() + JOIN_TIMEOUT_S)
+    sock = _connect(driver, time.monotonic() + rank_join_timeout_s())
     sock.settimeout(None)
     ch = RankChannel(sock)
     try:
         ch.send("hello", {"rank": rank, "token": token or "", "host": socket.gethostname(), "world_size": world_size,
                           "model": model_identity(Path(model_dir))})
         try:
-            msg = ch.recv(timeout=JOIN_TIMEOUT_S)
+            msg = ch.recv(timeout=rank_join_timeout_s())
         except (ChannelClosed, TimeoutError) as e:
             raise RankJoinError(f"the driver at {driver} did not answer rank {rank}'s hello: {e}") from None
         if msg.op == "refuse":
@@ -143,7 +150,7 @@ def _start(rank: int, conf: dict, store_host: str, model_dir: Path, local_index:
     if dev.type == "cuda":
         dev = torch.device("cuda", (rank if local_index is None else local_index) % torch.cuda.device_count())
         torch.cuda.set_device(dev)
-    timeout = timedelta(seconds=STEP_TIMEOUT_S)
+    timeout = timedelta(seconds=step_timeout_s())
     store = dist.TCPStore(store_host, int(conf["store_port"]), is_master=False, timeout=timeout)
     dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", store=store, rank=rank,
                             world_size=layout.world_size, timeout=timeout)
@@ -210,7 +217,7 @@ class RankExecutor:
         self.endpoint = f"{host}:{self._listener.getsockname()[1]}"
         # the group's rendezvous lives with the driver, so a remote rank needs only the driver's address
         self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
-                                    timeout=timedelta(seconds=STEP_TIMEOUT_S))
+                                    timeout=timedelta(seconds=step_timeout_s()))
         self._identity = model_identity(model_dir)
         try:
             local_host = "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
@@ -329,7 +336,8 @@ class RankExecutor:
         p = self.procs.get(rank)
         return f", exit code {p.exitcode}" if p is not None and p.exitcode is not None else ""
 
-    def _gather(self, ranks: list[int], timeout: float = STEP_TIMEOUT_S) -> dict[int, Message]:
+    def _gather(self, ranks: list[int], timeout: float | None = None) -> dict[int, Message]:
+        timeout = step_timeout_s() if timeout is None else timeout
         pending = set(ranks)
         out: dict[int, Message] = {}
         deadline = time.monotonic() + timeout
@@ -343,7 +351,7 @@ class RankExecutor:
                 if self.chans[r] not in ready:
                     continue
                 try:
-                    m = self.chans[r].recv(timeout=STEP_TIMEOUT_S)
+                    m = self.chans[r].recv(timeout=step_timeout_s())
                 except (ChannelClosed, ChannelError, TimeoutError) as e:
                     self._fail(f"rank {r} on {self.hosts.get(r)}: {e}{self._exit_code(r)}")
                 if m.op == "error":

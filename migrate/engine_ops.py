@@ -5,7 +5,6 @@ AsyncEngine.call on a serving replica; a direct call where the caller owns the e
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -28,6 +27,7 @@ from relayout.migrate.transfers import Cut, Incoming
 from relayout.storage.checkpoint import CheckpointReader
 from relayout.storage.errors import CorruptCheckpoint
 from relayout.storage.manifest import Manifest, ModelRef
+from relayout.storage.settings import settings
 
 EngineCall = Callable[[Callable[[LLMEngine], Any]], Awaitable[Any]]
 
@@ -127,9 +127,7 @@ def import_limits(engine: LLMEngine) -> tuple[int, int]:
     chunk = 2 * c.num_kv_heads * CHUNK_TOKENS * c.head_dim * item + (64 << 10)
     frame = max(MAX_MANIFEST_BYTES, 2 * chunk) + (1 << 20)
     limit = 2 * kv_bytes + MAX_MANIFEST_BYTES
-    env = os.environ.get("RELAYOUT_MAX_IMPORT_BYTES")
-    if env and env.isdigit():
-        limit = int(env)
+    limit = settings().max_import_bytes or limit
     return limit, min(frame, limit)
 
 

@@ -39,6 +39,7 @@ import httpx
 from relayout.engine.tracing import continued_span, inject
 from relayout.engine.web import bearer_headers, error_message, tls_context
 from relayout.migrate.transport import in_thread
+from relayout.storage.settings import settings
 
 LINK_PATH = "/v1/sessions/import/link"
 LINK_MAGIC = b"RLK2"  # 2: frames follow the go-ahead unsegmented (RLK1 wrapped them in length segments)
@@ -66,20 +67,15 @@ def link_mac(token: str | None, challenge: bytes, transfer: str) -> str:
 def link_address(port: int) -> dict:
     """What `GET LINK_PATH` answers: the link's port, or RELAYOUT_LINK_ADVERTISE's HOST:PORT where
     sources reach it through a forwarded port (NAT, a Kubernetes Service, a test's proxy)."""
-    adv = os.environ.get("RELAYOUT_LINK_ADVERTISE")
+    adv = settings().link_advertise  # HOST:PORT, checked by its declaration
     if not adv:
         return {"port": port}
     host, _, p = adv.rpartition(":")
-    if not host or not p.isdigit():
-        raise ValueError(f"RELAYOUT_LINK_ADVERTISE must be HOST:PORT, not {adv!r}")
     return {"host": host.strip("[]"), "port": int(p)}
 
 
 def idle_timeout() -> float:
-    try:
-        return max(0.1, float(os.environ.get("RELAYOUT_LINK_IDLE_S", "30")))
-    except ValueError:
-        return 30.0
+    return settings().link_idle_s
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -128,7 +124,7 @@ class FrameLinkServer:
         async with self._lock:
             if self.sock is None:
                 self._loop = asyncio.get_running_loop()
-                port = int(os.environ.get("RELAYOUT_LINK_PORT", "0") or 0)
+                port = settings().link_port
                 self.sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
                 self.port = self.sock.getsockname()[1]
                 threading.Thread(target=self._accept, args=(self.sock,), name="frame-link", daemon=True).start()

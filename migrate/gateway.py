@@ -135,6 +135,12 @@ def main(argv: list[str] | None = None) -> None:
     """`python -m relayout.migrate.gateway`: the same flags as `relayout gateway`."""
     import argparse
 
+    from relayout.storage.settings import SettingsError, check_settings
+
+    try:
+        check_settings()  # every RELAYOUT_* variable, before anything starts
+    except SettingsError as e:
+        raise SystemExit(f"error: {e}") from None
     ap = argparse.ArgumentParser(prog="relayout gateway", description=__doc__.split("\n\n")[0])
     ap.add_argument("--agent", action="append", default=[], help="agent URL whose replicas to serve (repeatable)")
     ap.add_argument("--replica", action="append", default=[], help="a replica URL to serve directly (repeatable)")

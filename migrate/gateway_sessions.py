@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable
@@ -26,9 +25,9 @@ from fastapi.responses import JSONResponse
 from relayout.engine.streaming import SSEResponse, streaming_response
 from relayout.engine.web import bearer_headers, error_response
 from relayout.migrate.gateway_failover import Promoter
+from relayout.storage.settings import settings
 
 MAX_HOPS = 16  # moves, checkpoints and failovers one request follows
-DEFAULT_REATTACH_WAIT_S = 120.0
 LIVE_STATES = ("running", "finished")  # a session that streams its tokens (to the end) where it is
 _PREFERENCE = {"running": 0, "finished": 1, "checkpointed": 2, "migrated": 3}
 _MAX_REMEMBERED = 65536
@@ -37,10 +36,7 @@ T = TypeVar("T")
 
 
 def reattach_wait_s() -> float:
-    try:
-        return max(0.0, float(os.environ.get("RELAYOUT_REATTACH_WAIT_S", DEFAULT_REATTACH_WAIT_S)))
-    except ValueError:
-        return DEFAULT_REATTACH_WAIT_S
+    return settings().reattach_wait_s
 
 
 class Upstreams:

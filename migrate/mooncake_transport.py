@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import mmap
-import os
 import socket
 import threading
 import time
@@ -36,6 +35,7 @@ from fastapi import APIRouter, Request
 from relayout.engine.web import URL_RE, HTTPError, bearer_headers, check_id, error_message, tls_context
 from relayout.migrate.transfers import RoundCut
 from relayout.migrate.transport import PushFailed
+from relayout.storage.settings import settings
 
 MOONCAKE_PATH = "/v1/sessions/import/mooncake"
 SLOTS = 4  # ring slots: the source fills and writes one while the target imports another
@@ -51,14 +51,13 @@ Classify = Callable[[BaseException], tuple[int, str]]
 
 def ring_bytes() -> int:
     """RELAYOUT_MOONCAKE_BUFFER_MB (default 64, 1–1024): the receive ring of one round."""
-    mb = os.environ.get("RELAYOUT_MOONCAKE_BUFFER_MB", "64")
-    return max(1, min(1024, int(mb) if mb.isdigit() else 64)) << 20
+    return settings().mooncake_buffer_mb << 20
 
 
 def unavailable() -> str | None:
     """Why Mooncake cannot be used in this process, or None when it can."""
-    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
-        return f"disabled on this replica ({DISABLE_ENV}={os.environ[DISABLE_ENV]})"
+    if settings().mooncake_disabled:
+        return f"disabled on this replica ({DISABLE_ENV})"
     try:
         from mooncake.engine import TransferEngine  # noqa: F401
     except ModuleNotFoundError:
@@ -90,7 +89,7 @@ class _Engine:
                 from mooncake.engine import TransferEngine
 
                 e = TransferEngine()
-                host = os.environ.get("RELAYOUT_MOONCAKE_HOST") or host
+                host = settings().mooncake_host or host
                 _check(e.initialize(host, "P2PHANDSHAKE", "tcp", ""), "initialize")
                 self.engine, self.session = e, f"{host}:{e.get_rpc_port()}"
             return self.engine, self.session

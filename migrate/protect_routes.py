@@ -6,7 +6,6 @@ when it has one (RELAYOUT_TOKEN)."""
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import AsyncIterator
 
@@ -29,6 +28,7 @@ from relayout.engine.web import (
 from relayout.migrate.engine_ops import EngineThreadOps, import_limits
 from relayout.migrate.replication import ProtectConfig, Replicator, engine_progress
 from relayout.migrate.standby import ProtectionError, StandbyTable
+from relayout.storage.settings import settings
 
 
 class ProtectBody(BaseModel):
@@ -94,7 +94,7 @@ def install_protect_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
     # RELAYOUT_STANDBY_AUTOPROMOTE=0: this replica promotes only when asked (its agent's health check
     # of the source, a gateway, a client), never on its own when a lease lapses
     standby = StandbyTable(aengine.call, source_answer(token), frame_limit=frame_limit, round_limit=import_limit,
-                           autopromote=os.environ.get("RELAYOUT_STANDBY_AUTOPROMOTE", "1") != "0")
+                           autopromote=settings().standby_autopromote)
     app.state.protection = None
     app.state.standby = standby
     ended: dict[str, str] = {}  # protections this replica was the source of: id -> stopped | lost

@@ -10,7 +10,6 @@ replica's bearer token when it has one (RELAYOUT_TOKEN)."""
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -64,6 +63,7 @@ from relayout.migrate.transport import (
 )
 from relayout.storage.checkpoint import CheckpointReader, CheckpointWriter
 from relayout.storage.errors import StorageError
+from relayout.storage.settings import settings
 from relayout.storage.stores import open_store
 from starlette.requests import ClientDisconnect
 
@@ -80,10 +80,8 @@ def split_checkpoint_uri(uri: str) -> tuple[str, str]:
 
 
 def allowed_roots() -> list[Path]:
-    roots = os.environ.get("RELAYOUT_FILE_ROOTS")
-    if roots:
-        return [Path(r).resolve() for r in roots.split(os.pathsep) if r]
-    return [Path(os.environ.get("RELAYOUT_DATA_DIR", Path.home() / ".relayout")).resolve()]
+    st = settings()
+    return [r.resolve() for r in st.file_root_list()] or [st.data_dir.resolve()]
 
 
 def _open_store(uri: str):
@@ -183,7 +181,7 @@ def install_replica_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
     http_transport = HttpTransport(token)
     transports: dict[str, Transport] = {"http": http_transport, "tcp": TcpTransport(token, http_transport, PushFailed),
                                         "mooncake": MooncakeTransport(token, http_transport)}
-    transport = transports.get(os.environ.get("RELAYOUT_TRANSPORT", "tcp"), http_transport)
+    transport = transports[settings().transport]
     link = FrameLinkServer(token, table.import_round, _classify, lambda tid: check_id(tid, "transfer id"), RoundCut)
 
     @r.post("/v1/sessions/checkpoint")

@@ -9,7 +9,6 @@ Once listening it prints `relayout serving MODEL on http://HOST:PORT`."""
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 import signal
 import sys
@@ -22,6 +21,7 @@ from relayout.engine.workers import RankPlacement
 from relayout.migrate.protect_routes import install_protect_routes
 from relayout.migrate.replica_routes import install_replica_routes
 from relayout.storage.chunks import one_malloc_arena
+from relayout.storage.settings import settings
 
 
 def create_replica_app(aengine: AsyncEngine, model_name: str, api_keys: list[str] | None = None) -> FastAPI:
@@ -50,7 +50,7 @@ def rank_placement(local_ranks: list[int] | None, rank_endpoint: str | None) -> 
         return None
     split_hostport(rank_endpoint or "127.0.0.1:0")
     return RankPlacement(local_ranks=local_ranks, endpoint=rank_endpoint or "127.0.0.1:0",
-                         token=os.environ.get("RELAYOUT_TOKEN"))
+                         token=settings().token)
 
 
 def serve(model: str = "builtin:tiny", layout: str | None = None, host: str = "127.0.0.1", port: int = 8000,
@@ -108,7 +108,12 @@ def main(argv: list[str] | None = None) -> None:
     from relayout.engine.vllm_server import VllmUnavailable
     from relayout.engine.weights import ModelNotFoundError
     from relayout.engine.workers import RankFailure
+    from relayout.storage.settings import SettingsError, check_settings
 
+    try:
+        check_settings()  # every RELAYOUT_* variable, before anything starts
+    except SettingsError as e:
+        raise SystemExit(f"error: {e}") from None
     ap = argparse.ArgumentParser(prog="python -m relayout.migrate.serve", description=__doc__.splitlines()[0])
     ap.add_argument("--engine", choices=["builtin", "vllm"], default="builtin",
                     help="builtin (relayout's reference engine) or vllm (the installed stock vLLM server)")

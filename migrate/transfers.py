@@ -15,7 +15,6 @@ for 10 ttl -> drop."""
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -27,6 +26,7 @@ from relayout.migrate.frame_sink import FrameSink
 from relayout.migrate.received import ReadInto, ReceivedChunks, receive_round_bytes
 from relayout.storage.checkpoint import CheckpointWriter
 from relayout.storage.manifest import KVGeometry, Manifest, ModelRef
+from relayout.storage.settings import settings
 from relayout.storage.stream import LimitExceeded, StreamReceiver, encode_abort_frame
 
 MAX_TRANSFERS = 64  # incoming transfers in flight at once
@@ -40,10 +40,7 @@ AskSource = Callable[[str, str], Awaitable[str | None]]
 
 def transfer_ttl() -> float:
     """Seconds a live transfer may sit idle before the replica decides it alone (its migrator is gone)."""
-    try:
-        return max(0.5, float(os.environ.get("RELAYOUT_TRANSFER_TTL_S", "60")))
-    except ValueError:
-        return 60.0
+    return settings().transfer_ttl_s
 
 
 # ---- refusals (the routes map each to its HTTP status) ---------------------------------------------

@@ -25,6 +25,7 @@ import httpx
 from relayout.engine.tracing import async_inject_hooks
 from relayout.engine.web import bearer_headers, error_message, tls_context
 from relayout.storage.chunks import work_inline
+from relayout.storage.settings import settings
 
 IMPORT_PATH = "/v1/sessions/import"
 T = TypeVar("T")
@@ -84,10 +85,7 @@ class HttpTransport:
 
 def precopy_mbps() -> float | None:
     """RELAYOUT_PRECOPY_MBPS: the pre-copy budget in MB/s (unset or 0: unthrottled)."""
-    try:
-        v = float(os.environ.get("RELAYOUT_PRECOPY_MBPS", "0"))
-    except ValueError:
-        return None
+    v = settings().precopy_mbps
     return v if v > 0 else None
 
 
@@ -96,13 +94,7 @@ def precopy_nice() -> int | str:
     (default 10: under contention the kernel gives them about a tenth of what a decoding thread
     gets; 0: the same as decoding), or `idle` (Linux SCHED_IDLE: they run only on cycles nothing
     else wants, so pre-copy may take much longer on a busy box)."""
-    v = os.environ.get("RELAYOUT_PRECOPY_NICE", "10").strip().lower()
-    if v == "idle":
-        return "idle"
-    try:
-        return max(0, min(19, int(v)))
-    except ValueError:
-        return 10
+    return settings().precopy_nice
 
 
 def background_thread(nice: int | str | None = None) -> None:

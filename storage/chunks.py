@@ -20,7 +20,6 @@ import ctypes
 import functools
 import json
 import math
-import os
 import threading
 import warnings
 from collections.abc import Callable, Iterable
@@ -32,6 +31,7 @@ import xxhash
 from relayout.storage.codecs import decode, encode, new_buffer
 from relayout.storage.errors import CorruptCheckpoint
 from relayout.storage.manifest import FORMAT_VERSION, ChunkRef
+from relayout.storage.settings import settings
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
@@ -113,9 +113,10 @@ _ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"
 # or sent, freed in one burst. glibc hands freed memory above 64 MiB straight back to the kernel,
 # so every snapshot page-faults all of its buffers in anew: ~1 GB/s on a VM, about a tenth of a
 # memcpy into memory the process already holds. keep_freed_memory lets malloc keep that much.
-# the most freed memory a snapshot asks malloc to keep for the next one (0: leave malloc alone);
-# mallopt takes an int: at most 2 GiB - 1
-KEEP_FREED_MAX = min(int(os.environ.get("RELAYOUT_SNAPSHOT_KEEP_MB", 2047)) << 20, 2**31 - 1)
+
+def keep_freed_max() -> int:  # RELAYOUT_SNAPSHOT_KEEP_MB (0: leave malloc alone); mallopt takes an int
+    return min(settings().snapshot_keep_mb << 20, 2**31 - 1)
+
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
 _MMAP_THRESHOLD = 32 << 20  # glibc's own ceiling for its adaptive threshold: chunks come from the heap
 try:
@@ -128,13 +129,13 @@ _kept_lock = threading.Lock()
 
 
 def keep_freed_memory(nbytes: int) -> int:
-    """Let this process's malloc keep up to `nbytes` (at most KEEP_FREED_MAX) of freed memory for
+    """Let this process's malloc keep up to `nbytes` (at most keep_freed_max()) of freed memory for
     reuse rather than return it to the kernel at once; never lowers an earlier setting. Process-wide
     (glibc mallopt); a no-op elsewhere. Returns the amount now kept."""
     global _kept
     # headroom: glibc gives back ALL of a free top chunk once it exceeds the threshold, and a
     # snapshot's freed buffers plus their headers (and whatever else was freed) exceed `nbytes`
-    want = min(int(nbytes) + int(nbytes) // 8 + (8 << 20), KEEP_FREED_MAX)
+    want = min(int(nbytes) + int(nbytes) // 8 + (8 << 20), keep_freed_max())
     with _kept_lock:
         if _mallopt is not None and want > _kept:
             if _mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD) == 1 and _mallopt(_M_TRIM_THRESHOLD, want) == 1:
@@ -153,7 +154,7 @@ def one_malloc_arena() -> bool:
     anew (measured on this project's 2-core VM: 65,856 faults and 0.9-1.4 s more for a 256 MiB
     cold round, which took 0.3-0.5 s with the pages kept). The main heap honours the threshold. The
     cost, one lock for every thread's malloc, does not show in decode steps: big tensors are few."""
-    if _mallopt is None or KEEP_FREED_MAX <= 0:
+    if _mallopt is None or keep_freed_max() <= 0:
         return False
     return _mallopt(_M_ARENA_MAX, 1) == 1
 

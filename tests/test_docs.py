@@ -73,3 +73,22 @@ def test_the_checks_catch_what_they_look_for(tmp_path):
     page = tmp_path / "page.md"
     page.write_text('[a](x.md) [b](https://e.org/y) [c](#z) ![d](img/e.png "t")\n```\n[e](f.md)\n```\n')
     assert _links(page) == ["x.md", "https://e.org/y", "#z", "img/e.png"]
+
+
+def test_environment_table_is_generated_from_the_settings():
+    """docs/cli.md lists every RELAYOUT_* variable exactly as relayout.storage.settings declares it, and
+    the code reads no RELAYOUT_* variable the settings do not declare."""
+    import re
+
+    from relayout.storage.settings import Settings, settings_table
+
+    docs = (ROOT / "docs" / "cli.md").read_text()
+    assert settings_table() in docs
+    declared = {f"RELAYOUT_{n.upper()}" for n in Settings.model_fields}
+    read = set()
+    for pkg in ("engine", "migrate", "agent", "storage"):
+        for f in (ROOT / pkg).rglob("*.py"):
+            read |= set(re.findall(r"environ(?:\.get)?[\[(]\s*\"(RELAYOUT_[A-Z0-9_]+)", f.read_text()))
+    assert not read, f"read straight from the environment, not through relayout.storage.settings: {read}"
+    documented = set(re.findall(r"`(RELAYOUT_[A-Z0-9_]+)`", docs))
+    assert documented <= declared | {"RELAYOUT_TOKEN"}, documented - declared

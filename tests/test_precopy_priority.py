@@ -8,6 +8,7 @@ import threading
 
 import pytest
 from relayout.migrate.transport import background_thread, precopy_nice
+from relayout.storage.settings import SettingsError
 
 
 def _in_worker(monkeypatch: pytest.MonkeyPatch, value: str) -> tuple[int, int]:
@@ -34,8 +35,11 @@ def test_nice_and_idle_lower_only_the_worker(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_precopy_nice_parses(monkeypatch: pytest.MonkeyPatch) -> None:
-    for raw, want in (("idle", "idle"), (" IDLE ", "idle"), ("0", 0), ("25", 19), ("-3", 0), ("x", 10)):
+    for raw, want in (("idle", "idle"), (" IDLE ", "idle"), ("0", 0), ("25", 19), ("-3", 0)):
         monkeypatch.setenv("RELAYOUT_PRECOPY_NICE", raw)
         assert precopy_nice() == want, raw
+    monkeypatch.setenv("RELAYOUT_PRECOPY_NICE", "x")  # refused, naming the variable (entry points check at start)
+    with pytest.raises(SettingsError, match="RELAYOUT_PRECOPY_NICE"):
+        precopy_nice()
     monkeypatch.delenv("RELAYOUT_PRECOPY_NICE")
     assert precopy_nice() == 10
