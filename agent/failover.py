@@ -18,6 +18,7 @@ import time
 import httpx
 from relayout.agent.node import Agent
 from relayout.engine import web
+from relayout.migrate.protocol import LIVE_PROTECTION
 from relayout.storage.settings import settings
 
 MISSED_CHECKS = 2  # unanswered health checks in a row that count as a failure of a live process
@@ -79,7 +80,7 @@ class HealthCheck:
         if resp.status_code == 200:
             try:
                 body = resp.json()
-                if body.get("state") in ("active", "fenced"):
+                if body.get("state") in LIVE_PROTECTION:
                     prot = {"id": body["protection"], "standby": body["standby"]}
             except (ValueError, KeyError, AttributeError):
                 prot = None

@@ -15,7 +15,7 @@ RELAYOUT_TRANSFER_TTL_S, after which a late release is refused; the target frees
 reservations after that long, and a target holding placed sessions asks the source how the
 transfer ended (released → it resumes them, otherwise it drops them).
 
-`on_phase(name)` is called at each phase boundary: "pre-copy:K" before pre-copy round K,
+`on_phase(name)` is called at each phase boundary (migrate.protocol.Phase): "pre-copy:K" before pre-copy round K,
 "stop-and-copy" before the final round, "prepared" once the target holds the sessions
 (before the commit), "committed" once the source released them, "done".
 """
@@ -32,6 +32,7 @@ import httpx
 from relayout.engine.tracing import inject_hooks
 from relayout.engine.web import bearer_headers, check_response, tls_context
 from relayout.migrate.observe import phase_boundary, round_bytes, traced_migration
+from relayout.migrate.protocol import IncomingState, Phase
 
 PRECOPY_ROUND_BYTES = 256 << 20  # a pre-copy round's KV over all its sessions (the target stages about a round)
 # pre-copy is caught up once a round moves at most this: the stop-and-copy round then carries about
@@ -80,7 +81,7 @@ class MigrationResult:
     bytes_total: int = 0
     stall_ms: float = 0.0  # the sessions' pause: from the source's hold to the target's resume
     retries: int = 0  # pre-copy rounds resumed after a network error
-    phase: str = "done"
+    phase: str = str(Phase.DONE)
 
 
 Progress = Callable[[str, int], None]  # (phase, bytes so far)
@@ -142,7 +143,7 @@ def _precopy_round(client: httpx.Client, src: str, dst: str, t: str, ids: list[s
             time.sleep(0.2 * (attempt + 1))
             # what the target kept of the cut round (hash-verified chunks): resume after them
             st = check_response(client.get(f"{dst}/v1/sessions/transfers/{t}", headers=bearer_headers(token)), "target state")
-            if st.get("incoming") != "receiving":
+            if st.get("incoming") != IncomingState.RECEIVING:
                 raise
             have = list(st.get("chunks") or [])
             res.retries += 1
@@ -186,13 +187,14 @@ def migrate_live(source_url: str, target_url: str, sessions: list[str] | None = 
     src, dst = source_url.rstrip("/"), target_url.rstrip("/")
     res = MigrationResult(transfer_id=f"mig-{uuid.uuid4().hex[:16]}")
     t = res.transfer_id
-    phase = "pre-copy"
+    phase: str = Phase.PRE_COPY
     paused: list[str] = []
     committed = False
     back = source_for_target or src
     push_to = (target_for_source or dst).rstrip("/")
 
     def at(name: str) -> None:
+        name = str(name)  # a Phase is its wire string; spans and callers get plain str
         phase_boundary(name)
         if on_phase:
             on_phase(name)
@@ -208,7 +210,7 @@ def migrate_live(source_url: str, target_url: str, sessions: list[str] | None = 
                 precopy_slice_tokens = round_slice_tokens(precopy_round_bytes, rep.get("kv_bytes_per_token"), len(ids))
             if mode == "live":
                 for i in range(max_rounds):
-                    at(f"pre-copy:{i}")
+                    at(f"{Phase.PRE_COPY}:{i}")
                     t0 = time.perf_counter()
                     # bounded slices per round: the source's decoding never waits on a long copy
                     _, n, _ = _precopy_round(client, src, dst, t, ids, codec, token, back, precopy_slice_tokens,
@@ -220,7 +222,7 @@ def migrate_live(source_url: str, target_url: str, sessions: list[str] | None = 
                         progress(phase, res.bytes_total)
                     if n <= small_bytes or not ids:
                         break
-            phase = "stop-and-copy"
+            phase = Phase.STOP_AND_COPY
             at(phase)
             t_hold = time.perf_counter()
             paused = list(ids)
@@ -239,14 +241,14 @@ def migrate_live(source_url: str, target_url: str, sessions: list[str] | None = 
             # the target must still hold them right before the commit (narrows the window in which
             # a target that died after its acknowledgement would take the sessions with it)
             st = check_response(client.get(f"{dst}/v1/sessions/transfers/{t}", headers=bearer_headers(token)), "target check")
-            if st.get("incoming") != "placed" or sorted(st.get("placed", [])) != sorted(res.sessions):
+            if st.get("incoming") != IncomingState.PLACED or sorted(st.get("placed", [])) != sorted(res.sessions):
                 raise RuntimeError(f"target no longer holds the transfer ({st.get('incoming')})")
-            at("prepared")
+            at(Phase.PREPARED)
             check_response(client.post(f"{src}/v1/sessions/release",
                                json={"sessions": res.sessions, "migrated_to": push_to, "transfer": t},
                                headers=bearer_headers(token)), "source release")
             committed = True
-            at("committed")
+            at(Phase.COMMITTED)
             _commit_target(client, dst, t, token)
             res.stall_ms = (time.perf_counter() - t_hold) * 1000
             try:  # tidy-up only: the source already forgot the transfer when it released it
@@ -254,8 +256,8 @@ def migrate_live(source_url: str, target_url: str, sessions: list[str] | None = 
             except httpx.HTTPError:
                 pass  # e.g. the source died right after the commit; the sessions run on the target
             if progress:
-                progress("done", res.bytes_total)
-            at("done")
+                progress(str(Phase.DONE), res.bytes_total)
+            at(Phase.DONE)
             return res
         except Exception as e:
             if committed:

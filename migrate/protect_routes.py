@@ -26,6 +26,7 @@ from relayout.engine.web import (
     tls_context,
 )
 from relayout.migrate.engine_ops import EngineThreadOps, import_limits
+from relayout.migrate.protocol import LIVE_PROTECTION
 from relayout.migrate.replication import ProtectConfig, Replicator, engine_progress
 from relayout.migrate.standby import ProtectionError, StandbyTable
 from relayout.storage.settings import settings
@@ -111,7 +112,7 @@ def install_protect_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
     @r.post("/v1/protection")
     async def protect(body: ProtectBody, request: Request):
         rep = app.state.protection
-        if rep is not None and rep.state in ("active", "fenced"):
+        if rep is not None and rep.state in LIVE_PROTECTION:
             raise HTTPError(409, f"this replica is already protected by {rep.cfg.standby} ({rep.pid})")
         source = _url(body.source_url or str(request.base_url), "source_url")
         cfg = ProtectConfig(_url(body.standby, "standby"), source, body.every_tokens, body.every_ms, body.lease_s,

@@ -25,6 +25,7 @@ from relayout.engine.tracing import span
 from relayout.engine.web import bearer_headers, error_message, tls_context
 from relayout.migrate.engine_ops import EngineThreadOps
 from relayout.migrate.frame_sink import FrameSink
+from relayout.migrate.protocol import LIVE_PROTECTION, ProtectionState
 from relayout.migrate.transfers import Cut
 from relayout.storage.checkpoint import CheckpointWriter
 from relayout.storage.manifest import Manifest
@@ -60,7 +61,7 @@ class Replicator:
     progress: Callable[[], dict[str, int]]  # live session -> tokens now (read without the engine thread)
     token: str | None = None
     clock: Callable[[], float] = time.monotonic
-    state: str = "active"  # active | fenced | lost (the standby promoted) | stopped
+    state: ProtectionState = ProtectionState.ACTIVE  # migrate.protocol: active | fenced | lost | stopped
     synced: dict[str, SyncedSession] = field(default_factory=dict)
     rounds: int = 0
     round_bytes: int = 0
@@ -86,9 +87,9 @@ class Replicator:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self.state == "lost":
-            return {"protection": self.pid, "state": "lost"}
-        self.state = "stopped"
+        if self.state == ProtectionState.LOST:
+            return {"protection": self.pid, "state": ProtectionState.LOST}
+        self.state = ProtectionState.STOPPED
         standby_state = None
         try:
             async with httpx.AsyncClient(verify=tls_context(), timeout=5.0) as c:
@@ -129,7 +130,7 @@ class Replicator:
     async def _rounds(self) -> None:
         limits = httpx.Timeout(60.0, connect=max(0.2, self.cfg.lease_s / 2))
         async with httpx.AsyncClient(verify=tls_context(), timeout=limits) as client:
-            while self.state in ("active", "fenced"):
+            while self.state in LIVE_PROTECTION:
                 while not self._due():
                     await asyncio.sleep(WATCH_S / 2)
                 self.last_round_at = self.clock()
@@ -167,8 +168,8 @@ class Replicator:
             sp.set_attribute("relayout.bytes", sum(len(f) for f in frames))
             self.synced = {e.session_id: SyncedSession(e.num_kv_tokens, len(e.state["prompt_token_ids"])
                                                        + len(e.state["output_token_ids"])) for e in manifest.sessions}
-            if self.state == "fenced":
-                fenced, self.fenced, self.state = self.fenced, [], "active"
+            if self.state == ProtectionState.FENCED:
+                fenced, self.fenced, self.state = self.fenced, [], ProtectionState.ACTIVE
                 await self.ops.resume(fenced)
 
     def _frames(self, cut: Cut, sent: dict[str, int], rnd: int) -> tuple[Manifest, list[bytes]]:
@@ -187,8 +188,8 @@ class Replicator:
 
     # ---- the lease ----------------------------------------------------------------------------------
     async def _watch_lease(self) -> None:
-        while self.state in ("active", "fenced"):
-            if self.state == "active" and self.clock() > self.lease_until:
+        while self.state in LIVE_PROTECTION:
+            if self.state == ProtectionState.ACTIVE and self.clock() > self.lease_until:
                 await self._fence()
             await asyncio.sleep(WATCH_S)
 
@@ -205,12 +206,12 @@ class Replicator:
             # paused first, then reported: whoever sees "fenced" sees them stopped (a round that renews
             # the lease meanwhile leaves them paused until the next one resumes them)
             self.fenced = await self.ops.call(pause)
-            self.state = "fenced"
+            self.state = ProtectionState.FENCED
 
     async def _lose(self) -> None:
         """The standby promoted: the sessions it holds are its own now; free them here."""
         with span("protection-lost", protection=self.pid):
-            self.state = "lost"
+            self.state = ProtectionState.LOST
             ids = list(dict.fromkeys(self.fenced + list(self.synced)))
             self.fenced = []
             await self.ops.release(ids, self.cfg.standby)

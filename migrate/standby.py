@@ -22,6 +22,7 @@ from relayout.engine.sampling import advance_rng
 from relayout.engine.session import SessionState, SessionStatus
 from relayout.engine.tracing import span
 from relayout.migrate.engine_ops import EngineCall
+from relayout.migrate.protocol import ProtectionState
 from relayout.storage.manifest import ChunkRef, Manifest
 from relayout.storage.stores import MemoryStore
 from relayout.storage.stream import StreamReceiver
@@ -257,7 +258,7 @@ class StandbyTable:
         if answer == "stopped":
             await self.drop(pid)
             raise Dropped(f"protection {pid} was stopped on its source")
-        if answer == "active":
+        if answer == ProtectionState.ACTIVE:
             raise NotLapsed(f"protection {pid}: the source answers that it still serves the sessions")
         async with h.lock:
             if h.state == "promoted":

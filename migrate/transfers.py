@@ -5,12 +5,11 @@ commit and the sweeper that decides alone once the migrator is gone.
 No HTTP here: `TransferTable` is driven by migrate.replica_routes (or a test), reaches the engine
 through `EngineOps` and the source through `AskSource`: every transition runs in one process.
 
-Leases: a transfer idle for `ttl` seconds is ended by the sweeper. The source resumes what it
-paused (a late release is refused from then on); the target frees reservations of a transfer
-still receiving, and for one whose final round placed sessions (in doubt) waits one more ttl
-(by then the source has released or resumed them), then asks the source how it ended:
-released (or unknown: the source restarted) -> commit, aborted/expired -> drop; no answer
-for 10 ttl -> drop."""
+Its states, their moves and its refusals are migrate.protocol's. Leases: a transfer idle for `ttl` seconds
+is ended by the sweeper. The source resumes what it paused (a late release is refused from then on);
+the target frees reservations of a transfer still receiving, and for one whose final round placed
+sessions (in doubt) waits one more ttl, then asks the source how it ended: released (or unknown:
+the source restarted) -> commit, aborted/expired -> drop; no answer for 10 ttl -> drop."""
 
 from __future__ import annotations
 
@@ -23,6 +22,18 @@ from typing import Protocol
 
 from relayout.engine.snapshot import SessionSnapshot, write_snapshot_steps
 from relayout.migrate.frame_sink import FrameSink
+from relayout.migrate.protocol import (  # noqa: F401 - the refusals are re-exported: the routes map each to a status
+    ImportTooLarge,
+    IncomingState,
+    OutgoingState,
+    RoundCut,
+    TooManyTransfers,
+    TransferConflict,
+    TransferError,
+    UnknownSession,
+    UnknownTransfer,
+    check_transition,
+)
 from relayout.migrate.received import ReadInto, ReceivedChunks, receive_round_bytes
 from relayout.storage.checkpoint import CheckpointWriter
 from relayout.storage.manifest import KVGeometry, Manifest, ModelRef
@@ -41,35 +52,6 @@ AskSource = Callable[[str, str], Awaitable[str | None]]
 def transfer_ttl() -> float:
     """Seconds a live transfer may sit idle before the replica decides it alone (its migrator is gone)."""
     return settings().transfer_ttl_s
-
-
-# ---- refusals (the routes map each to its HTTP status) ---------------------------------------------
-class TransferError(Exception):
-    """A request the protocol refuses; nothing changed."""
-
-
-class TransferConflict(TransferError):
-    """The transfer is in the wrong state for this (ended, final round already run, busy)."""
-
-
-class UnknownTransfer(TransferError):
-    """No such transfer here, now or in the recent past."""
-
-
-class UnknownSession(TransferError):
-    """A session named in the request is not on this replica."""
-
-
-class TooManyTransfers(TransferError):
-    """MAX_TRANSFERS incoming transfers are already in flight."""
-
-
-class ImportTooLarge(TransferError):
-    """A round declares or sends more than this replica could ever hold."""
-
-
-class RoundCut(Exception):
-    """The sender of an import round went away mid-stream (raised by the round's byte source)."""
 
 
 # ---- the records --------------------------------------------------------------------------------
@@ -106,11 +88,15 @@ class Outgoing:
     target_holds: set[str] = field(default_factory=set)
     rounds: int = 0
     paused: list[str] = field(default_factory=list)  # held by the final round, until release or resume
+    final: bool = False  # the final round was cut (it may have held no session: all had finished)
     pushing: asyncio.Future | None = None  # the round being sent to the target (push mode), if any
     epoch: int = 0  # bumped by every export: a round framed under an older epoch is stale
     framed: SentRound | None = None  # push mode: the round framed, counted as sent once delivered
-    # the last round's sessions asked for but not in it, with why: the migrator's result names all
-    not_moved: dict[str, str] = field(default_factory=dict)
+    not_moved: dict[str, str] = field(default_factory=dict)  # last round: asked for, not in it, and why
+
+    @property
+    def state(self) -> OutgoingState:  # protocol_states: active -> paused (final round cut) -> ended
+        return OutgoingState.PAUSED if self.final else OutgoingState.ACTIVE
 
     def mark_sent(self, r: SentRound | None) -> None:
         if r is self.framed:
@@ -135,6 +121,10 @@ class Incoming:
     staged: int = 0  # bytes received, all rounds together
     final: bool = False  # the final round placed the sessions: held until commit
     first_doubt: float | None = None
+
+    @property
+    def state(self) -> IncomingState:
+        return IncomingState.PLACED if self.final else IncomingState.RECEIVING
 
 
 class EngineOps(Protocol):
@@ -168,8 +158,8 @@ class TransferTable:
         self.max_transfers, self.autosweep = max_transfers, autosweep
         self.outgoing: dict[str, Outgoing] = {}
         self.incoming: dict[str, Incoming] = {}
-        self.out_done: OrderedDict[str, str] = OrderedDict()  # transfer -> released | aborted | expired
-        self.in_done: OrderedDict[str, str] = OrderedDict()  # transfer -> committed | aborted | expired
+        self.out_done: OrderedDict[str, OutgoingState] = OrderedDict()  # transfer -> how it ended (ENDED_OUTGOING)
+        self.in_done: OrderedDict[str, IncomingState] = OrderedDict()  # transfer -> how it ended (ENDED_INCOMING)
         self._sweeper: asyncio.Task | None = None
 
     # ---- what the replica reports -------------------------------------------------------------------
@@ -184,8 +174,8 @@ class TransferTable:
         incoming receiving|placed|committed|aborted|expired (None: unknown here)."""
         o, i = self.outgoing.get(tid), self.incoming.get(tid)
         return {"transfer": tid,
-                "outgoing": ("paused" if o.paused else "active") if o else self.out_done.get(tid),
-                "incoming": ("placed" if i.final else "receiving") if i else self.in_done.get(tid),
+                "outgoing": o.state if o else self.out_done.get(tid),
+                "incoming": i.state if i else self.in_done.get(tid),
                 "placed": list(i.placed) if i else [],
                 # chunks held (verified), so an interrupted round resumes after them
                 "chunks": sorted(i.store.chunk_hashes()) if i else []}  # type: ignore[attr-defined]
@@ -206,7 +196,7 @@ class TransferTable:
                                        "one outgoing migration at a time")
             o = self.outgoing[tid] = Outgoing(tid, self.clock())
             self._ensure_sweeper()
-        if o.paused:
+        if o.final:
             raise TransferConflict(f"transfer {tid} already ran its final round")
         o.last = self.clock()
         o.epoch += 1  # any round still being framed is superseded by this one
@@ -223,7 +213,8 @@ class TransferTable:
         if self.outgoing.get(tid) is not o:  # expired or aborted meanwhile: give them back
             await self._resume(cut.paused)
             raise TransferConflict(f"transfer {tid} ended while its round was cut")
-        o.paused, o.rounds, carried = cut.paused, o.rounds + 1, {snap.state.session_id for snap in cut.snaps}
+        o.paused, o.final, o.rounds = cut.paused, o.final or pause, o.rounds + 1
+        carried = {snap.state.session_id for snap in cut.snaps}
         o.not_moved = {**{sid: "finished on the source before this round" for sid in sessions or []
                           if sid not in carried}, **cut.not_moved}
         return self._frames(o, cut, sent, codec, pause, epoch, confirm_on_delivery)
@@ -278,16 +269,18 @@ class TransferTable:
             if tid not in self.outgoing:
                 raise TransferConflict(f"transfer {tid} is {self.out_done.get(tid, 'unknown')} on the source: "
                                        "not released, the sessions stay here")
-            self.outgoing.pop(tid)  # no await since the check: the sweeper cannot expire it in between
-            self._remember(self.out_done, tid, "released")
+            if not self.outgoing[tid].final:  # a migrator's mistake: the sessions were never held
+                raise TransferConflict(f"transfer {tid} has not run its final round: not released")
+            o = self.outgoing.pop(tid)  # no await since the check: the sweeper cannot expire it in between
+            self._remember(self.out_done, tid, check_transition(o.state, OutgoingState.RELEASED))
         await self.ops.release(session_ids, migrated_to)
 
-    async def end_outgoing(self, tid: str, state: str) -> None:
+    async def end_outgoing(self, tid: str, state: OutgoingState) -> None:
         """Source: forget the transfer; sessions it paused and nobody released run here again."""
         o = self.outgoing.pop(tid, None)
         if o is None:
             return
-        self._remember(self.out_done, tid, state)
+        self._remember(self.out_done, tid, check_transition(o.state, state))
         if o.pushing is not None:  # its round is no longer wanted by anyone
             o.pushing.cancel()
         await self._resume(o.paused)
@@ -331,12 +324,12 @@ class TransferTable:
             i.store.forget_imported(manifest, i.upto, recv.bytes_received)
         except RoundCut:
             if final:
-                await asyncio.shield(self.drop_incoming(tid, "aborted"))
+                await asyncio.shield(self.drop_incoming(tid, IncomingState.ABORTED))
             i.last = self.clock()
             raise
         except BaseException:
             # a garbled or refused round: nothing stays reserved for it
-            await asyncio.shield(self.drop_incoming(tid, "aborted"))
+            await asyncio.shield(self.drop_incoming(tid, IncomingState.ABORTED))
             raise
         i.last = self.clock()
         if final:
@@ -348,8 +341,8 @@ class TransferTable:
         """Target, the second phase: the source has released the sessions; they run here from now
         on. Idempotent: a repeated commit answers `already: committed`."""
         if tid not in self.incoming:
-            if self.in_done.get(tid) == "committed":
-                return {"sessions": [], "already": "committed"}
+            if self.in_done.get(tid) == IncomingState.COMMITTED:
+                return {"sessions": [], "already": IncomingState.COMMITTED}
             if tid in self.in_done:
                 raise TransferConflict(f"no incoming transfer {tid!r} ({self.in_done[tid]})")
             raise UnknownTransfer(f"no incoming transfer {tid!r}")
@@ -359,15 +352,15 @@ class TransferTable:
 
     async def _commit_now(self, tid: str) -> list[str]:
         i = self.incoming.pop(tid)
-        self._remember(self.in_done, tid, "committed")
+        self._remember(self.in_done, tid, check_transition(i.state, IncomingState.COMMITTED))
         return await self.ops.commit(i)
 
-    async def drop_incoming(self, tid: str, state: str) -> None:
+    async def drop_incoming(self, tid: str, state: IncomingState) -> None:
         """Target: free the reservations and uncommitted sessions of a transfer."""
         i = self.incoming.pop(tid, None)
         if i is None:
             return
-        self._remember(self.in_done, tid, state)
+        self._remember(self.in_done, tid, check_transition(i.state, state))
         try:
             await self.ops.abort(i)
         except Exception:  # noqa: BLE001 - a dead engine holds nothing any more
@@ -377,8 +370,8 @@ class TransferTable:
     async def abort(self, tid: str) -> None:
         """Forget the transfer: the source resumes what it paused and did not release, the target
         frees reservations and uncommitted sessions."""
-        await self.end_outgoing(tid, "aborted")
-        await self.drop_incoming(tid, "aborted")
+        await self.end_outgoing(tid, OutgoingState.ABORTED)
+        await self.drop_incoming(tid, IncomingState.ABORTED)
 
     # ---- the sweeper ---------------------------------------------------------------------------------
     async def sweep(self) -> None:
@@ -386,12 +379,12 @@ class TransferTable:
         now, ttl = self.clock(), self.ttl()
         for tid, o in list(self.outgoing.items()):
             if now - o.last > ttl:
-                await self.end_outgoing(tid, "expired")
+                await self.end_outgoing(tid, OutgoingState.EXPIRED)
         for tid, i in list(self.incoming.items()):
             if now - i.last <= ttl:
                 continue
             if not i.final:
-                await self.drop_incoming(tid, "expired")
+                await self.drop_incoming(tid, IncomingState.EXPIRED)
                 continue
             if now - i.last <= 2 * ttl:  # by then the source has either released or resumed them
                 continue
@@ -402,7 +395,7 @@ class TransferTable:
             if verdict == "commit":
                 await self._commit_now(tid)
             elif verdict == "abort" or now - i.first_doubt > DOUBT_GIVE_UP * ttl:
-                await self.drop_incoming(tid, "expired")
+                await self.drop_incoming(tid, IncomingState.EXPIRED)
 
     async def _ask(self, tid: str, i: Incoming) -> str | None:
         """In doubt (placed, no commit, the migrator gone): "commit", "abort", or None (no answer yet)."""
@@ -412,9 +405,9 @@ class TransferTable:
             state = await self.ask_source(i.source, tid)
         except Exception:  # noqa: BLE001 - unreachable, or not a replica: keep asking
             return None
-        if state == "released" or state is None:  # None: the source restarted; this copy is the only one
+        if state == OutgoingState.RELEASED or state is None:  # None: the source restarted; this copy is the only one
             return "commit"
-        if state in ("aborted", "expired"):
+        if state in (OutgoingState.ABORTED, OutgoingState.EXPIRED):
             return "abort"
         return None  # still active on the source
 
@@ -440,7 +433,7 @@ class TransferTable:
                 pass
 
     @staticmethod
-    def _remember(done: OrderedDict[str, str], tid: str, state: str) -> None:
+    def _remember(done: OrderedDict, tid: str, state: OutgoingState | IncomingState) -> None:
         done[tid] = state
         done.move_to_end(tid)
         while len(done) > DONE_KEEP:

@@ -404,3 +404,24 @@ def test_frame_sink_frames_what_the_plain_writer_writes(codec):
     recv = StreamReceiver(store)
     recv.feed(b"".join(frames))
     assert recv.close().checkpoint_id == "c1" and len(store.chunk_hashes()) == 3
+
+
+def test_protocol_states_are_their_wire_strings_and_moves_are_checked():
+    import json
+
+    from relayout.migrate.protocol import (
+        IllegalTransition,
+        IncomingState,
+        OutgoingState,
+        Phase,
+        check_transition,
+    )
+
+    assert json.dumps({"incoming": IncomingState.PLACED}) == '{"incoming": "placed"}'
+    assert f"{Phase.PRE_COPY}:3" == "pre-copy:3" and OutgoingState.RELEASED == "released"
+    assert check_transition(OutgoingState.PAUSED, OutgoingState.RELEASED) is OutgoingState.RELEASED
+    for old, new in ((OutgoingState.ACTIVE, OutgoingState.RELEASED),  # a release needs the final round first
+                     (OutgoingState.RELEASED, OutgoingState.ABORTED), (IncomingState.COMMITTED, IncomingState.EXPIRED),
+                     (IncomingState.RECEIVING, IncomingState.COMMITTED)):
+        with pytest.raises(IllegalTransition, match=f"{old} -> {new}"):
+            check_transition(old, new)
