@@ -240,8 +240,12 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
                 if bytes_done is not None:
                     op["bytes_done"] = bytes_done
 
+            from relayout.migrate.live import new_transfer_id
+
+            op["transfer"] = tid = new_transfer_id()  # the id both replicas know it by (their transfer state)
             res = await asyncio.to_thread(migrate_live, r["url"], tr["url"], sessions=body.sessions,
-                                          token=ag.token, mode=body.mode, progress=progress, transport=body.transport)
+                                          token=ag.token, mode=body.mode, progress=progress, transport=body.transport,
+                                          transfer_id=tid)
             ag.m.observe_migration(res)
             get = (lambda k, d=None: res.get(k, d)) if isinstance(res, dict) else (lambda k, d=None: getattr(res, k, d))
             op["stall_ms"] = get("stall_ms")

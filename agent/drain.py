@@ -20,14 +20,15 @@ async def drain_node(ag: Agent, op: dict, target: str, layouts: dict[str, str | 
     """Move every session of every replica on this node to new replicas of the same model on
     `target`, each with its own layout unless `layouts` plans another for it. Progress per replica is in op["result"] while it runs; a session that cannot be moved
     is listed in `sessions_not_moved` (the op then fails), never dropped silently."""
-    from relayout.migrate.live import MigrationError, migrate_live
+    from relayout.migrate.live import MigrationError, migrate_live, new_transfer_id
 
     res: dict[str, Any] = {"target_agent": target, "replicas": [], "sessions_moved": 0, "sessions_not_moved": []}
     op["result"] = res
     rids = [rid for rid in list(ag.reg.replicas) if ag.refresh(rid).get("status") == "running"]
     entries = {rid: {"replica": rid, "state": "pending", "target_replica": None, "target_url": None,
                      "sessions_moved": [], "sessions_finished_here": [], "sessions_not_moved": [], "error": None,
-                     "bytes_done": 0, "launch_s": None, "move_s": None, "sessions_at_start": None}
+                     "bytes_done": 0, "launch_s": None, "move_s": None, "sessions_at_start": None,
+                     "transfers": []}
                for rid in rids}
     live_at_start: dict[str, set[str]] = {rid: set() for rid in rids}
     res["replicas"] = list(entries.values())
@@ -93,9 +94,11 @@ async def drain_node(ag: Agent, op: dict, target: str, layouts: dict[str, str | 
                         e["bytes_done"] = _base + nbytes
                         op["bytes_done"] = sum(x["bytes_done"] for x in entries.values())
 
+                tid = new_transfer_id()
+                e["transfers"].append(tid)  # each migration's id, as both replicas know it
                 try:
                     mr = await asyncio.to_thread(migrate_live, src, e["target_url"], group, token=ag.token,
-                                                 mode="live", progress=progress)
+                                                 mode="live", progress=progress, transfer_id=tid)
                 except MigrationError as err:
                     if err.committed_sessions:  # failed after the commit: they live on the target now
                         e["sessions_moved"] += [s for s in err.committed_sessions if s not in e["sessions_moved"]]

@@ -55,11 +55,16 @@ def round_slice_tokens(round_bytes: int | None, bytes_per_token: int | None, ses
 
 
 class MigrationError(RuntimeError):
-    def __init__(self, phase: str, message: str, committed_sessions: list[str] | None = None):
+    def __init__(self, phase: str, message: str, committed_sessions: list[str] | None = None,
+                 transfer_id: str | None = None):
         super().__init__(f"migration failed during {phase}: {message}")
-        self.phase = phase
+        self.phase, self.transfer_id = str(phase), transfer_id  # the id the replicas know the transfer by
         # set when the failure came after the commit: these sessions belong to the target now
         self.committed_sessions = committed_sessions or []
+
+
+def new_transfer_id() -> str:
+    return f"mig-{uuid.uuid4().hex[:16]}"
 
 
 @dataclass
@@ -169,7 +174,7 @@ def migrate_live(source_url: str, target_url: str, sessions: list[str] | None = 
                  retries: int = 3,
                  progress: Progress | None = None, timeout_s: float = 300.0, on_phase: OnPhase | None = None,
                  source_for_target: str | None = None, target_for_source: str | None = None,
-                 transport: str | None = None) -> MigrationResult:
+                 transport: str | None = None, transfer_id: str | None = None) -> MigrationResult:
     """Move `sessions` (default: all) from the source replica to the target replica.
 
     Pre-copy rounds send at most `precopy_slice_tokens` tokens per session each (default: as many
@@ -181,11 +186,12 @@ def migrate_live(source_url: str, target_url: str, sessions: list[str] | None = 
     `source_for_target`: the source's URL as the target can reach it (default `source_url`);
     `target_for_source`: the target's URL as the source can reach it (default `target_url`).
     `transport`: how the source pushes the rounds, "http", "tcp" or "mooncake" (default: the source's
-    RELAYOUT_TRANSPORT)."""
+    RELAYOUT_TRANSPORT). `transfer_id`: the id the replicas will know this transfer by (default a new
+    `new_transfer_id()`); the result, and a MigrationError, carry it."""
     if mode not in ("live", "cold"):
         raise ValueError("mode must be 'live' or 'cold'")
     src, dst = source_url.rstrip("/"), target_url.rstrip("/")
-    res = MigrationResult(transfer_id=f"mig-{uuid.uuid4().hex[:16]}")
+    res = MigrationResult(transfer_id=transfer_id or new_transfer_id())
     t = res.transfer_id
     phase: str = Phase.PRE_COPY
     paused: list[str] = []
@@ -264,9 +270,9 @@ def migrate_live(source_url: str, target_url: str, sessions: list[str] | None = 
                 # the target owns the sessions; it holds them paused until told to resume
                 raise MigrationError(phase, f"{e} (sessions committed to the target; it resumes them by itself "
                                             "once its transfer lease sees the source's release)",
-                                     committed_sessions=res.sessions) from e
+                                     committed_sessions=res.sessions, transfer_id=t) from e
             _abort(client, src, dst, t, paused, token)
-            raise MigrationError(phase, f"{e}; the sessions continue on the source") from e
+            raise MigrationError(phase, f"{e}; the sessions continue on the source", transfer_id=t) from e
 
 
 def _abort(client: httpx.Client, src: str, dst: str, transfer: str, paused: list[str], token: str | None) -> None:

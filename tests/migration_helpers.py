@@ -124,17 +124,15 @@ def transfers_on(url: str, ids: list[str]) -> list[str]:
 
 
 def record_transfer_ids(monkeypatch: pytest.MonkeyPatch, seen: list[str]) -> None:
-    """From now on, append to `seen` (emptied first) the id of every transfer migrate_live starts."""
-    import uuid
-
+    """From now on, append to `seen` (emptied first) the id of every transfer migrate_live starts in
+    this process (its result and its MigrationError carry the id too)."""
     import relayout.migrate.live as live
 
-    real = uuid.uuid4
+    real = live.new_transfer_id
     seen.clear()
 
-    def rec():
-        u = real()
-        seen.append(f"mig-{u.hex[:16]}")
-        return u
+    def rec() -> str:
+        seen.append(real())
+        return seen[-1]
 
-    monkeypatch.setattr(live.uuid, "uuid4", rec)
+    monkeypatch.setattr(live, "new_transfer_id", rec)

@@ -208,7 +208,12 @@ def test_agent_migrate_route_end_to_end(two_agents):
     op = _wait_op(a, r.json()["operation_id"])
     assert op["state"] == "succeeded", op
     assert op["result"]["replica"] == new_id and len(op["result"]["sessions"]) == 1 and op["bytes_done"] > 0
+    assert op["result"]["sessions_not_moved"] == []
     sid = op["result"]["sessions"][0]
+    # the operation names the transfer as both replicas know it: released on the source, committed on the target
+    t_src = httpx.get(f"{src['url']}/v1/sessions/transfers/{op['transfer']}", headers=H).json()
+    t_dst = httpx.get(f"{new['url']}/v1/sessions/transfers/{op['transfer']}", headers=H).json()
+    assert (t_src["outgoing"], t_dst["incoming"]) == ("released", "committed"), (t_src, t_dst)
     # and back to A's other replica, cold, through B's agent
     r = httpx.post(f"{b}/v1/replicas/{new_id}/migrate", headers=H,
                    json={"target": {"agent": a, "replica": reps[1]["id"]}, "mode": "cold"})
