@@ -10,6 +10,9 @@ from pathlib import Path
 
 VOCAB = 512
 EOS = "<|endoftext|>"
+# ChatML, as Qwen's models use it (its markers are plain text to this tokenizer)
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 def _corpus():
@@ -28,6 +31,7 @@ def make_tiny_qwen3_moe(out: Path, max_positions: int = 2048) -> Path:
     bpe = ByteLevelBPETokenizer()
     bpe.train_from_iterator(_corpus(), vocab_size=VOCAB, min_frequency=2, special_tokens=[EOS], show_progress=False)
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token=EOS, pad_token=EOS)
+    tok.chat_template = CHAT_TEMPLATE
     eos = tok.convert_tokens_to_ids(EOS)
     torch.manual_seed(0)
     cfg = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=128, moe_intermediate_size=64,

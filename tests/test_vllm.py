@@ -315,3 +315,62 @@ def test_bench_vllm_figures_on_the_running_replicas(tp1, tp2):
     for k in ("target_step_ms", "reprefill_ms", "migrate_ms", "migrate_vs_reprefill", "live_stall_ms",
               "live_stall_steps", "decode_during_precopy_ratio"):
         assert k in r, k
+
+
+def _hf_logprobs(model_dir, ids: list[int], start: int) -> list[float]:
+    """transformers' log-probability of each of ids[start:] given what precedes it (fp32)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        lp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    return [float(lp[i - 1, ids[i]]) for i in range(start, len(ids))]
+
+
+def test_vllm_logprobs_and_chat_match_transformers(tp1, model_dir):
+    """Completions' logprobs and chat completions through relayout's front, served by vLLM: the chosen
+    tokens' logprobs equal transformers' on the same weights, top_logprobs lead with the chosen
+    token, and a chat is the model's greedy continuation of the rendered ChatML prompt."""
+    r = httpx.post(f"{tp1}/v1/completions", json={"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "logprobs": 2,
+                                                  "ignore_eos": True, "return_token_ids": True}, timeout=120).json()
+    ch = r["choices"][0]
+    ids, lp = ch["token_ids"], ch["logprobs"]
+    # (two ids may decode to one string: a top_logprobs entry then has one key)
+    assert len(lp["token_logprobs"]) == len(ids) == 8 and all(1 <= len(t) <= 2 for t in lp["top_logprobs"])
+    want = _hf_logprobs(model_dir, PROMPT + ids, len(PROMPT))
+    assert max(abs(a - b) for a, b in zip(lp["token_logprobs"], want, strict=True)) < 2e-3, (lp["token_logprobs"], want)
+    for chosen, top in zip(lp["token_logprobs"], lp["top_logprobs"], strict=True):
+        assert max(top.values()) == pytest.approx(chosen, abs=1e-5)  # greedy: the chosen token is the top one
+
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "user", "content": "the quick brown fox"}]
+    rendered = AutoTokenizer.from_pretrained(model_dir).apply_chat_template(messages, add_generation_prompt=True,
+                                                                             tokenize=True)
+    rendered = list(rendered["input_ids"] if isinstance(rendered, dict) else rendered)
+    c = httpx.post(f"{tp1}/v1/chat/completions", json={"messages": messages, "max_tokens": 12, "temperature": 0,
+                                                       "ignore_eos": True, "return_token_ids": True}, timeout=120)
+    assert c.status_code == 200, c.text
+    body = c.json()
+    assert body["id"].startswith("chatcmpl-") and body["usage"]["prompt_tokens"] == len(rendered)
+    got = body["choices"][0].get("token_ids") or body["choices"][0]["message"].get("token_ids")
+    assert got == reference_tokens(model_dir, rendered, 12)
+
+
+def test_unseeded_sampled_session_moves_and_continues(tp1, tp2, model_dir):
+    """An unseeded sampled request is moved (nothing ties its tokens to one generator): checkpointed
+    with stop on TP1 and restored into TP2, it continues to its max_tokens there, the tokens the
+    client already had kept as they were."""
+    s = Stream(tp1, {"prompt": PROMPT, "max_tokens": 1200, "temperature": 0.9, "ignore_eos": True})
+    s.wait_for(40)
+    ck = httpx.post(f"{tp1}/v1/sessions/checkpoint", json={"stop": True}, timeout=120).json()
+    assert ck["sessions"] == [s.sid] and ck["not_moved"] == {}, ck
+    s.t.join(60)
+    assert s.finish == "checkpointed"
+    r = httpx.post(f"{tp2}/v1/sessions/restore", json={"checkpoint": ck["checkpoint"]}, timeout=120)
+    assert r.status_code == 200 and r.json()["sessions"] == [s.sid], r.text
+    rest = _resume(tp2, s.sid, len(s.ids))
+    assert len(s.ids) + len(rest) == 1200 and all(0 <= t < 512 for t in rest)
+    end = httpx.get(f"{tp2}/v1/sessions/{s.sid}", timeout=30).json()
+    assert end["state"] == "finished" and end["token_ids"][:len(s.ids)] == s.ids  # what the client had, unchanged
