@@ -22,9 +22,7 @@ import os
 import shutil
 import statistics
 import tempfile
-import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -32,6 +30,7 @@ from relayout.bench.migration_sessions import (
     MAX_TOKENS,
     Ctx,
     Log,
+    attach_early,
     completion,
     prefill_on_target,
     prompt,
@@ -49,6 +48,7 @@ from relayout.bench.replica_client import (
     link_gbps,
     median_gap_ms,
     split_cpus,
+    tree_cpu_s,
 )
 from relayout.migrate.live import SMALL_ROUND_BYTES
 from relayout.migrate.transport import precopy_nice
@@ -102,7 +102,7 @@ def measure_move(c: Ctx, mode: str, with_second: bool) -> dict:
         t_base = second.times[-1]
         second.wait_tokens(len(second.tokens) + 6, c.timeout)
         base = [g for g in gaps(second.times) if g[0] >= t_base]
-    attach, attached = _attach_early(c.dst, s.sid)
+    attach, attached = attach_early(c.dst, s.sid)
     marks: list[tuple[str, float]] = []
     t0 = time.perf_counter()
     def progress(phase: str, total: int) -> None:
@@ -120,9 +120,17 @@ def measure_move(c: Ctx, mode: str, with_second: bool) -> dict:
             _wait_gone(c.src, second.sid)
 
     progress.total = 0  # type: ignore[attr-defined]
+    cpu: dict[str, float] = {}  # both replicas' CPU seconds at the final round's start and end
+
+    def on_phase(ph: str) -> None:
+        if ph in ("stop-and-copy", "prepared") and c.pids:
+            cpu[ph] = sum(tree_cpu_s(p) for p in c.pids)
+        if ph == "stop-and-copy":
+            attach()
+
     res = migrate_live(c.src, c.dst, [s.sid], mode=mode, progress=progress, max_rounds=MAX_ROUNDS,
                        small_bytes=SMALL_ROUND_BYTES, timeout_s=max(300.0, c.timeout), transport=c.transport,
-                       on_phase=lambda ph: attach() if ph == "stop-and-copy" else None)
+                       on_phase=on_phase)
     t_done = time.perf_counter()
     s.finish(60)
     if s.done or not res.sessions:
@@ -144,6 +152,8 @@ def measure_move(c: Ctx, mode: str, with_second: bool) -> dict:
         "stall_attached_ms": round((early.times[0] - s.times[-1]) * 1000, 2) if early and early.times else None,
         "server_stall_ms": round(res.stall_ms, 2),  # migrate_live: source hold -> target commit returned
         "final_round_ms": round(res.rounds[-1].seconds * 1000, 2),  # pause + export + transfer + import
+        # source + target CPU over the final round (cut, frame, hash, send, receive, verify, import)
+        "final_round_cpu_s": round(cpu["prepared"] - cpu["stop-and-copy"], 3) if len(cpu) == 2 else None,
         "commit_ms": round(res.stall_ms - res.rounds[-1].seconds * 1000, 2),  # release + commit (resume)
         # source hold -> first token there, as the target saw it (final round + commit + one target step)
         "resume_to_first_token_ms": round((t.times[0] - t_done) * 1000, 2),
@@ -197,48 +207,6 @@ def loaded_link(c: Ctx, s: TokenStream) -> tuple[float, float | None]:
     return cp.gbps, round(statistics.mean(base) / statistics.mean(during), 3) if base and during else None
 
 
-def _attach_early(dst: str, sid: str) -> tuple[Callable[[], None], Callable[[], TokenStream | None]]:
-    """Watch the target from the start of the move's final round (`begin`; polling all through
-    pre-copy would take CPU from the source's decoding on a small box); once the session exists
-    there (placed, held paused by the final round) stream it from its current token on. `done`
-    ends the watch and gives that stream (None if it never attached)."""
-    box: dict = {}
-    quit_ = threading.Event()
-
-    def watch() -> None:
-        try:
-            with httpx.Client(timeout=30) as client:
-                while not quit_.is_set():
-                    r = client.get(f"{dst}/v1/sessions/{sid}")
-                    # (the target also remembers the session's earlier life there, checkpointed or done)
-                    if r.status_code == 200 and r.json().get("state") == "running":
-                        k = len(r.json()["token_ids"])
-                        box["s"] = TokenStream("GET", f"{dst}/v1/sessions/{sid}/stream?from_token={k}"
-                                               "&return_token_ids=true")
-                        return
-                    quit_.wait(0.01)
-        except httpx.HTTPError:
-            return  # the target went away: nothing to attach to (the move fails and says why)
-
-    th = threading.Thread(target=watch, daemon=True)
-
-    def begin() -> None:
-        if not th.is_alive() and th.ident is None:
-            th.start()
-
-    def done() -> TokenStream | None:
-        quit_.set()
-        if th.ident is not None:
-            th.join(30)
-        st = box.get("s")
-        if st is not None:
-            st.stop()
-            st.join(30)
-        return st
-
-    return begin, done
-
-
 def precopy_transport(live: dict) -> tuple[int, float]:
     """(bytes, seconds) of a live move's pre-copy rounds (the final one excluded: it is the stall)."""
     pre = [r for r in live["rounds"] if not r["final"]]
@@ -247,10 +215,10 @@ def precopy_transport(live: dict) -> tuple[int, float]:
 
 def run_context(src: str, dst: str, L: int, *, warm: int, after: int, timeout: float, log: Log,
                 checkpoint_dir: str, second: bool = True, transport: str | None = None,
-                source_cpus: set[int] | None = None) -> dict:
+                source_cpus: set[int] | None = None, pids: tuple[int, ...] = ()) -> dict:
     """`checkpoint_dir`: a file:// store both replicas may write and read (prefill_on_target)."""
     c = Ctx(src, dst, L, prompt(L), warm, after, timeout, log, transport=transport, checkpoint_dir=checkpoint_dir,
-            source_cpus=source_cpus)
+            source_cpus=source_cpus, pids=pids)
     log(f"context {L}: prefill on the target (recompute), checkpointed after {warm} tokens")
     rec = prefill_on_target(c)
     log(f"context {L}: recompute {rec['recompute_ms']:.1f} ms; live move (the session restored on the source)")
@@ -260,6 +228,11 @@ def run_context(src: str, dst: str, L: int, *, warm: int, after: int, timeout: f
     log(f"context {L}: cold stall {cold['stall_ms']:.1f} ms; undisturbed reference on the target")
     ref = reference(c)
     match = {m: toks == ref[: len(toks)] for m, toks in c.sessions.items()}
+    # the yardstick of the cold round: the same bytes over a bare socket, at normal priority, nothing
+    # else running (both ends' CPU: the least any path can spend per byte on this machine)
+    bare = link_copy(cold["bytes"], c.source_cpus, 0) if cold["bytes"] else None
+    cold_s = cold["final_round_ms"] / 1000
+    cold_gb = cold["bytes"] / 1e9
     moved, secs = precopy_transport(live)
     step = live["target_itl_ms"]
     out = {
@@ -280,8 +253,14 @@ def run_context(src: str, dst: str, L: int, *, warm: int, after: int, timeout: f
         "precopy_bytes": moved,
         "transport_gbps": round(moved / secs / 1e9, 3) if secs > 0 else None,
         # the cold move's one round (sessions paused, nothing else running): what the path moves alone
-        "cold_transport_gbps": round(cold["bytes"] / (cold["final_round_ms"] / 1000) / 1e9, 3)
-        if cold["final_round_ms"] > 0 else None,
+        "cold_transport_gbps": round(cold_gb / cold_s, 3) if cold_s > 0 else None,
+        "cold_round_gbps": round(cold_gb / cold_s, 3) if cold_s > 0 else None,
+        # CPU seconds per GB: the path's (source + target processes over the cold round) and a bare copy's
+        "cpu_s_per_gb": round(cold["final_round_cpu_s"] / cold_gb, 3)
+        if cold.get("final_round_cpu_s") is not None and cold_gb > 0 else None,
+        "bare_copy_gbps": round(bare.gbps, 3) if bare else None,
+        "bare_cpu_s_per_gb": round(bare.cpu_s_per_gb(cold["bytes"]) or 0, 3) if bare else None,
+        "bare_copy_decode_ratio": live["loaded_link_decode_ratio"],  # the bare copy at pre-copy's rate and nice
         "live_rounds": len(live["rounds"]),
         "live_bytes": live["bytes"],
         "cold_bytes": cold["bytes"],
@@ -294,6 +273,10 @@ def run_context(src: str, dst: str, L: int, *, warm: int, after: int, timeout: f
         "recompute": rec,
     }
     return out
+
+
+def med(xs: list[float]) -> float | None:
+    return round(statistics.median(xs), 3) if xs else None
 
 
 def run(model: str | None = None, contexts: list[int] | None = None, quick: bool = False, device: str | None = None,
@@ -343,6 +326,7 @@ def _run(model: str | None, contexts: list[int] | None, quick: bool, device: str
             try:
                 results[str(L)] = run_context(src, dst, L, warm=warm, after=after, timeout=timeout, log=log,
                                               transport=transport_name, source_cpus=src_cpus,
+                                              pids=tuple(r.proc.pid for r in reps),
                                               checkpoint_dir=Path(data.name, f"checkpoints-{L}").as_uri())
                 shutil.rmtree(Path(data.name, f"checkpoints-{L}"), ignore_errors=True)  # up to 1 GiB at 16k
             except Exception as e:  # noqa: BLE001 - with what the replicas said
@@ -364,6 +348,9 @@ def _run(model: str | None, contexts: list[int] | None, quick: bool, device: str
     loaded = [r["loaded_link_gbps"] for r in results.values() if r["loaded_link_gbps"]]
     loaded_link = statistics.median(loaded) if loaded else None
     bare = [r["loaded_link_decode_ratio"] for r in results.values() if r["loaded_link_decode_ratio"]]
+    cpu = [r["cpu_s_per_gb"] for r in results.values() if r["cpu_s_per_gb"] is not None]
+    bare_cpu = [r["bare_cpu_s_per_gb"] for r in results.values() if r["bare_cpu_s_per_gb"]]
+    cold_round = max(cold_gbps) if cold_gbps else None
     out = {
         "link_gbps": round(link, 3),
         "link_gbps_samples": [round(x, 3) for x in links],
@@ -378,6 +365,13 @@ def _run(model: str | None, contexts: list[int] | None, quick: bool, device: str
         "loaded_link_decode_ratio": round(statistics.median(bare), 3) if bare else None,  # median over contexts
         # a cold round alone:
         "cold_transport_vs_link": round(max(cold_gbps) / link, 3) if cold_gbps else None,
+        "cold_round_gbps": round(cold_round, 3) if cold_round else None,  # the best context's cold round
+        # CPU seconds per GB moved (medians over contexts): the path (source + target, a cold round) and
+        # a bare socket copy of the same bytes on this machine (both ends), and their ratio
+        "cpu_s_per_gb": med(cpu),
+        "bare_cpu_s_per_gb": med(bare_cpu),
+        "cpu_vs_bare": round(med(cpu) / med(bare_cpu), 3) if cpu and bare_cpu else None,
+        "bare_copy_decode_ratio": round(statistics.median(bare), 3) if bare else None,
         "contexts": results,
         "decode_during_precopy_ratio": ratio,
         "model": model,
@@ -390,6 +384,9 @@ def _run(model: str | None, contexts: list[int] | None, quick: bool, device: str
             f"live_stall_{contexts[-1]}_le_recompute_div_10": hi["live_stall_ms"] <= hi["recompute_ms"] / 10,
             "decode_during_precopy_ge_0.9": ratio is not None and ratio >= 0.9,
             "transport_vs_link_ge_0.5": transport is not None and transport / link >= 0.5,
+            "cpu_s_per_gb_le_1.5x_bare": bool(cpu and bare_cpu and med(cpu) <= 1.5 * med(bare_cpu)),
+            "cold_round_ge_0.6x_link": bool(cold_round and cold_round >= 0.6 * link),
+            "decode_during_precopy_ge_0.95x_bare_copy": bool(ratio and bare and ratio >= 0.95 * statistics.median(bare)),
             "live_stall_le_1_step_plus_50ms": all(r["target_step_ms"] is not None and r["live_stall_ms"] <= r[
                 "target_step_ms"] + 50 for r in results.values()),
         },

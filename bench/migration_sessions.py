@@ -6,6 +6,7 @@ source, and the reference is the same checkpoint restored on the target, decodin
 from __future__ import annotations
 
 import random
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ class Ctx:
     checkpoint_dir: str | None = None  # where the replicas write checkpoints (a file:// store)
     checkpoint: str | None = None  # the session after its prefill and first tokens (prefill_on_target)
     source_cpus: set[int] | None = None  # where the source replica runs (hosts="split"), else None
+    pids: tuple[int, ...] = ()  # the replicas' processes (their ranks are their children): the path's CPU
 
 
 def completion(ids: list[int], max_tokens: int) -> dict:
@@ -113,3 +115,45 @@ def reference(c: Ctx) -> list[int]:
         raise BenchError(f"reference: {len(t.tokens)} of {n} tokens ({t.error!r})")
     wait_idle(c.dst)
     return t.tokens[:n]
+
+
+def attach_early(dst: str, sid: str) -> tuple[Callable[[], None], Callable[[], TokenStream | None]]:
+    """Watch the target from the start of the move's final round (`begin`; polling all through
+    pre-copy would take CPU from the source's decoding on a small box); once the session exists
+    there (placed, held paused by the final round) stream it from its current token on. `done`
+    ends the watch and gives that stream (None if it never attached)."""
+    box: dict = {}
+    quit_ = threading.Event()
+
+    def watch() -> None:
+        try:
+            with httpx.Client(timeout=30) as client:
+                while not quit_.is_set():
+                    r = client.get(f"{dst}/v1/sessions/{sid}")
+                    # (the target also remembers the session's earlier life there, checkpointed or done)
+                    if r.status_code == 200 and r.json().get("state") == "running":
+                        k = len(r.json()["token_ids"])
+                        box["s"] = TokenStream("GET", f"{dst}/v1/sessions/{sid}/stream?from_token={k}"
+                                               "&return_token_ids=true")
+                        return
+                    quit_.wait(0.01)
+        except httpx.HTTPError:
+            return  # the target went away: nothing to attach to (the move fails and says why)
+
+    th = threading.Thread(target=watch, daemon=True)
+
+    def begin() -> None:
+        if not th.is_alive() and th.ident is None:
+            th.start()
+
+    def done() -> TokenStream | None:
+        quit_.set()
+        if th.ident is not None:
+            th.join(30)
+        st = box.get("s")
+        if st is not None:
+            st.stop()
+            st.join(30)
+        return st
+
+    return begin, done

@@ -191,10 +191,12 @@ elif int(nice):
 buf = memoryview(bytearray(4 << 20))
 end = time.monotonic() + seconds if seconds > 0 else float("inf")
 with socket.create_connection(("127.0.0.1", port)) as s:
+    c0 = time.process_time()
     while n > 0 and time.monotonic() < end:
         k = min(n, len(buf))
         s.sendall(buf[:k])
         n -= k
+    print(time.process_time() - c0)  # the send loop's CPU seconds (the copy's, not the interpreter's start)
 """
 
 
@@ -213,6 +215,10 @@ class LinkCopy:
     gbps: float
     started: float
     ended: float
+    cpu_s: float = 0.0  # both ends' CPU seconds over the copy (the sender's send loop, the receiver's thread)
+
+    def cpu_s_per_gb(self, nbytes: int) -> float | None:
+        return self.cpu_s / (nbytes / 1e9) if nbytes > 0 else None
 
 
 def link_copy(nbytes: int = 512 << 20, sender_cpus: set[int] | None = None, nice: int | str = 0,
@@ -230,6 +236,7 @@ def link_copy(nbytes: int = 512 << 20, sender_cpus: set[int] | None = None, nice
     with socket.create_server(("127.0.0.1", 0)) as srv:
         port = srv.getsockname()[1]
         p = subprocess.Popen([sys.executable, "-c", _SENDER, str(nbytes), str(port), str(nice), str(seconds)],
+                             stdout=subprocess.PIPE, text=True,
                              preexec_fn=(lambda: os.sched_setaffinity(0, sender_cpus)) if sender_cpus else None)
 
         def receive() -> None:
@@ -238,24 +245,46 @@ def link_copy(nbytes: int = 512 << 20, sender_cpus: set[int] | None = None, nice
             conn, _ = srv.accept()
             with conn:
                 view = memoryview(bytearray(4 << 20))
-                got, t0 = 0, time.perf_counter()
+                got, t0, c0 = 0, time.perf_counter(), time.thread_time()
                 while got < nbytes:
                     k = conn.recv_into(view)
                     if k == 0:
                         break
                     got += k
-                res.update(got=got, t0=t0, t1=time.perf_counter())
+                res.update(got=got, t0=t0, t1=time.perf_counter(), cpu=time.thread_time() - c0)
 
         try:
             t = threading.Thread(target=receive, name="link-probe", daemon=True)
             t.start()
             t.join(120)
         finally:
-            p.wait(60)
+            out, _ = p.communicate(timeout=60)
     got = int(res.get("got", 0))
     if got < (1 if seconds else nbytes) or "t1" not in res:
         raise BenchError(f"link probe: {got} of {nbytes} bytes arrived")
-    return LinkCopy(got / (res["t1"] - res["t0"]) / 1e9, res["t0"], res["t1"])
+    try:
+        sender_cpu = float(out.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        sender_cpu = 0.0
+    return LinkCopy(got / (res["t1"] - res["t0"]) / 1e9, res["t0"], res["t1"], sender_cpu + float(res.get("cpu", 0.0)))
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of a process and all its descendants so far (Linux /proc): a
+    replica with its rank processes."""
+    from relayout.migrate.procs import children_of
+
+    total, todo, tick = 0.0, [pid], os.sysconf("SC_CLK_TCK")
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+        except (OSError, IndexError, ValueError):
+            continue
+        todo += children_of(p)
+    return total
 
 
 def link_gbps(nbytes: int = 512 << 20, sender_cpus: set[int] | None = None, nice: int | str = 0) -> float:

@@ -38,6 +38,11 @@ def test_quick_bench_reports_documented_keys():
     assert res["loaded_link_gbps"] == round(statistics.median(r["loaded_link_gbps"] for r in res["contexts"].values()), 3)
     assert abs(res["transport_vs_loaded_link"] - res["transport_gbps"] / res["loaded_link_gbps"]) < 0.01
     assert abs(res["loaded_link_vs_link"] - res["loaded_link_gbps"] / res["link_gbps"]) < 0.01
+    # CPU per byte (issue 29): the path's over the cold round, a bare copy of the same bytes, side by side
+    for r in res["contexts"].values():
+        assert r["bare_copy_gbps"] > 0 and r["bare_cpu_s_per_gb"] > 0 and r["cpu_s_per_gb"] is not None
+        assert r["cold_round_gbps"] == r["cold_transport_gbps"] > 0
+    assert res["cpu_vs_bare"] is None or res["cpu_vs_bare"] > 0
     # the source's decoding during that copy, against just before it: a rate ratio, measured
     bare = [r["loaded_link_decode_ratio"] for r in res["contexts"].values()]
     assert all(b is not None and 0 < b < 100 for b in bare), bare
