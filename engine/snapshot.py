@@ -35,7 +35,7 @@ from relayout.storage.chunks import (
     seal_kv_chunk,
 )
 from relayout.storage.errors import CorruptCheckpoint, ModelMismatch
-from relayout.storage.manifest import KVGeometry, Manifest, ModelRef
+from relayout.storage.manifest import KVGeometry, Manifest, ModelRef, SessionEntry
 
 CHUNK_TOKENS = 256  # a multiple of the KV block size
 
@@ -333,18 +333,41 @@ def checkpoint(engine: LLMEngine, writer: CheckpointWriter, session_ids: list[st
 
 
 # ---- restore ------------------------------------------------------------------
-def check_compatible(engine: LLMEngine, manifest: Manifest, exact: bool = False) -> None:
-    """The checkpoint's model and KV geometry are this replica's; its KV dtype may differ (converted
-    on import, see kv_conversion) unless `exact`."""
+def check_model(engine: LLMEngine, manifest: Manifest) -> None:
+    """The checkpoint's model and KV geometry are this replica's (either engine: the vLLM one has
+    the same `fingerprint`, `model_ref` and geometry)."""
     if manifest.model.fingerprint != engine.fingerprint:
-        raise ModelMismatch(
-            f"checkpoint {manifest.checkpoint_id} is of model {manifest.model.name} "
-            f"(fingerprint {manifest.model.fingerprint[:12]}), this replica serves {engine.model_ref} "
-            f"(fingerprint {engine.fingerprint[:12]})"
-        )
+        raise ModelMismatch(f"checkpoint {manifest.checkpoint_id} is of model {manifest.model.name} "
+                            f"(fingerprint {manifest.model.fingerprint[:12]}), this replica serves "
+                            f"{engine.model_ref} (fingerprint {engine.fingerprint[:12]})")
     g, kv = geometry(engine), manifest.kv
     if (kv.num_layers, kv.num_kv_heads, kv.head_dim) != (g.num_layers, g.num_kv_heads, g.head_dim):
         raise CorruptCheckpoint(f"checkpoint KV geometry {kv} does not match the model's {g}")
+
+
+def check_entry(engine: LLMEngine, e: SessionEntry) -> SessionState:
+    """One session entry this replica may take (either engine), as its state; changes nothing."""
+    st = SessionState.from_dict(e.state)
+    if st.session_id != e.session_id:
+        raise CorruptCheckpoint(f"session entry {e.session_id} holds state of {st.session_id}")
+    old = engine.sessions.get(st.session_id)
+    if old is not None and not old.is_finished:
+        raise RestoreError(f"session {st.session_id} is already live on this replica")
+    if any(t >= engine.cfg.vocab_size for t in st.all_token_ids):
+        raise CorruptCheckpoint(f"session {st.session_id} holds token ids outside the vocabulary")
+    if st.num_tokens + st.sampling.max_tokens - len(st.output_token_ids) > engine.max_model_len:
+        raise RestoreError(f"session {st.session_id} needs more context than this replica's {engine.max_model_len}")
+    if e.num_kv_tokens > st.num_tokens:
+        raise CorruptCheckpoint(f"session {e.session_id} declares {e.num_kv_tokens} KV tokens but holds "
+                                f"only {st.num_tokens} tokens")
+    return st
+
+
+def check_compatible(engine: LLMEngine, manifest: Manifest, exact: bool = False) -> None:
+    """The checkpoint's model and KV geometry are this replica's; its KV dtype may differ (converted
+    on import, see kv_conversion) unless `exact`."""
+    check_model(engine, manifest)
+    g, kv = geometry(engine), manifest.kv
     conv = kv_conversion(engine, manifest)
     if conv is not None and exact:
         raise RestoreError(f"checkpoint {manifest.checkpoint_id} holds {conv['from']} KV, this replica's KV is "
@@ -373,24 +396,13 @@ def plan_restore(engine: LLMEngine, manifest: Manifest, session_ids: list[str] |
     load = [engine.scheduler.group_load(g) for g in range(len(free))]
     out = []
     for e in entries:
-        st = SessionState.from_dict(e.state)
-        if st.session_id != e.session_id:
-            raise CorruptCheckpoint(f"session entry {e.session_id} holds state of {st.session_id}")
-        old = engine.sessions.get(st.session_id)
-        if old is not None and not old.is_finished:
-            raise RestoreError(f"session {st.session_id} is already live on this replica")
-        if any(t >= engine.cfg.vocab_size for t in st.all_token_ids):
-            raise CorruptCheckpoint(f"session {st.session_id} holds token ids outside the vocabulary")
-        if st.num_tokens + st.sampling.max_tokens - len(st.output_token_ids) > engine.max_model_len:
-            raise RestoreError(f"session {st.session_id} needs more context than this replica's {engine.max_model_len}")
+        st = check_entry(engine, e)
         need = blocks_needed(st.num_tokens + 1) if e.num_kv_tokens else 0
         cands = sorted(range(len(free)), key=lambda g: (load[g], g))
         g = next((g for g in cands if free[g] >= need), None)
         if g is None:
-            raise RestoreError(
-                f"not enough free KV blocks for session {st.session_id}: needs {need}, "
-                f"largest free pool has {max(free)}"
-            )
+            raise RestoreError(f"not enough free KV blocks for session {st.session_id}: needs {need}, "
+                               f"largest free pool has {max(free)}")
         free[g] -= need
         load[g] += 1
         out.append((st, e.num_kv_tokens, g))
@@ -430,11 +442,6 @@ def restore(engine: LLMEngine, reader: CheckpointReader, session_ids: list[str] 
         st.status = SessionStatus.RUNNING if n_kv else SessionStatus.WAITING
         engine.adopt(st, g, blocks)
     return [st.session_id for st, _, _, _ in placed]
-
-
-def release(engine: LLMEngine, session_ids: list[str], status: SessionStatus = SessionStatus.MIGRATED) -> None:
-    """The source's side of a commit: the sessions now live elsewhere; free their blocks."""
-    engine.release(session_ids, status)
 
 
 def new_checkpoint_id() -> str:

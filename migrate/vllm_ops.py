@@ -22,12 +22,19 @@ from pathlib import Path
 
 from relayout.engine.async_engine import AsyncEngine
 from relayout.engine.session import SessionState
-from relayout.engine.snapshot import RestoreError, SessionSnapshot, geometry, model_ref
+from relayout.engine.snapshot import (
+    RestoreError,
+    SessionSnapshot,
+    check_entry,
+    check_model,
+    geometry,
+    model_ref,
+)
 from relayout.engine.vllm_engine import VllmEngine
 from relayout.engine.vllm_exchange import ExchangeError, write_kv
 from relayout.migrate.transfers import Cut, Incoming
 from relayout.storage.checkpoint import CheckpointReader
-from relayout.storage.errors import CorruptCheckpoint, ModelMismatch
+from relayout.storage.errors import CorruptCheckpoint
 from relayout.storage.manifest import Manifest
 
 log = logging.getLogger("relayout.vllm_ops")
@@ -104,13 +111,8 @@ class VllmOps:
     # ---- target --------------------------------------------------------------------------------
     def check(self, manifest: Manifest) -> None:
         e = self.engine
-        if manifest.model.fingerprint != e.fingerprint:
-            raise ModelMismatch(f"checkpoint {manifest.checkpoint_id} is of model {manifest.model.name} "
-                                f"(fingerprint {manifest.model.fingerprint[:12]}), this replica serves "
-                                f"{e.model_ref} (fingerprint {e.fingerprint[:12]})")
+        check_model(e, manifest)  # type: ignore[arg-type]
         g, kv = geometry(e), manifest.kv  # type: ignore[arg-type]
-        if (kv.num_layers, kv.num_kv_heads, kv.head_dim) != (g.num_layers, g.num_kv_heads, g.head_dim):
-            raise CorruptCheckpoint(f"checkpoint KV geometry {kv} does not match the model's {g}")
         if (kv.dtype, kv.scale) != (g.dtype, g.scale):
             raise RestoreError(f"checkpoint {manifest.checkpoint_id} holds {kv.dtype} KV"
                                f"{' (fp8 with scales)' if kv.scale else ''}; this vLLM replica's KV is {g.dtype}: "
@@ -121,21 +123,9 @@ class VllmOps:
         entries = [manifest.session(sid) for sid in session_ids] if session_ids else manifest.sessions
         out = []
         for en in entries:
-            st = SessionState.from_dict(en.state)
-            if st.session_id != en.session_id:
-                raise CorruptCheckpoint(f"session entry {en.session_id} holds state of {st.session_id}")
-            if any(t >= e.cfg.vocab_size for t in st.all_token_ids):
-                raise CorruptCheckpoint(f"session {st.session_id} holds token ids outside the vocabulary")
-            if st.num_tokens + st.sampling.max_tokens - len(st.output_token_ids) > e.max_model_len:
-                raise RestoreError(f"session {st.session_id} needs more context than this replica's {e.max_model_len}")
+            st = check_entry(e, en)  # type: ignore[arg-type]
             if (why := not_movable(st)) is not None:
                 raise RestoreError(f"session {st.session_id}: {why.split(':')[0]}; it cannot continue in a vLLM replica")
-            if en.num_kv_tokens > st.num_tokens:
-                raise CorruptCheckpoint(f"session {en.session_id} declares {en.num_kv_tokens} KV tokens but holds "
-                                        f"only {st.num_tokens} tokens")
-            old = e.sessions.get(st.session_id)
-            if old is not None and not old.is_finished:
-                raise RestoreError(f"session {st.session_id} is already live on this replica")
             out.append((st, en.num_kv_tokens))
         return out
 

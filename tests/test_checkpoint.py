@@ -7,7 +7,7 @@ import pytest
 from relayout.engine.engine import LLMEngine
 from relayout.engine.layout import Layout
 from relayout.engine.session import SamplingParams
-from relayout.engine.snapshot import RestoreError, checkpoint, release, restore
+from relayout.engine.snapshot import RestoreError, checkpoint, restore
 from relayout.storage.checkpoint import CheckpointReader, CheckpointWriter
 from relayout.storage.errors import ChunkMissing, CorruptCheckpoint, ModelMismatch
 from relayout.storage.stores import LocalStore, S3Store
@@ -54,7 +54,7 @@ def test_every_layout_pair(engines, undisturbed, src, tmp_path):
     assert any(0 < len(source.sessions[i].output_token_ids) < 10 for i in ids)
     with CheckpointWriter(store, "c1") as w:
         checkpoint(source, w, ids)
-    release(source, ids)
+    source.release(ids)
     assert source.kv_blocks_used() == 0
     for dst in LAYOUTS:
         if dst == src:
@@ -77,7 +77,7 @@ def ckpt(engines, tmp_path):
     store = LocalStore(tmp_path)
     with CheckpointWriter(store, "c2") as w:
         checkpoint(source, w, ids)
-    release(source, ids)
+    source.release(ids)
     return store
 
 
@@ -166,7 +166,7 @@ def test_incremental_checkpoints_share_chunks(engines, tmp_path):
     layers = eng.cfg.num_layers
     # tokens [0, 256) are one full chunk per layer, shared; only the tail chunk is new
     assert n2 - n1 == layers
-    release(eng, ["inc"])
+    eng.release(["inc"])
 
 
 def test_s3_round_trip(engines, undisturbed, s3_env):
@@ -175,7 +175,7 @@ def test_s3_round_trip(engines, undisturbed, s3_env):
     store = S3Store("relayout-test", "ckpts")
     with CheckpointWriter(store, "s3ck", codec="zstd") as w:
         checkpoint(source, w, ids)
-    release(source, ids)
+    source.release(ids)
     assert "s3ck" in S3Store("relayout-test", "ckpts").list_checkpoints()
     restore(target, CheckpointReader(S3Store("relayout-test", "ckpts"), "s3ck"))
     assert finish(target, ids) == undisturbed
@@ -199,10 +199,10 @@ def test_hashed_in_pieces(engines, undisturbed, piece, monkeypatch, tmp_path):
     ids = start(source, 4, f"piece{piece}")
     with CheckpointWriter(store, "c3") as w:
         checkpoint(source, w, ids)
-    release(source, ids)
+    source.release(ids)
     assert CheckpointReader(store, "c3").verify() > 0
     restore(source, CheckpointReader(store, "c3"))
     assert finish(source, ids) == undisturbed
-    release(source, ids)
+    source.release(ids)
     restore(engines["attn_tp=2"], CheckpointReader(store, "c3"))
     assert finish(engines["attn_tp=2"], ids) == undisturbed

@@ -10,7 +10,7 @@ import pytest
 import torch
 from relayout.engine.engine import LLMEngine
 from relayout.engine.session import SamplingParams
-from relayout.engine.snapshot import checkpoint, release, restore
+from relayout.engine.snapshot import checkpoint, restore
 from relayout.storage.checkpoint import CheckpointReader, CheckpointWriter
 from relayout.storage.manifest import FORMAT_VERSION
 from relayout.storage.stores import LocalStore
@@ -72,7 +72,7 @@ def test_new_checkpoints_are_version_2_token_major(engines, tmp_path):
     store = LocalStore(tmp_path)
     with CheckpointWriter(store, "c") as w:
         m = checkpoint(eng, w, ["v2"])
-    release(eng, ["v2"])
+    eng.release(["v2"])
     assert m.format_version == 2
     e = m.kv_entries[0]
     stored = st_load(bytes(store.get_chunk(e.chunk.hash)))["kv"]

@@ -5,7 +5,7 @@ import pytest
 import torch
 from relayout.engine.engine import LLMEngine
 from relayout.engine.session import SamplingParams
-from relayout.engine.snapshot import RestoreError, checkpoint, kv_conversion, release, restore
+from relayout.engine.snapshot import RestoreError, checkpoint, kv_conversion, restore
 from relayout.storage.checkpoint import CheckpointReader, CheckpointWriter
 from relayout.storage.chunks import kv_scaled_view, pack_kv
 from relayout.storage.errors import CorruptCheckpoint
@@ -50,7 +50,7 @@ def test_fp8_session_continues_token_for_token(fp8, tmp_path):
     store = LocalStore(tmp_path)
     with CheckpointWriter(store, "f8", codec="zstd") as w:
         m = checkpoint(src, w, ids)
-    release(src, ids)
+    src.release(ids)
     assert (m.kv.dtype, m.kv.scale) == ("float8_e4m3fn", "token_head")
     reader = CheckpointReader(store, "f8")
     kv = reader.read_kv("f-2", 1, 0, m.kv.num_kv_heads)  # dequantised for a plain reader
@@ -76,7 +76,7 @@ def test_fp8_converts_to_and_from_other_kv_dtypes_unless_exact(fp8):
     store = MemoryStore()
     with CheckpointWriter(store, "q8") as w:
         checkpoint(src, w, ["q"])
-    release(src, ["q"])
+    src.release(["q"])
     plain = LLMEngine("builtin:tiny")  # float32 KV
     try:
         reader = CheckpointReader(store, "q8")
@@ -93,7 +93,7 @@ def test_fp8_converts_to_and_from_other_kv_dtypes_unless_exact(fp8):
         plain.step()
         with CheckpointWriter(store, "p32") as w:
             checkpoint(plain, w, ["p"])
-        release(plain, ["p"])
+        plain.release(["p"])
         exact_kv = CheckpointReader(store, "p32").read_kv("p", 1, 0, 2)
         assert restore(src, CheckpointReader(store, "p32")) == ["p"]
         got = _kv_of(src, "p", 1)
