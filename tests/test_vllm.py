@@ -346,9 +346,9 @@ def test_vllm_logprobs_and_chat_match_transformers(tp1, model_dir):
     from transformers import AutoTokenizer
 
     messages = [{"role": "user", "content": "the quick brown fox"}]
-    rendered = AutoTokenizer.from_pretrained(model_dir).apply_chat_template(messages, add_generation_prompt=True,
-                                                                             tokenize=True)
-    rendered = list(rendered["input_ids"] if isinstance(rendered, dict) else rendered)
+    hf = AutoTokenizer.from_pretrained(model_dir)
+    rendered = hf.encode(hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+                         add_special_tokens=False)
     c = httpx.post(f"{tp1}/v1/chat/completions", json={"messages": messages, "max_tokens": 12, "temperature": 0,
                                                        "ignore_eos": True, "return_token_ids": True}, timeout=120)
     assert c.status_code == 200, c.text
