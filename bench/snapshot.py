@@ -28,7 +28,6 @@ from relayout.engine.snapshot import (
     geometry,
     model_ref,
     new_checkpoint_id,
-    release,
     restore,
     take_snapshot,
     write_snapshot,
@@ -97,7 +96,7 @@ def _fill(eng: LLMEngine, sessions: int, tokens: int, prefill: int) -> tuple[lis
     KV as the stored payloads of a checkpoint of it: codecs are measured on those, as tiles would
     flatter zstd."""
     seeds, snaps, real = _prefill(eng, _prompts(sessions, min(prefill, tokens)))
-    release(eng, seeds)
+    eng.release(seeds)
     store = MemoryStore()
     w = CheckpointWriter(store, new_checkpoint_id())
     for i, sn in enumerate(snaps):
@@ -193,7 +192,7 @@ def run(model: str = "builtin:bench", sessions: int = 4, tokens: int = 2048, pre
             t = time.perf_counter()
             got = restore(dst, r, verify=True)
             dt = time.perf_counter() - t
-            release(dst, got)  # free the blocks for the next try
+            dst.release(got)  # free the blocks for the next try
             return dt
 
         t_rest = _best(restore_once, reps)

@@ -17,7 +17,6 @@ from relayout.engine.snapshot import (
     SessionSnapshot,
     geometry,
     model_ref,
-    release,
     restore,
     take_snapshot,
     write_snapshot,
@@ -75,7 +74,7 @@ def cut(source: LLMEngine, store: LocalStore, tag: str) -> tuple[list[str], dict
         write_snapshot(snaps, w)
         m = w.commit(model_ref(source), source.layout.to_dict(), geometry(source), {})
     assert m.kv.dtype == "bfloat16"
-    release(source, ids)
+    source.release(ids)
     return ids, exported
 
 
