@@ -115,6 +115,10 @@ def measure_context(src: str, dst: str, ctx: int, kv_per_token: int, seed: int =
 
 def run(model: str | None, contexts: list[int], log: Callable[[str], None] = print, kv_cache_mb: int = 1024,
         source_layout: str = "attn_tp=1", target_layout: str = "attn_tp=2,moe_tp=2") -> dict:
+    from relayout.engine.vllm_server import vllm_version
+
+    if vllm_version() is None:
+        raise BenchError("vLLM is not installed here (pip install -e '.[vllm]')")
     for c in contexts:
         if not 16 <= c <= MAX_MODEL_LEN - 64:
             raise ValueError(f"--contexts: {c} must be in 16..{MAX_MODEL_LEN - 64} (max model length {MAX_MODEL_LEN})")
