@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from relayout.migrate.live import migrate_live
@@ -22,10 +23,12 @@ HOG = "import time\nwhile True:\n    sum(range(10000))\n"
 def test_result_lists_every_session_exactly_under_load():
     with replica_pair(("attn_dp=1", None), ("attn_tp=2", None)) as (src, dst):
         a, b = src.url, dst.url
-        # four that outlive the move, four that end around it (a few tokens after they start)
-        bodies = [{"prompt": f"result {i}", "max_tokens": (600 if i % 2 else 8 + 3 * i), "temperature": 0.0,
+        # two that outlive the move even while pre-copy (at nice 10) waits behind the hogs, six that end
+        # around it (a few tokens after they start)
+        bodies = [{"prompt": f"result {i}", "max_tokens": (3000 if i in (1, 4) else 8 + 3 * i), "temperature": 0.0,
                    "ignore_eos": True} for i in range(8)]
-        refs = [reference(a, body) for body in bodies]
+        with ThreadPoolExecutor(len(bodies)) as pool:  # the references decode side by side
+            refs = list(pool.map(lambda body: reference(a, body), bodies))
         hogs = [subprocess.Popen([sys.executable, "-c", HOG]) for _ in range(2)]
         try:
             streams = streams_on(a, bodies, [b])
@@ -36,7 +39,7 @@ def test_result_lists_every_session_exactly_under_load():
                 h.kill()
         assert not set(res.sessions) & set(res.not_moved), res
         assert set(res.sessions) | set(res.not_moved) == listed, res
-        assert res.sessions, res  # the long ones were running: they moved
+        assert res.sessions, (res.not_moved, [(r.bytes, round(r.seconds, 3)) for r in res.rounds])  # the long ones were running: they moved
         for why in res.not_moved.values():
             assert why == "finished on the source before this round", res
         for i, s in enumerate(streams):
