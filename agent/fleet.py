@@ -180,8 +180,10 @@ class FleetController(PollLoop):
     @staticmethod
     def _result(op: dict) -> MigrationResult:
         res = op.get("result") or {}
-        return MigrationResult(transfer_id=op["id"], sessions=list(res.get("sessions") or []),
-                               bytes_total=int(op.get("bytes_total") or 0), stall_ms=float(op.get("stall_ms") or 0.0))
+        not_moved = {x["id"]: x.get("error", "") for x in res.get("sessions_not_moved") or []}
+        return MigrationResult(transfer_id=op.get("transfer") or op["id"], sessions=list(res.get("sessions") or []),
+                               not_moved=not_moved, bytes_total=int(op.get("bytes_total") or 0),
+                               stall_ms=float(op.get("stall_ms") or 0.0))
 
     def _left(self, url: str) -> list[str]:
         return [s["id"] for s in self._get(f"{url}/v1/replica").get("sessions", []) if s.get("state") not in GONE]
@@ -237,6 +239,10 @@ class FleetController(PollLoop):
                 if op["state"] != "succeeded":
                     raise RuntimeError(f"sweep failed: {op.get('error')}")
                 step.migrations.append(self._result(op))
+            kept = {sid: why for m in step.migrations for sid, why in m.not_moved.items()
+                    if not why.startswith("finished")}
+            if kept:  # the old replica's engine keeps them (a seeded vLLM request): it stays up until they end
+                step.error = "sessions not moved: " + "; ".join(f"{k}: {v}" for k, v in sorted(kept.items()))
         except (RuntimeError, httpx.HTTPError, ValueError) as e:
             step.error = f"migration failed: {e}"  # the old replica keeps the sessions it still has
         # the policy state (its cooldown) goes on with the new replica

@@ -10,7 +10,7 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field
 from relayout.engine import web
 
-OP_TIMEOUT = httpx.Timeout(600.0, connect=10.0)
+OP_TIMEOUT = httpx.Timeout(900.0, connect=10.0)  # longer than a vLLM replica's launch (agent.node.launch_timeout)
 
 
 # ---- request bodies ---------------------------------------------------------------------------
@@ -39,7 +39,8 @@ def serve_flags(engine: str, vllm_args: list[str] | None) -> list[str]:
     """The `relayout serve` flags of a replica served by `engine`."""
     if engine != "vllm":
         return []
-    return ["--engine", "vllm", *(["--vllm-args", shlex.join(vllm_args)] if vllm_args else [])]
+    # one "--vllm-args=..." item: a lone value that starts with "-" would read as a flag of its own
+    return ["--engine", "vllm", *([f"--vllm-args={shlex.join(vllm_args)}"] if vllm_args else [])]
 
 
 class ReplicaBody(EngineChoice):

@@ -101,7 +101,7 @@ class RoundNotDelivered(RuntimeError):
 def _round(client: httpx.Client, src: str, dst: str, transfer: str, sessions: list[str] | None, final: bool,
            codec: str, token: str | None, source_for_target: str | None = None,
            slice_tokens: int | None = None, have: list[str] | None = None, timeout_s: float = 300.0,
-           transport: str | None = None) -> tuple[dict, int, dict[str, str]]:
+           transport: str | None = None) -> tuple[dict, int, dict[str, str] | None]:
     """One round: the source pushes it to the target (`dst`, as the source reaches it) and answers
     with the target's reply; only that small answer comes here. Returns (target reply, bytes moved,
     the sessions asked for that the round does not carry, with the source's reason)."""
@@ -127,16 +127,17 @@ def _round(client: httpx.Client, src: str, dst: str, transfer: str, sessions: li
     if "error" in doc:
         msg = f"source push: {(doc.get('error') or {}).get('message', 'failed')}"
         raise RoundNotDelivered(msg) if doc.get("retryable") else RuntimeError(msg)
-    not_moved = doc.get("not_moved") or {}
-    if not isinstance(not_moved, dict):
+    not_moved = doc.get("not_moved")  # None: a source from before 0.6.0, which does not name them
+    if not_moved is not None and not isinstance(not_moved, dict):
         raise RuntimeError("source export: not_moved is not an object")
-    return doc["reply"], int(doc.get("bytes", 0)), {str(k): str(v) for k, v in not_moved.items()}
+    return doc["reply"], int(doc.get("bytes", 0)), None if not_moved is None else {
+        str(k): str(v) for k, v in not_moved.items()}
 
 
 def _precopy_round(client: httpx.Client, src: str, dst: str, t: str, ids: list[str], codec: str,
                    token: str | None, back: str, slice_tokens: int | None, retries: int,
                    res: MigrationResult, push_to: str, timeout_s: float, transport: str | None = None
-                   ) -> tuple[dict, int, dict[str, str]]:
+                   ) -> tuple[dict, int, dict[str, str] | None]:
     have: list[str] | None = None
     for attempt in range(retries + 1):
         try:
@@ -232,11 +233,13 @@ def migrate_live(source_url: str, target_url: str, sessions: list[str] | None = 
             at(phase)
             t_hold = time.perf_counter()
             paused = list(ids)
-            reply, n, res.not_moved = _round(client, src, push_to, t, ids, True, codec, token, back,
-                                             timeout_s=timeout_s, transport=transport)
+            reply, n, named = _round(client, src, push_to, t, ids, True, codec, token, back,
+                                     timeout_s=timeout_s, transport=transport)
             res.sessions = paused = list(reply.get("placed", reply["sessions"]))
+            res.not_moved = named or {}
             # every session asked for is either placed on the target or named with the source's reason
-            unnamed = set(ids) - set(res.sessions) - set(res.not_moved)
+            # (an older source names none: then only the placed ones are checked)
+            unnamed = set(ids) - set(res.sessions) - set(res.not_moved) if named is not None else set()
             if unnamed or not set(res.sessions) <= set(ids):
                 raise RuntimeError(f"the final round placed {sorted(res.sessions)} for {sorted(ids)}; "
                                    f"{sorted(unnamed)} neither moved nor named by the source")

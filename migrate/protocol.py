@@ -57,13 +57,20 @@ class ProtectionState(_Wire):
     STOPPED = "stopped"
 
 
-TRANSITIONS: dict[_Wire, frozenset[_Wire]] = {
-    OutgoingState.ACTIVE: frozenset({OutgoingState.PAUSED, OutgoingState.ABORTED, OutgoingState.EXPIRED}),
-    OutgoingState.PAUSED: frozenset({OutgoingState.RELEASED, OutgoingState.ABORTED, OutgoingState.EXPIRED}),
-    IncomingState.RECEIVING: frozenset({IncomingState.PLACED, IncomingState.ABORTED, IncomingState.EXPIRED}),
-    IncomingState.PLACED: frozenset({IncomingState.COMMITTED, IncomingState.ABORTED, IncomingState.EXPIRED}),
-    ProtectionState.ACTIVE: frozenset({ProtectionState.FENCED, ProtectionState.LOST, ProtectionState.STOPPED}),
-    ProtectionState.FENCED: frozenset({ProtectionState.ACTIVE, ProtectionState.LOST, ProtectionState.STOPPED}),
+# per state class: the members are equal to their wire strings, so "active" of a transfer and of a
+# protection would be one dict key
+TRANSITIONS: dict[type[_Wire], dict[_Wire, frozenset[_Wire]]] = {
+    OutgoingState: {OutgoingState.ACTIVE: frozenset({OutgoingState.PAUSED, OutgoingState.ABORTED, OutgoingState.EXPIRED}),
+                    OutgoingState.PAUSED: frozenset({OutgoingState.RELEASED, OutgoingState.ABORTED,
+                                                     OutgoingState.EXPIRED})},
+    IncomingState: {IncomingState.RECEIVING: frozenset({IncomingState.PLACED, IncomingState.ABORTED,
+                                                        IncomingState.EXPIRED}),
+                    IncomingState.PLACED: frozenset({IncomingState.COMMITTED, IncomingState.ABORTED,
+                                                     IncomingState.EXPIRED})},
+    ProtectionState: {ProtectionState.ACTIVE: frozenset({ProtectionState.FENCED, ProtectionState.LOST,
+                                                         ProtectionState.STOPPED}),
+                      ProtectionState.FENCED: frozenset({ProtectionState.ACTIVE, ProtectionState.LOST,
+                                                         ProtectionState.STOPPED})},
 }
 ENDED_OUTGOING = frozenset({OutgoingState.RELEASED, OutgoingState.ABORTED, OutgoingState.EXPIRED})
 ENDED_INCOMING = frozenset({IncomingState.COMMITTED, IncomingState.ABORTED, IncomingState.EXPIRED})
@@ -75,7 +82,7 @@ class IllegalTransition(RuntimeError):
 
 
 def check_transition(old: _Wire, new: _Wire) -> _Wire:
-    if new not in TRANSITIONS.get(old, frozenset()):
+    if type(new) is not type(old) or new not in TRANSITIONS[type(old)].get(old, frozenset()):
         raise IllegalTransition(f"{type(old).__name__} {old} -> {new} is not a protocol move")
     return new
 

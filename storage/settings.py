@@ -9,6 +9,7 @@ keeps them equal). It lives in the lowest package so every layer may read it.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -105,8 +106,6 @@ class Settings(BaseSettings):
         return [k.strip() for k in self.api_keys.split(",") if k.strip()]
 
     def file_root_list(self) -> list[Path]:
-        import os
-
         return [Path(r) for r in (self.file_roots or "").split(os.pathsep) if r]
 
 
@@ -125,10 +124,20 @@ READ_BY = {  # who reads each variable (the docs table's second column)
 }
 
 
+_cache: tuple[tuple, Settings] | None = None
+
+
 def settings() -> Settings:
-    """The RELAYOUT_* variables as they are now (read on each call); SettingsError names a bad one."""
+    """The RELAYOUT_* variables as they are now; SettingsError names a bad one. Parsed again only
+    when one of them changed since the last call (a parse costs ~1 ms; some callers are per step)."""
+    global _cache
+    key = tuple(sorted((k, v) for k, v in os.environ.items() if k[:9].upper() == "RELAYOUT_"))
+    if _cache is not None and _cache[0] == key:
+        return _cache[1]
     try:
-        return Settings()
+        st = Settings()
+        _cache = (key, st)
+        return st
     except ValidationError as e:
         bad = "; ".join(f"RELAYOUT_{'_'.join(str(p) for p in err['loc'][:1]).upper()}: {err['msg']}"
                         for err in e.errors())

@@ -195,6 +195,23 @@ def test_abort_resumes_what_the_final_round_paused():
     run(go())
 
 
+def test_abort_and_expiry_in_pre_copy_end_the_transfer_on_both_sides():
+    async def go():
+        p = Pair()
+        await p.dst.import_round("t1", _pieces(await p.src.export("t1", None)), False, "http://src:1")
+        assert (p.src.state("t1")["outgoing"], p.dst.state("t1")["incoming"]) == ("active", "receiving")
+        await p.src.abort("t1")
+        await p.dst.abort("t1")
+        assert (p.src.state("t1")["outgoing"], p.dst.state("t1")["incoming"]) == ("aborted", "aborted")
+        await p.dst.import_round("t2", _pieces(await p.src.export("t2", None)), False, "http://src:1")
+        p.clock.now += 10 * TTL  # nobody drives t2 any more: both leases lapse
+        await p.src.sweep()
+        await p.dst.sweep()
+        assert (p.src.state("t2")["outgoing"], p.dst.state("t2")["incoming"]) == ("expired", "expired")
+
+    run(go())
+
+
 def test_retried_round_resends_only_chunks_the_target_lacks():
     async def go():
         p, dec, got = Pair(), FrameDecoder(), []
@@ -425,3 +442,15 @@ def test_protocol_states_are_their_wire_strings_and_moves_are_checked():
                      (IncomingState.RECEIVING, IncomingState.COMMITTED)):
         with pytest.raises(IllegalTransition, match=f"{old} -> {new}"):
             check_transition(old, new)
+
+
+def test_abort_and_expiry_during_pre_copy_end_the_transfer():
+    """The moves every transfer makes: active -> aborted / expired (pre-copy), one class's "active" not
+    confused with another's (the states are equal to their wire strings)."""
+    from relayout.migrate.protocol import TRANSITIONS, OutgoingState, ProtectionState, check_transition
+
+    assert OutgoingState.ACTIVE == ProtectionState.ACTIVE  # why TRANSITIONS is keyed per class
+    assert check_transition(OutgoingState.ACTIVE, OutgoingState.ABORTED) is OutgoingState.ABORTED
+    assert check_transition(OutgoingState.ACTIVE, OutgoingState.EXPIRED) is OutgoingState.EXPIRED
+    assert check_transition(ProtectionState.ACTIVE, ProtectionState.FENCED) is ProtectionState.FENCED
+    assert len(TRANSITIONS[OutgoingState]) == 2 and len(TRANSITIONS[ProtectionState]) == 2
