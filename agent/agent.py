@@ -17,7 +17,7 @@ import httpx
 from fastapi import APIRouter, Depends, FastAPI
 from fastapi.responses import PlainTextResponse
 from prometheus_client import generate_latest
-from relayout.agent.drain import drain_node
+from relayout.agent.drain import check_drain_targets, drain_node
 from relayout.agent.failover import HealthCheck
 from relayout.agent.node import Agent, check_dtypes
 from relayout.agent.protect import protect_router, protection_of
@@ -291,8 +291,9 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
             if not web.ID_RE.fullmatch(rid) or rid not in ag.reg.replicas:
                 raise HTTPError(400, f"layouts: no replica {rid!r} on this node")
             layouts[rid] = await asyncio.to_thread(validate_layout, ag.reg.replicas[rid]["model"], lay)
+        into = await check_drain_targets(ag, target, body.target_replicas or {}, layouts)
         ag.draining = True  # from now on: no new replicas here, and the gateways stop routing here
-        ag.drain_op = ag.new_op("drain", None, lambda op: drain_node(ag, op, target, layouts))
+        ag.drain_op = ag.new_op("drain", None, lambda op: drain_node(ag, op, target, layouts, into))
         return {"operation_id": ag.drain_op}
 
     @v1.post("/undrain")

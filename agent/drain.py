@@ -16,10 +16,38 @@ from relayout.engine.web import HTTPError
 DRAIN_PASSES = 8  # re-list and retry: sessions that finish or arrive while a replica is moved
 
 
-async def drain_node(ag: Agent, op: dict, target: str, layouts: dict[str, str | None] | None = None) -> dict:
+async def check_drain_targets(ag: Agent, target: str, into: dict[str, str],
+                              layouts: dict[str, str | None]) -> dict[str, str]:
+    """Each `target_replicas` entry: a replica here -> a running replica on `target` of the same model
+    and engine; 400 naming the entry otherwise (before the node starts draining)."""
+    for rid, trid in into.items():
+        if not web.ID_RE.fullmatch(rid) or rid not in ag.reg.replicas:
+            raise HTTPError(400, f"target_replicas: no replica {rid!r} on this node")
+        if not web.ID_RE.fullmatch(trid):
+            raise HTTPError(400, f"target_replicas[{rid}]: {trid!r} is not a replica id")
+        if rid in layouts:
+            raise HTTPError(400, f"target_replicas[{rid}]: the replica has a planned layout too: name one of the two")
+        async with ag.client(30.0) as c:
+            resp = await c.get(f"{target}/v1/replicas/{trid}", headers=ag.headers())
+        if resp.status_code != 200:
+            raise HTTPError(400, f"target_replicas[{rid}]: the target agent has no replica {trid} "
+                                 f"({resp.status_code}: {web.error_message(resp)[:200]})")
+        have, want = resp.json(), ag.reg.replicas[rid]
+        if have.get("status") != "running":
+            raise HTTPError(400, f"target_replicas[{rid}]: replica {trid} is {have.get('status')}, not running")
+        for key, default in (("model", None), ("engine", "builtin")):
+            if have.get(key, default) != want.get(key, default):
+                raise HTTPError(400, f"target_replicas[{rid}]: replica {trid} runs {key} {have.get(key, default)!r}, "
+                                     f"this one {want.get(key, default)!r}")
+    return dict(into)
+
+
+async def drain_node(ag: Agent, op: dict, target: str, layouts: dict[str, str | None] | None = None,
+                     into: dict[str, str] | None = None) -> dict:
     """Move every session of every replica on this node to new replicas of the same model on
-    `target`, each with its own layout unless `layouts` plans another for it. Progress per replica is in op["result"] while it runs; a session that cannot be moved
-    is listed in `sessions_not_moved` (the op then fails), never dropped silently."""
+    `target`, each with its own layout unless `layouts` plans another for it, or into the running
+    replica `into` names for it. Progress per replica is in op["result"] while it runs; a session
+    that cannot be moved is listed in `sessions_not_moved` (the op then fails), never dropped silently."""
     from relayout.migrate.live import MigrationError, migrate_live, new_transfer_id
 
     res: dict[str, Any] = {"target_agent": target, "replicas": [], "sessions_moved": 0, "sessions_not_moved": []}
@@ -59,6 +87,13 @@ async def drain_node(ag: Agent, op: dict, target: str, layouts: dict[str, str | 
 
     async def launch_target(rid: str) -> None:
         e, r = entries[rid], ag.reg.replicas[rid]
+        if rid in (into or {}):  # started ahead on the target: checked by check_drain_targets
+            async with ag.client(30.0) as c:
+                resp = await c.get(f"{target}/v1/replicas/{into[rid]}", headers=ag.headers())
+            if resp.status_code != 200 or resp.json().get("status") != "running":
+                raise HTTPError(502, f"target replica {into[rid]} is gone ({resp.status_code})")
+            e.update(target_replica=into[rid], target_url=resp.json()["url"], state="launched")
+            return
         e["state"] = "launching"
         async with ag.client(OP_TIMEOUT) as c:
             resp = await c.post(f"{target}/v1/replicas", headers=ag.headers(),
@@ -115,12 +150,12 @@ async def drain_node(ag: Agent, op: dict, target: str, layouts: dict[str, str | 
                 op["bytes_done"] = sum(x["bytes_done"] for x in entries.values())
                 op["stall_ms"] = max(op.get("stall_ms") or 0.0, mr.stall_ms)
                 e["sessions_moved"] += [s for s in mr.sessions if s not in e["sessions_moved"]]
-                for sid, why in mr.not_moved.items():  # the source's word on each one it kept
-                    if why.startswith("finished"):
-                        if sid not in e["sessions_finished_here"]:
-                            e["sessions_finished_here"].append(sid)
-                    else:  # the engine keeps it (e.g. a seeded vLLM request): no later pass moves it
-                        failed[sid] = why
+                kept = mr.kept()  # the source's word on each one it did not move
+                for sid in mr.not_moved:
+                    if sid in kept:  # the engine keeps it (e.g. a seeded vLLM request): no later pass moves it
+                        failed[sid] = kept[sid]
+                    elif sid not in e["sessions_finished_here"]:
+                        e["sessions_finished_here"].append(sid)
         left = [s for s in await sessions_of(src)]
         # the source's own word settles any session the migration results did not name (e.g. a
         # move whose answer was lost after its commit): released to the target, or finished here

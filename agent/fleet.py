@@ -239,8 +239,7 @@ class FleetController(PollLoop):
                 if op["state"] != "succeeded":
                     raise RuntimeError(f"sweep failed: {op.get('error')}")
                 step.migrations.append(self._result(op))
-            kept = {sid: why for m in step.migrations for sid, why in m.not_moved.items()
-                    if not why.startswith("finished")}
+            kept = {sid: why for m in step.migrations for sid, why in m.kept().items()}
             if kept:  # the old replica's engine keeps them (a seeded vLLM request): it stays up until they end
                 step.error = "sessions not moved: " + "; ".join(f"{k}: {v}" for k, v in sorted(kept.items()))
         except (RuntimeError, httpx.HTTPError, ValueError) as e:

@@ -97,6 +97,9 @@ class DrainBody(BaseModel):
     target_agent: str = Field(..., pattern=r"^https?://[^\s]+$", max_length=2048)
     # a planned layout per replica (e.g. from `relayout plan`); the others keep theirs
     layouts: dict[str, str | dict] | None = Field(None, max_length=1024)
+    # a running replica on the target (e.g. started ahead, as a vLLM one takes a minute) per replica
+    # here: its sessions move into that one instead of one the drain launches
+    target_replicas: dict[str, str] | None = Field(None, max_length=1024)
 
 
 def validate_layout(model: str, layout: str | dict | None, engine: str = "builtin") -> str | None:

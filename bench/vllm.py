@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import random
 import re
-import statistics
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import httpx
-from relayout.bench.replica_client import BenchError, TokenStream
+from relayout.bench.replica_client import BenchError, TokenStream, median_gap_ms
 from relayout.migrate import procs
 from rich.console import Console
 from rich.table import Table
@@ -57,12 +56,6 @@ def _complete(url: str, prompt: list[int], n: int) -> tuple[list[int], float]:
     if r.status_code != 200:
         raise BenchError(f"completion on {url}: HTTP {r.status_code}: {r.text[:300]}")
     return r.json()["choices"][0]["token_ids"], time.perf_counter() - t0
-
-
-def _median_gap(times: list[float]) -> float | None:
-    ts = sorted(set(times))
-    g = [b - a for a, b in zip(ts, ts[1:], strict=False)]
-    return statistics.median(g) if g else None
 
 
 def measure_context(src: str, dst: str, ctx: int, kv_per_token: int, seed: int = 0) -> dict:
@@ -97,7 +90,7 @@ def measure_context(src: str, dst: str, ctx: int, kv_per_token: int, seed: int =
     final_at = phases.get("stop-and-copy", t1)
     before = [t for t in s.times if t < t0]
     during = [t for t in s.times if t0 <= t < final_at]
-    g_before, g_during = _median_gap(before), _median_gap(during)
+    g_before, g_during = median_gap_ms(before), median_gap_ms(during)
     cut_tokens = ctx + len([t for t in s.times if t < final_at])
     return {
         "moved": moved, "not_moved": res.not_moved, "exact": s.tokens + rest == ref,

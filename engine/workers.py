@@ -211,13 +211,14 @@ class RankExecutor:
         self.hosts: dict[int, str] = {}
         self.procs: dict[int, mp.process.BaseProcess] = {}
         self._closed = False
+        self.step_timeout_s = step_timeout_s()  # read once: _gather runs on every step
         self.shared_pools: dict[int, tuple[KVCache, tuple[int, int]]] = {}  # see _attach_pools
         host, port = split_hostport(pl.endpoint)
         self._listener = socket.create_server((host, port), backlog=64)
         self.endpoint = f"{host}:{self._listener.getsockname()[1]}"
         # the group's rendezvous lives with the driver, so a remote rank needs only the driver's address
         self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
-                                    timeout=timedelta(seconds=step_timeout_s()))
+                                    timeout=timedelta(seconds=self.step_timeout_s))
         self._identity = model_identity(model_dir)
         try:
             local_host = "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
@@ -337,7 +338,7 @@ class RankExecutor:
         return f", exit code {p.exitcode}" if p is not None and p.exitcode is not None else ""
 
     def _gather(self, ranks: list[int], timeout: float | None = None) -> dict[int, Message]:
-        timeout = step_timeout_s() if timeout is None else timeout
+        timeout = self.step_timeout_s if timeout is None else timeout
         pending = set(ranks)
         out: dict[int, Message] = {}
         deadline = time.monotonic() + timeout
@@ -351,7 +352,7 @@ class RankExecutor:
                 if self.chans[r] not in ready:
                     continue
                 try:
-                    m = self.chans[r].recv(timeout=step_timeout_s())
+                    m = self.chans[r].recv(timeout=self.step_timeout_s)
                 except (ChannelClosed, ChannelError, TimeoutError) as e:
                     self._fail(f"rank {r} on {self.hosts.get(r)}: {e}{self._exit_code(r)}")
                 if m.op == "error":

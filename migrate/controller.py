@@ -262,8 +262,7 @@ class Controller(PollLoop):
                 if not left:
                     break
                 step.migrations.append(migrate_live(old, new, left, token=self.token, mode=self.mode))
-            kept = {sid: why for m in step.migrations for sid, why in m.not_moved.items()
-                    if not why.startswith("finished")}
+            kept = {sid: why for m in step.migrations for sid, why in m.kept().items()}
             if kept:  # the old replica's engine keeps them: it stays up until they end there
                 step.error = "sessions not moved: " + "; ".join(f"{k}: {v}" for k, v in sorted(kept.items()))
         except (MigrationError, httpx.HTTPError, ValueError) as e:

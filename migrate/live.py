@@ -32,7 +32,7 @@ import httpx
 from relayout.engine.tracing import inject_hooks
 from relayout.engine.web import bearer_headers, check_response, tls_context
 from relayout.migrate.observe import phase_boundary, round_bytes, traced_migration
-from relayout.migrate.protocol import IncomingState, Phase
+from relayout.migrate.protocol import FINISHED_ON_SOURCE, IncomingState, Phase
 
 PRECOPY_ROUND_BYTES = 256 << 20  # a pre-copy round's KV over all its sessions (the target stages about a round)
 # pre-copy is caught up once a round moves at most this: the stop-and-copy round then carries about
@@ -87,6 +87,10 @@ class MigrationResult:
     stall_ms: float = 0.0  # the sessions' pause: from the source's hold to the target's resume
     retries: int = 0  # pre-copy rounds resumed after a network error
     phase: str = str(Phase.DONE)
+
+    def kept(self) -> dict[str, str]:
+        """The sessions the source's engine keeps (not moved, not finished there), with why."""
+        return {sid: why for sid, why in self.not_moved.items() if why != FINISHED_ON_SOURCE}
 
 
 Progress = Callable[[str, int], None]  # (phase, bytes so far)

@@ -77,6 +77,11 @@ ENDED_INCOMING = frozenset({IncomingState.COMMITTED, IncomingState.ABORTED, Inco
 LIVE_PROTECTION = frozenset({ProtectionState.ACTIVE, ProtectionState.FENCED})  # the source still owns the sessions
 
 
+# A session asked for that a round does not carry because it ended on the source first: the only
+# not-moved reason that needs no action (any other means the source's engine keeps the session).
+FINISHED_ON_SOURCE = "finished on the source before this round"
+
+
 class IllegalTransition(RuntimeError):
     """A move the table above does not allow: a bug on this side, never a peer's input."""
 

@@ -23,6 +23,7 @@ from typing import Protocol
 from relayout.engine.snapshot import SessionSnapshot, write_snapshot_steps
 from relayout.migrate.frame_sink import FrameSink
 from relayout.migrate.protocol import (  # noqa: F401 - the refusals are re-exported: the routes map each to a status
+    FINISHED_ON_SOURCE,
     ImportTooLarge,
     IncomingState,
     OutgoingState,
@@ -215,7 +216,7 @@ class TransferTable:
             raise TransferConflict(f"transfer {tid} ended while its round was cut")
         o.paused, o.final, o.rounds = cut.paused, o.final or pause, o.rounds + 1
         carried = {snap.state.session_id for snap in cut.snaps}
-        o.not_moved = {**{sid: "finished on the source before this round" for sid in sessions or []
+        o.not_moved = {**{sid: FINISHED_ON_SOURCE for sid in sessions or []
                           if sid not in carried}, **cut.not_moved}
         return self._frames(o, cut, sent, codec, pause, epoch, confirm_on_delivery)
 

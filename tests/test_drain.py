@@ -106,6 +106,10 @@ def test_drain_moves_every_stream_to_the_other_agent(two_agents):
     for bad in ({"r-nope": "attn_dp=1"}, {reps[1]["id"]: "attn_tp=3"}, {"../x": "attn_dp=1"}):
         r = httpx.post(f"{a}/v1/drain", headers=H, json={"target_agent": b, "layouts": bad}, timeout=60)
         assert r.status_code == 400, r.text
+    # so is a replica named to move into: it must run on the target, with the same model and engine
+    for bad in ({"r-nope": "r-x"}, {reps[0]["id"]: "r-missing"}, {reps[0]["id"]: "../x"}):
+        r = httpx.post(f"{a}/v1/drain", headers=H, json={"target_agent": b, "target_replicas": bad}, timeout=60)
+        assert r.status_code == 400 and "target_replicas" in r.json()["error"]["message"], r.text
     assert httpx.get(f"{a}/healthz").json()["draining"] is False
     for e in started:
         assert e.wait(90)

@@ -227,7 +227,8 @@ def test_agents_live_migrate_a_vllm_session_to_tp2_under_a_gateway_stream(model_
     client streams through the gateway while agent A's migrate operation moves the session live from
     its TP1 vLLM replica to agent B's TP2 one, and the client's stream continues token for token.
     (B's replica is up first: vLLM here decodes the whole session in a few seconds, less than a TP2
-    vLLM takes to start, so a drain, which launches its targets, finds it finished.)"""
+    vLLM takes to start.) Then a drain of B moves a new session into A's replica, named in
+    `target_replicas` (a drain that launched it would find the session finished)."""
     from openai import OpenAI
 
     from tests.test_agent import TOKEN, H, _start_agent, _stop, _wait_op
@@ -291,6 +292,24 @@ def test_agents_live_migrate_a_vllm_session_to_tp2_under_a_gateway_stream(model_
         t.join(300)
         assert "error" not in got, got["error"]
         assert got["tokens"] == reference  # through the gateway: nothing lost, repeated or changed, TP1 -> TP2
+
+        # drain B (TP2) into A's replica, now idle and warm: the entry is checked before B drains
+        for bad in ({dst["id"]: "r-nope"}, {"r-nope": src["id"]}, {dst["id"]: "../x"}):
+            r = httpx.post(f"{b}/v1/drain", headers=H, json={"target_agent": a, "target_replicas": bad}, timeout=60)
+            assert r.status_code == 400 and "target_replicas" in r.json()["error"]["message"], r.text
+        assert httpx.get(f"{b}/healthz").json()["draining"] is False
+        s = Stream(dst["url"], {"prompt": PROMPT, "max_tokens": N, "temperature": 0, "ignore_eos": True})
+        s.wait_for(1)
+        r = httpx.post(f"{b}/v1/drain", headers=H, json={"target_agent": a, "target_replicas": {dst["id"]: src["id"]}},
+                       timeout=60)
+        assert r.status_code == 202, r.text
+        op = _wait_op(b, r.json()["operation_id"], timeout=300)
+        assert op["state"] == "succeeded", op
+        entry = op["result"]["replicas"][0]
+        assert (entry["state"], entry["target_replica"]) == ("drained", src["id"]), op
+        assert entry["sessions_moved"] == [s.sid] and op["result"]["sessions_not_moved"] == [], op
+        s.t.join(60)
+        assert s.ids + _resume(src["url"], s.sid, len(s.ids), H) == reference  # TP2 -> TP1 by a drain
         assert httpx.get(f"{a}/v1/replicas", timeout=30).status_code == 401  # the agent's routes authenticate
     finally:
         # the agents' replicas outlive them (an agent restart adopts them): stop those first
