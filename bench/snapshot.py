@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 from relayout.engine.config import ModelConfig
 from relayout.engine.engine import LLMEngine
+from relayout.engine.placer import restore
 from relayout.engine.session import SamplingParams
 from relayout.engine.snapshot import (
     CHUNK_TOKENS,
@@ -28,7 +29,6 @@ from relayout.engine.snapshot import (
     geometry,
     model_ref,
     new_checkpoint_id,
-    restore,
     take_snapshot,
     write_snapshot,
 )

@@ -8,6 +8,7 @@ from typing import Protocol
 
 import torch
 from relayout.engine.config import ModelConfig
+from relayout.engine.kv_cache import KVCache
 from relayout.engine.layout import Layout
 from relayout.engine.parallel import ParallelState
 from relayout.engine.runner import ModelRunner, StepBatch
@@ -22,9 +23,25 @@ class Executor(Protocol):
 
     def reserve_kv_scratch(self, group: int, n_blocks: int) -> None: ...
 
+    def own_pool(self) -> HostPool | None:
+        """This process's KV pool when it holds all of it in host memory (one local rank, no
+        staging): snapshots copy straight between its blocks and chunk buffers."""
+        ...
+
+    def host_pools(self, group: int, every_copy: bool = False) -> list[HostPool] | None:
+        """The host pools this process can copy attention-DP group `group`'s KV out of (and into)
+        itself, with the KV heads each holds: its own pool, or its local ranks' pools in shared
+        memory (engine.shared_kv). Heads replicated on several ranks come once, or, with
+        `every_copy` (an import: every copy must get them), once per rank. None: through
+        export_kv/import_kv."""
+        ...
+
     def moe_stats(self) -> list[dict]: ...
 
     def shutdown(self) -> None: ...
+
+
+HostPool = tuple[KVCache, tuple[int, int]]  # a KV pool in this process's memory, with the KV heads it holds
 
 
 class LocalExecutor:
@@ -44,6 +61,16 @@ class LocalExecutor:
 
     def reserve_kv_scratch(self, group: int, n_blocks: int) -> None:
         self.runner.kv.reserve_scratch(n_blocks)
+
+    def own_pool(self) -> HostPool | None:
+        r = self.runner
+        if r.stager is not None or r.kv.k[0].device.type != "cpu":
+            return None
+        return r.kv, r.kv_range
+
+    def host_pools(self, group: int, every_copy: bool = False) -> list[HostPool] | None:
+        one = self.own_pool()
+        return None if one is None else [one]
 
     def moe_stats(self) -> list[dict]:
         return [self.runner.moe_stats()]

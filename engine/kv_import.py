@@ -1,4 +1,5 @@
-"""A checkpoint's KV of one session into freshly allocated blocks of a replica (restore's copy).
+"""The one KV write path into a replica's blocks: a checkpoint's KV of one session (restore's copy,
+`import_session`) and a live round's token range from chunks received and verified (`import_range`).
 
 Each chunk's hash is checked either way. Into a host pool, a chunk stored as is (codec "none",
 token-major, the pool's dtype, all its heads) is hashed piece by piece just before each piece's
@@ -12,9 +13,14 @@ from __future__ import annotations
 import torch
 from relayout.engine.engine import LLMEngine
 from relayout.engine.kv_cache import KVCache, copy_into
+from relayout.engine.snapshot import RestoreError
 from relayout.storage.checkpoint import CheckpointReader
 from relayout.storage.chunks import check_streamed, kv_scaled_view, kv_stream_view, kv_view, parallel_map
 from relayout.storage.errors import CorruptCheckpoint
+from relayout.storage.manifest import Manifest
+from relayout.storage.store_base import Store
+
+IMPORT_SLICE_TOKENS = 256  # tokens imported through a multi-rank executor at a time
 
 
 def _host_layer(pool: KVCache, heads: tuple[int, int], reader: CheckpointReader, sid: str, blocks: list[int],
@@ -47,7 +53,7 @@ def _host_layer(pool: KVCache, heads: tuple[int, int], reader: CheckpointReader,
 def import_session(engine: LLMEngine, reader: CheckpointReader, sid: str, group: int, blocks: list[int],
                    n_kv: int, hosts: list[tuple[KVCache, tuple[int, int]]] | None) -> None:
     """All of one session's KV from `reader` into `blocks` (freshly allocated, not yet placed).
-    Every chunk is verified; `hosts` (host pools with the KV heads each holds, see snapshot.host_pool)
+    Every chunk is verified; `hosts` (host pools with the KV heads each holds, see Executor.host_pools)
     get each chunk copied straight into their blocks, any other executor one assembled
     [layers, 2, heads, tokens, d] tensor."""
     c = engine.cfg
@@ -62,3 +68,52 @@ def import_session(engine: LLMEngine, reader: CheckpointReader, sid: str, group:
         for e, t in reader.kv_pieces(sid, layer, 0, c.num_kv_heads):
             copy_into(kv[layer, :, e.tok_lo : e.tok_hi, e.head_lo : e.head_hi], t.transpose(1, 2))
     engine.executor.import_kv(group, blocks, 0, kv.transpose(2, 3))
+
+
+def import_range(engine: LLMEngine, store: Store, manifest: Manifest, sid: str, group: int, blocks: list[int],
+                 a: int, b: int) -> None:
+    """Import tokens [a, b) of one session from whichever chunks cover them. `store` holds only
+    chunks verified on receipt (storage.stream.StreamReceiver): their hashes are not computed again."""
+    if b <= a:
+        return
+    c = engine.cfg
+    entries = [e for e in manifest.kv_entries if e.session_id == sid and e.tok_hi > a and e.tok_lo < b]
+    covered = sum((min(b, e.tok_hi) - max(a, e.tok_lo)) * (e.head_hi - e.head_lo) for e in entries)
+    if covered != c.num_layers * c.num_kv_heads * (b - a):  # before anything is fetched or written
+        raise CorruptCheckpoint(f"session {sid}: chunks do not cover tokens [{a}, {b}) exactly once")
+    pools = engine.executor.host_pools(group, every_copy=True)
+    scaled = manifest.kv.scale is not None
+    if scaled and (pools is None or len(pools) != 1):  # check_compatible refuses this before any block is reserved
+        raise RestoreError("fp8 KV moves only into a replica whose KV pool is local host memory (one rank, CPU)")
+    views = []
+    for e in entries:
+        data, scale = store.get_chunk(e.chunk.hash), None
+        if scaled:
+            t, scale = kv_scaled_view(data, e.chunk, e.shape(c.head_dim), manifest.kv.dtype, verified=True)
+        else:
+            t = kv_view(data, e.chunk, e.shape(c.head_dim), engine.dtype, manifest.format_version, verified=True)
+        views.append((e, t, scale))
+    if pools is not None:  # straight from each chunk into the blocks of every pool holding its heads
+        for e, t, scale in views:
+            lo, hi = max(a, e.tok_lo), min(b, e.tok_hi)
+            for pool, (p_lo, p_hi) in pools:
+                h0, h1 = max(p_lo, e.head_lo), min(p_hi, e.head_hi)
+                if h0 < h1:
+                    part = t[:, h0 - e.head_lo : h1 - e.head_lo, lo - e.tok_lo : hi - e.tok_lo]
+                    sc = None if scale is None else scale[:, h0 - e.head_lo : h1 - e.head_lo, lo - e.tok_lo : hi - e.tok_lo]
+                    pool.import_from(blocks, e.layer, lo, part, h0 - p_lo, sc)
+        return
+    # through the executor, IMPORT_SLICE_TOKENS at a time through one reused buffer: a whole round
+    # assembled at once would be that much fresh memory (page faults) here and in every rank. The
+    # buffer is token-major like the chunks and the pool, so every copy on the way moves whole rows.
+    buf = torch.empty((c.num_layers, 2, min(IMPORT_SLICE_TOKENS, b - a), c.num_kv_heads, c.head_dim),
+                      dtype=engine.dtype)
+    for s0 in range(a, b, IMPORT_SLICE_TOKENS):
+        s1 = min(b, s0 + IMPORT_SLICE_TOKENS)
+        rows = buf[:, :, : s1 - s0]
+        for e, t, _ in views:
+            lo, hi = max(s0, e.tok_lo), min(s1, e.tok_hi)
+            if lo < hi:
+                copy_into(rows[e.layer, :, lo - s0 : hi - s0, e.head_lo : e.head_hi],
+                          t[:, :, lo - e.tok_lo : hi - e.tok_lo].transpose(1, 2))
+        engine.executor.import_kv(group, blocks, s0, rows.transpose(2, 3))

@@ -7,7 +7,7 @@ the KV, and the KV is copied later, off the engine thread (`DeferredKV`).
 `write_snapshot` (any thread) encodes the copy into the storage format: per session, per
 layer, per KV-head range, per token range. Token ranges are aligned to CHUNK_TOKENS so
 successive checkpoints of a growing session share their full chunks (stored once).
-`restore` checks everything before touching the target replica, then imports.
+Restoring them is engine/placer.py's.
 """
 
 from __future__ import annotations
@@ -20,11 +20,9 @@ from collections.abc import Iterator
 
 import torch
 from relayout.engine.engine import LLMEngine
-from relayout.engine.executor import LocalExecutor
 from relayout.engine.kv_cache import FP8_KV, KVCache, blocks_needed
-from relayout.engine.kv_import import import_session
-from relayout.engine.session import SessionState, SessionStatus
-from relayout.storage.checkpoint import CheckpointReader, CheckpointWriter
+from relayout.engine.session import SessionState
+from relayout.storage.checkpoint import CheckpointWriter
 from relayout.storage.chunks import (
     dtype_name,
     is_sealed,
@@ -34,8 +32,7 @@ from relayout.storage.chunks import (
     parallel_map,
     seal_kv_chunk,
 )
-from relayout.storage.errors import CorruptCheckpoint, ModelMismatch
-from relayout.storage.manifest import KVGeometry, Manifest, ModelRef, SessionEntry
+from relayout.storage.manifest import KVGeometry, Manifest, ModelRef
 
 CHUNK_TOKENS = 256  # a multiple of the KV block size
 
@@ -56,7 +53,7 @@ class DeferredKV:
     stepping meanwhile; blocks change owner only when a session ends (its KV is then not moved
     any more) or is preempted, which `check` detects through the scheduler's preemption count."""
 
-    pools: list[tuple[KVCache, tuple[int, int]]]  # host_pools: each pool with the KV heads it holds
+    pools: list[tuple[KVCache, tuple[int, int]]]  # Executor.host_pools: each pool with the KV heads it holds
     blocks: list[int]
     lo: int
     hi: int
@@ -139,37 +136,6 @@ def _chunk_ranges(lo: int, hi: int) -> list[tuple[int, int]]:
     return out
 
 
-def host_pool(engine: LLMEngine) -> tuple[KVCache, tuple[int, int]] | None:
-    """The KV pool and its head range when this process holds all of it in host memory (one
-    local rank, no staging): snapshots then copy straight between pool blocks and chunk buffers.
-    Any other executor goes through export_kv/import_kv (or host_pools)."""
-    ex = engine.executor
-    if not isinstance(ex, LocalExecutor):
-        return None
-    r = ex.runner
-    kv = getattr(r, "kv", None)
-    if getattr(r, "stager", None) is not None or not isinstance(kv, KVCache) or kv.k[0].device.type != "cpu":
-        return None
-    return kv, tuple(r.kv_range)  # type: ignore[return-value]
-
-
-def host_pools(engine: LLMEngine, group: int, every_copy: bool = False) -> list[tuple[KVCache, tuple[int, int]]] | None:
-    """The host pools this process can copy attention-DP group `group`'s KV out of (and into)
-    itself, with the KV heads each holds: its own pool, or its local ranks' pools in shared memory
-    (engine.shared_kv). Heads replicated on several ranks come once, or, with `every_copy`
-    (an import: every copy must get them), once per rank. None: through the executor."""
-    one = host_pool(engine)
-    if one is not None:
-        return [one]
-    shared = getattr(engine.executor, "shared_pools", None)
-    if not shared:
-        return None
-    lay = engine.layout
-    ranks = range(group * lay.attn_tp, (group + 1) * lay.attn_tp)
-    pools = [shared[r] for r in ranks]
-    return pools if every_copy else list({heads: (kv, heads) for kv, heads in pools}.values())
-
-
 def _export_chunks(pool: KVCache, heads: tuple[int, int], blocks: list[int], lo: int, hi: int) -> list[tuple]:
     k0 = pool.k[0]
     h, d = k0.shape[2], k0.shape[3]
@@ -248,7 +214,7 @@ def take_snapshot(engine: LLMEngine, session_ids: list[str] | None = None, tok_f
     a bounded copy; later rounds send the rest."""
     snaps = []
     live = _live(engine, session_ids)
-    hosts = {g: host_pools(engine, g) for g in {s.dp_group for s in live}}
+    hosts = {g: engine.executor.host_pools(g) for g in {s.dp_group for s in live}}
     if any(hosts.values()):  # the next snapshot this size reuses these buffers' memory once they are freed
         per_tok = engine.cfg.num_layers * 2 * engine.cfg.num_kv_heads * engine.cfg.head_dim * engine.dtype.itemsize
         keep_freed_memory(per_tok * sum(max(0, s.num_computed - (tok_from or {}).get(s.session_id, 0)) for s in live))
@@ -330,118 +296,6 @@ def checkpoint(engine: LLMEngine, writer: CheckpointWriter, session_ids: list[st
     snaps = take_snapshot(engine, session_ids)
     write_snapshot(snaps, writer)
     return writer.commit(model_ref(engine), engine.layout.to_dict(), geometry(engine), meta or {})
-
-
-# ---- restore ------------------------------------------------------------------
-def check_model(engine: LLMEngine, manifest: Manifest) -> None:
-    """The checkpoint's model and KV geometry are this replica's (either engine: the vLLM one has
-    the same `fingerprint`, `model_ref` and geometry)."""
-    if manifest.model.fingerprint != engine.fingerprint:
-        raise ModelMismatch(f"checkpoint {manifest.checkpoint_id} is of model {manifest.model.name} "
-                            f"(fingerprint {manifest.model.fingerprint[:12]}), this replica serves "
-                            f"{engine.model_ref} (fingerprint {engine.fingerprint[:12]})")
-    g, kv = geometry(engine), manifest.kv
-    if (kv.num_layers, kv.num_kv_heads, kv.head_dim) != (g.num_layers, g.num_kv_heads, g.head_dim):
-        raise CorruptCheckpoint(f"checkpoint KV geometry {kv} does not match the model's {g}")
-
-
-def check_entry(engine: LLMEngine, e: SessionEntry) -> SessionState:
-    """One session entry this replica may take (either engine), as its state; changes nothing."""
-    st = SessionState.from_dict(e.state)
-    if st.session_id != e.session_id:
-        raise CorruptCheckpoint(f"session entry {e.session_id} holds state of {st.session_id}")
-    old = engine.sessions.get(st.session_id)
-    if old is not None and not old.is_finished:
-        raise RestoreError(f"session {st.session_id} is already live on this replica")
-    if any(t >= engine.cfg.vocab_size for t in st.all_token_ids):
-        raise CorruptCheckpoint(f"session {st.session_id} holds token ids outside the vocabulary")
-    if st.num_tokens + st.sampling.max_tokens - len(st.output_token_ids) > engine.max_model_len:
-        raise RestoreError(f"session {st.session_id} needs more context than this replica's {engine.max_model_len}")
-    if e.num_kv_tokens > st.num_tokens:
-        raise CorruptCheckpoint(f"session {e.session_id} declares {e.num_kv_tokens} KV tokens but holds "
-                                f"only {st.num_tokens} tokens")
-    return st
-
-
-def check_compatible(engine: LLMEngine, manifest: Manifest, exact: bool = False) -> None:
-    """The checkpoint's model and KV geometry are this replica's; its KV dtype may differ (converted
-    on import, see kv_conversion) unless `exact`."""
-    check_model(engine, manifest)
-    g, kv = geometry(engine), manifest.kv
-    conv = kv_conversion(engine, manifest)
-    if conv is not None and exact:
-        raise RestoreError(f"checkpoint {manifest.checkpoint_id} holds {conv['from']} KV, this replica's KV is "
-                           f"{conv['to']}: an exact restore does not convert (restore without exact to convert)")
-    if (kv.scale or g.scale) and conv is not None and host_pool(engine) is None:
-        raise RestoreError(f"converting {conv['from']} KV to {conv['to']} needs a replica whose KV pool is local "
-                           "host memory (one rank, CPU)")
-    if kv.scale and host_pool(engine) is None:
-        raise RestoreError("fp8 KV moves only into a replica whose KV pool is local host memory (one rank, CPU)")
-
-
-def kv_conversion(engine: LLMEngine, manifest: Manifest) -> dict[str, str] | None:
-    """{"from": checkpoint KV dtype, "to": this replica's} when they differ (a restore casts, quantises
-    into fp8 or dequantises out of it), else None."""
-    g, kv = geometry(engine), manifest.kv
-    if (kv.dtype, kv.scale) == (g.dtype, g.scale):
-        return None
-    return {"from": kv.dtype, "to": g.dtype}
-
-
-def plan_restore(engine: LLMEngine, manifest: Manifest, session_ids: list[str] | None = None
-                 ) -> list[tuple[SessionState, int, int]]:
-    """(state, num_kv_tokens, dp_group) for each session, or RestoreError; changes nothing."""
-    entries = [manifest.session(sid) for sid in session_ids] if session_ids else manifest.sessions
-    free = [a.num_free for a in engine.allocators]
-    load = [engine.scheduler.group_load(g) for g in range(len(free))]
-    out = []
-    for e in entries:
-        st = check_entry(engine, e)
-        need = blocks_needed(st.num_tokens + 1) if e.num_kv_tokens else 0
-        cands = sorted(range(len(free)), key=lambda g: (load[g], g))
-        g = next((g for g in cands if free[g] >= need), None)
-        if g is None:
-            raise RestoreError(f"not enough free KV blocks for session {st.session_id}: needs {need}, "
-                               f"largest free pool has {max(free)}")
-        free[g] -= need
-        load[g] += 1
-        out.append((st, e.num_kv_tokens, g))
-    return out
-
-
-def restore(engine: LLMEngine, reader: CheckpointReader, session_ids: list[str] | None = None,
-            verify: bool = True, exact: bool = False) -> list[str]:
-    """Import sessions into this replica (engine thread, between steps). All or nothing: the
-    cheap checks first, then every session's KV into freshly allocated blocks, each chunk's hash
-    checked once, as it is copied (see kv_import; before any session is placed), and only when all of them
-    imported are the sessions placed. A refused restore frees those blocks again and leaves the
-    replica's sessions and blocks as they were. `verify` also checks the whole manifest's coverage
-    up front (the hashes are checked either way). KV of another dtype is converted (kv_conversion)
-    unless `exact`, which refuses it."""
-    m = reader.manifest
-    check_compatible(engine, m, exact)
-    plan = plan_restore(engine, m, session_ids)
-    if verify:
-        gap = m.coverage_error()
-        if gap is not None:
-            raise CorruptCheckpoint(f"checkpoint {m.checkpoint_id} is incomplete: {gap}")
-    placed: list[tuple[SessionState, int, int, list[int] | None]] = []
-    try:
-        for st, n_kv, g in plan:
-            blocks = engine.allocators[g].allocate(blocks_needed(st.num_tokens + 1)) if n_kv else None
-            placed.append((st, n_kv, g, blocks))
-            if blocks is not None:
-                import_session(engine, reader, st.session_id, g, blocks, n_kv, host_pools(engine, g, every_copy=True))
-    except BaseException:
-        for _, _, g, blocks in placed:
-            if blocks is not None:
-                engine.allocators[g].free(blocks)
-        raise
-    for st, n_kv, g, blocks in placed:
-        st.num_computed = n_kv
-        st.status = SessionStatus.RUNNING if n_kv else SessionStatus.WAITING
-        engine.adopt(st, g, blocks)
-    return [st.session_id for st, _, _, _ in placed]
 
 
 def new_checkpoint_id() -> str:

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from relayout.engine.config import ModelConfig, parse_dtype
+from relayout.engine.executor import HostPool
 from relayout.engine.kv_cache import FP8_KV, KVCache
 from relayout.engine.layout import Layout
 from relayout.engine.parallel import init_groups
@@ -41,10 +42,6 @@ from relayout.engine.shared_kv import SharedPool, attach_pool, shared_kv_enabled
 from relayout.engine.weights import model_identity
 from relayout.storage.chunks import one_malloc_arena
 from relayout.storage.settings import settings
-
-
-def step_timeout_s() -> float:  # RELAYOUT_STEP_TIMEOUT_S
-    return settings().step_timeout_s
 
 
 def rank_join_timeout_s() -> float:  # RELAYOUT_RANK_JOIN_TIMEOUT_S
@@ -150,7 +147,7 @@ def _start(rank: int, conf: dict, store_host: str, model_dir: Path, local_index:
     if dev.type == "cuda":
         dev = torch.device("cuda", (rank if local_index is None else local_index) % torch.cuda.device_count())
         torch.cuda.set_device(dev)
-    timeout = timedelta(seconds=step_timeout_s())
+    timeout = timedelta(seconds=settings().step_timeout_s)
     store = dist.TCPStore(store_host, int(conf["store_port"]), is_master=False, timeout=timeout)
     dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", store=store, rank=rank,
                             world_size=layout.world_size, timeout=timeout)
@@ -211,7 +208,7 @@ class RankExecutor:
         self.hosts: dict[int, str] = {}
         self.procs: dict[int, mp.process.BaseProcess] = {}
         self._closed = False
-        self.step_timeout_s = step_timeout_s()  # read once: _gather runs on every step
+        self.step_timeout_s = settings().step_timeout_s  # read once: _gather runs on every step
         self.shared_pools: dict[int, tuple[KVCache, tuple[int, int]]] = {}  # see _attach_pools
         host, port = split_hostport(pl.endpoint)
         self._listener = socket.create_server((host, port), backlog=64)
@@ -404,6 +401,16 @@ class RankExecutor:
                                         [part.contiguous()])
             self._send_encoded(r, sent[(lo, hi)])
         self._gather(ranks)
+
+    def own_pool(self) -> HostPool | None:
+        return None  # the pools are the ranks' (at most mapped here: host_pools)
+
+    def host_pools(self, group: int, every_copy: bool = False) -> list[HostPool] | None:
+        if not self.shared_pools:
+            return None
+        a = self.layout.attn_tp
+        pools = [self.shared_pools[r] for r in range(group * a, (group + 1) * a)]
+        return pools if every_copy else list({heads: (kv, heads) for kv, heads in pools}.values())
 
     def reserve_kv_scratch(self, group: int, n_blocks: int) -> None:
         """Also the proof, every round, that the group's ranks are alive: KV copied into shared pools

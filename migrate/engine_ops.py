@@ -11,18 +11,10 @@ from typing import Any
 
 from relayout.engine.async_engine import AsyncEngine
 from relayout.engine.engine import LLMEngine
+from relayout.engine.placer import SessionPlacer, check_compatible, kv_conversion, restore
 from relayout.engine.receive import abort_incoming, commit_incoming, receive_round
 from relayout.engine.session import SessionState
-from relayout.engine.snapshot import (
-    CHUNK_TOKENS,
-    check_compatible,
-    geometry,
-    kv_conversion,
-    model_ref,
-    plan_restore,
-    restore,
-    take_snapshot,
-)
+from relayout.engine.snapshot import CHUNK_TOKENS, geometry, model_ref, take_snapshot
 from relayout.migrate.transfers import Cut, Incoming
 from relayout.storage.checkpoint import CheckpointReader
 from relayout.storage.errors import CorruptCheckpoint
@@ -135,7 +127,7 @@ def precheck_restore(engine: LLMEngine, manifest: Manifest, sessions: list[str] 
     """Refusals that need no chunk: model, geometry, ids, room, and KV no longer than the
     session's tokens (so no declared size can make verify() decode more than the replica holds)."""
     check_compatible(engine, manifest)
-    plan_restore(engine, manifest, sessions)
+    SessionPlacer(engine).plan(manifest, sessions)
     for e in manifest.sessions:
         if sessions is None or e.session_id in sessions:
             n = SessionState.from_dict(e.state).num_tokens

@@ -12,6 +12,7 @@ them are legal, and the refusals a replica answers with. The values are the wire
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from enum import Enum
 
 
@@ -76,6 +77,11 @@ ENDED_OUTGOING = frozenset({OutgoingState.RELEASED, OutgoingState.ABORTED, Outgo
 ENDED_INCOMING = frozenset({IncomingState.COMMITTED, IncomingState.ABORTED, IncomingState.EXPIRED})
 LIVE_PROTECTION = frozenset({ProtectionState.ACTIVE, ProtectionState.FENCED})  # the source still owns the sessions
 
+
+# (source replica URL, transfer or protection id) -> the source's state of it, as its wire string
+# (an OutgoingState or a ProtectionState; None: the source does not know it); raises when the
+# source cannot be asked. How a target in doubt asks the source (transfers.py and standby.py).
+AskSource = Callable[[str, str], Awaitable[str | None]]
 
 # A session asked for that a round does not carry because it ended on the source first: the only
 # not-moved reason that needs no action (any other means the source's engine keeps the session).

@@ -13,24 +13,22 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from relayout.engine.engine import LLMEngine
+from relayout.engine.placer import SessionPlacer
 from relayout.engine.receive import abort_incoming, free_reservations, receive_round
 from relayout.engine.sampling import advance_rng
-from relayout.engine.session import SessionState, SessionStatus
+from relayout.engine.session import SessionState
 from relayout.engine.tracing import span
 from relayout.migrate.engine_ops import EngineCall
-from relayout.migrate.protocol import ProtectionState
+from relayout.migrate.protocol import AskSource, ProtectionState
 from relayout.storage.manifest import ChunkRef, Manifest
 from relayout.storage.stores import MemoryStore
 from relayout.storage.stream import StreamReceiver
 
 AUTO_GRACE_S = 0.5  # the standby's own promotion waits this much longer than one a caller triggers
-# (source) -> its answer about the protection: "active" | "fenced" | "lost" | "stopped" | None (unknown
-# there); raises when the source does not answer
-AskSource = Callable[[str, str], Awaitable[str | None]]
 
 
 class ProtectionError(Exception):
@@ -154,20 +152,14 @@ def place_promoted(e: LLMEngine, h: Held, told: dict[str, list[int]]) -> dict[st
     states = {x.session_id: (SessionState.from_dict(x.state), x.num_kv_tokens) for x in h.manifest.sessions}
     tails = {sid: tail_of(st, told.get(sid)) for sid, (st, _) in states.items()}  # all checked first
     out: dict[str, int] = {}
+    placer = SessionPlacer(e)
     for sid, (st, n_kv) in states.items():
-        g, blocks = h.blocks.pop(sid)
         tail = tails[sid] if st.sampling.logprobs is None else []  # logprobs: regenerate the tail instead
         if tail:
             advance_rng(st, e.cfg.vocab_size, len(tail))
             st.output_token_ids += tail
-        st.num_computed = n_kv
-        if n_kv == 0:  # not admitted on the source yet: prefill here from scratch
-            e.allocators[g].free(blocks)
-            st.status = SessionStatus.WAITING
-            e.adopt(st, g, None)
-        else:
-            st.status = SessionStatus.RUNNING
-            e.adopt(st, g, blocks)
+        g, blocks = placer.claim(h.blocks, sid, with_kv=n_kv > 0)  # none: not admitted on the source yet
+        placer.place(st, n_kv, g, blocks)
         reason = _finish_reason(e, st) if tail else None
         if reason is not None:
             e.abort(sid, reason)
@@ -219,10 +211,9 @@ class StandbyTable:
             def take(e: LLMEngine) -> dict:
                 res = receive_round(e, h, manifest, final=False)
                 gone = [sid for sid in h.blocks if sid not in res["sessions"]]
-                for sid in gone:  # finished on the source: its copy is not needed any more
-                    g, blocks = h.blocks.pop(sid)
+                SessionPlacer(e).release(h.blocks, gone)  # finished on the source: its copy is not needed any more
+                for sid in gone:
                     h.upto.pop(sid, None)
-                    e.allocators[g].free(blocks)
                 return res
 
             res = await self.call(take)

@@ -24,6 +24,7 @@ from relayout.engine.snapshot import SessionSnapshot, write_snapshot_steps
 from relayout.migrate.frame_sink import FrameSink
 from relayout.migrate.protocol import (  # noqa: F401 - the refusals are re-exported: the routes map each to a status
     FINISHED_ON_SOURCE,
+    AskSource,
     ImportTooLarge,
     IncomingState,
     OutgoingState,
@@ -45,9 +46,6 @@ MAX_TRANSFERS = 64  # incoming transfers in flight at once
 DONE_KEEP = 1024  # finished transfers remembered (for a target that asks how one ended)
 DOUBT_GIVE_UP = 10  # ttls a target in doubt keeps asking a silent source before it drops its copy
 Clock = Callable[[], float]
-# (source replica URL, transfer id) -> the source's "outgoing" state of that transfer (None: it
-# does not know it); raises when the source cannot be asked
-AskSource = Callable[[str, str], Awaitable[str | None]]
 
 
 def transfer_ttl() -> float:

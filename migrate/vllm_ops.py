@@ -21,15 +21,9 @@ import time
 from pathlib import Path
 
 from relayout.engine.async_engine import AsyncEngine
+from relayout.engine.placer import check_entry, check_model
 from relayout.engine.session import SessionState
-from relayout.engine.snapshot import (
-    RestoreError,
-    SessionSnapshot,
-    check_entry,
-    check_model,
-    geometry,
-    model_ref,
-)
+from relayout.engine.snapshot import RestoreError, SessionSnapshot, geometry, model_ref
 from relayout.engine.vllm_engine import VllmEngine
 from relayout.engine.vllm_exchange import ExchangeError, write_kv
 from relayout.migrate.transfers import Cut, Incoming

@@ -12,15 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 from relayout.engine.engine import LLMEngine
+from relayout.engine.placer import restore
 from relayout.engine.session import SamplingParams
-from relayout.engine.snapshot import (
-    SessionSnapshot,
-    geometry,
-    model_ref,
-    restore,
-    take_snapshot,
-    write_snapshot,
-)
+from relayout.engine.snapshot import SessionSnapshot, geometry, model_ref, take_snapshot, write_snapshot
 from relayout.storage.checkpoint import CheckpointReader, CheckpointWriter
 from relayout.storage.chunks import chunk_hash
 from relayout.storage.stores import LocalStore

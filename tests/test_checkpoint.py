@@ -6,8 +6,9 @@ import json
 import pytest
 from relayout.engine.engine import LLMEngine
 from relayout.engine.layout import Layout
+from relayout.engine.placer import restore
 from relayout.engine.session import SamplingParams
-from relayout.engine.snapshot import RestoreError, checkpoint, restore
+from relayout.engine.snapshot import RestoreError, checkpoint
 from relayout.storage.checkpoint import CheckpointReader, CheckpointWriter
 from relayout.storage.errors import ChunkMissing, CorruptCheckpoint, ModelMismatch
 from relayout.storage.stores import LocalStore, S3Store

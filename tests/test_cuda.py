@@ -73,8 +73,9 @@ def test_runner_snapshot_restore_roundtrip_on_cuda():
     """The engine's own path (ModelRunner.export_kv/import_kv through the stager): a checkpoint
     restored into a second replica continues with the same tokens."""
     from relayout.engine.engine import LLMEngine
+    from relayout.engine.placer import restore
     from relayout.engine.session import SamplingParams
-    from relayout.engine.snapshot import checkpoint, new_checkpoint_id, restore
+    from relayout.engine.snapshot import checkpoint, new_checkpoint_id
     from relayout.storage.checkpoint import CheckpointReader, CheckpointWriter
     from relayout.storage.stores import MemoryStore
 

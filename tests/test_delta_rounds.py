@@ -8,7 +8,7 @@ import pytest
 from relayout.engine.engine import LLMEngine
 from relayout.engine.receive import abort_incoming, receive_round
 from relayout.engine.session import SamplingParams
-from relayout.engine.snapshot import geometry, model_ref, take_snapshot, write_snapshot
+from relayout.engine.snapshot import RestoreError, geometry, model_ref, take_snapshot, write_snapshot
 from relayout.storage.checkpoint import CheckpointWriter
 from relayout.storage.errors import CorruptCheckpoint
 from relayout.storage.manifest import Manifest
@@ -61,6 +61,25 @@ def test_delta_chain_continues_token_for_token_and_a_gap_is_refused() -> None:
             dst.step()
         assert dst.sessions["s"].output_token_ids == want
         abort_incoming(dst, fresh)
+    finally:
+        src.shutdown()
+        dst.shutdown()
+
+
+def test_a_live_round_is_checked_as_a_restore_is() -> None:
+    """Live rounds and restores share SessionPlacer's checks: a session that needs more context
+    than the target holds is refused in its first round (it would fit the blocks reserved for it
+    now, and run out of them later), with nothing reserved."""
+    src, dst = LLMEngine("builtin:tiny"), LLMEngine("builtin:tiny", num_blocks=8)  # 127 tokens of context
+    try:
+        src.add_session(PROMPT, SamplingParams(max_tokens=100, ignore_eos=True), session_id="s")
+        for _ in range(4):
+            src.step()
+        t, free = Incoming(), dst.allocators[0].num_free
+        m = _round(src, t.store, 0, {})
+        with pytest.raises(RestoreError, match="needs more context than this replica's 127"):
+            receive_round(dst, t, m, final=False)
+        assert t.blocks == {} and dst.allocators[0].num_free == free
     finally:
         src.shutdown()
         dst.shutdown()

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 from relayout.engine.engine import LLMEngine
+from relayout.engine.placer import restore
 from relayout.engine.session import SamplingParams
-from relayout.engine.snapshot import checkpoint, restore
+from relayout.engine.snapshot import checkpoint
 from relayout.storage.checkpoint import CheckpointReader, CheckpointWriter
 from relayout.storage.manifest import FORMAT_VERSION
 from relayout.storage.stores import LocalStore

@@ -4,8 +4,9 @@ checkpointed and restored into another fp8 replica continues token-for-token."""
 import pytest
 import torch
 from relayout.engine.engine import LLMEngine
+from relayout.engine.placer import kv_conversion, restore
 from relayout.engine.session import SamplingParams
-from relayout.engine.snapshot import RestoreError, checkpoint, kv_conversion, restore
+from relayout.engine.snapshot import RestoreError, checkpoint
 from relayout.storage.checkpoint import CheckpointReader, CheckpointWriter
 from relayout.storage.chunks import kv_scaled_view, pack_kv
 from relayout.storage.errors import CorruptCheckpoint
