@@ -82,7 +82,7 @@ class CompletionRequest(OpenAIRequest):
 
 
 # ---- metrics ---------------------------------------------------------------------------------------
-class _Snapshot:
+class _MetricsView:
     """A prometheus collector over figures gathered beforehand (on the engine thread)."""
 
     def __init__(self, aengine: AsyncEngine, stats: dict | None, num_blocks: int):
@@ -192,7 +192,7 @@ def create_app(aengine: AsyncEngine, model_name: str, api_keys: list[str] | None
             except EngineDeadError:
                 pass
         reg = CollectorRegistry(auto_describe=False)
-        reg.register(_Snapshot(aengine, stats, eng.num_blocks))
+        reg.register(_MetricsView(aengine, stats, eng.num_blocks))
         return PlainTextResponse(generate_latest(reg).decode(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")

@@ -15,7 +15,7 @@ from relayout.engine.placer import SessionPlacer, check_compatible, kv_conversio
 from relayout.engine.receive import abort_incoming, commit_incoming, receive_round
 from relayout.engine.session import SessionState
 from relayout.engine.snapshot import CHUNK_TOKENS, geometry, model_ref, take_snapshot
-from relayout.migrate.transfers import Cut, Incoming
+from relayout.migrate.transfers import Incoming, SourceRound
 from relayout.storage.checkpoint import CheckpointReader
 from relayout.storage.errors import CorruptCheckpoint
 from relayout.storage.manifest import Manifest, ModelRef
@@ -39,9 +39,9 @@ class EngineThreadOps:
     def of(cls, aengine: AsyncEngine, defer_copy: bool = False) -> EngineThreadOps:
         return cls(aengine.call, aengine.note_migrated, defer_copy)
 
-    async def cut(self, sessions: list[str] | None, pause: bool, sent: dict[str, int],
-                  max_tokens: int | None) -> Cut:
-        def cut(e: LLMEngine) -> Cut:
+    async def take_round(self, sessions: list[str] | None, pause: bool, sent: dict[str, int],
+                  max_tokens: int | None) -> SourceRound:
+        def cut(e: LLMEngine) -> SourceRound:
             t0 = time.perf_counter()
             paused: list[str] = []
             if pause:
@@ -57,19 +57,19 @@ class EngineThreadOps:
             snaps = take_snapshot(e, paused if pause else sessions, sent, max_tokens, self.defer_copy)
             if self._model is None or self._model[0] is not e:
                 self._model = (e, model_ref(e))
-            out = Cut(paused, snaps, self._model[1], e.layout.to_dict(), geometry(e))
+            out = SourceRound(paused, snaps, self._model[1], e.layout.to_dict(), geometry(e))
             self.cut_engine_s += time.perf_counter() - t0
             return out
 
         return await self.call(cut)
 
-    async def checkpoint_cut(self, sessions: list[str] | None, stop: bool) -> Cut:
+    async def take_checkpoint(self, sessions: list[str] | None, stop: bool) -> SourceRound:
         """A checkpoint's cut: the sessions' KV copied now (they may go on decoding); with `stop`, held."""
-        def cut(e: LLMEngine) -> Cut:
+        def cut(e: LLMEngine) -> SourceRound:
             snaps = take_snapshot(e, sessions)
             if stop:
                 e.pause([s.state.session_id for s in snaps])
-            return Cut([s.state.session_id for s in snaps] if stop else [], snaps, model_ref(e), e.layout.to_dict(),
+            return SourceRound([s.state.session_id for s in snaps] if stop else [], snaps, model_ref(e), e.layout.to_dict(),
                        geometry(e))
 
         return await self.call(cut)

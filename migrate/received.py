@@ -16,14 +16,14 @@ from relayout.storage.stream import LimitExceeded, StreamReceiver
 ReadInto = Callable[[memoryview], int]  # fills part of a buffer from the link, says how much (a RoundCut at its end)
 
 
-class Staging(Protocol):
+class RoundLease(Protocol):
     """What a round's bytes update on the incoming transfer (migrate.transfers.Incoming)."""
 
     staged: int  # bytes received by all its rounds
     last: float  # its lease: the clock time of the last sign of life
 
 
-async def receive_round_bytes(i: Staging, recv: StreamReceiver, pieces: AsyncIterator[bytes] | ReadInto, limit: int,
+async def receive_round_bytes(i: RoundLease, recv: StreamReceiver, pieces: AsyncIterator[bytes] | ReadInto, limit: int,
                               clock: Callable[[], float], background: bool = False) -> Manifest:
     """One round's frames into `recv` until its manifest, from either kind of transport: byte pieces
     as they arrive (an HTTP body), or a `read_into(view) -> n` that fills buffers itself (the frame

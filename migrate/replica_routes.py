@@ -195,7 +195,7 @@ def install_replica_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
         store = _open_store(dest)
 
         try:
-            cut = await ops.checkpoint_cut(body.sessions, body.stop)
+            cut = await ops.take_checkpoint(body.sessions, body.stop)
         except KeyError as e:
             raise HTTPError(404, str(e.args[0])) from None
         ids = [s.state.session_id for s in cut.snaps]

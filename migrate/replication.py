@@ -26,7 +26,7 @@ from relayout.engine.web import bearer_headers, error_message, tls_context
 from relayout.migrate.engine_ops import EngineThreadOps
 from relayout.migrate.frame_sink import FrameSink
 from relayout.migrate.protocol import LIVE_PROTECTION, ProtectionState
-from relayout.migrate.transfers import Cut
+from relayout.migrate.transfers import SourceRound
 from relayout.storage.checkpoint import CheckpointWriter
 from relayout.storage.manifest import Manifest
 
@@ -147,7 +147,7 @@ class Replicator:
         with span("protection-round", protection=self.pid, round=self.rounds + 1) as sp:
             t0 = self.clock()  # the lease counts from before the cut: the standby stamps it later
             sent = {sid: s.kv_tokens for sid, s in self.synced.items()}
-            cut = await self.ops.cut(None, False, sent, None)
+            cut = await self.ops.take_round(None, False, sent, None)
             for snap in cut.snaps:
                 # a session preempted here and still recomputing: its KV on the standby stays valid
                 snap.num_kv_tokens = max(snap.num_kv_tokens, sent.get(snap.state.session_id, 0))
@@ -172,7 +172,7 @@ class Replicator:
                 fenced, self.fenced, self.state = self.fenced, [], ProtectionState.ACTIVE
                 await self.ops.resume(fenced)
 
-    def _frames(self, cut: Cut, sent: dict[str, int], rnd: int) -> tuple[Manifest, list[bytes]]:
+    def _frames(self, cut: SourceRound, sent: dict[str, int], rnd: int) -> tuple[Manifest, list[bytes]]:
         """One round's frames: the new chunks, then a delta manifest (any thread): every live
         session's state, and its KV from what the standby holds on (SessionEntry.kv_from). A
         cumulative manifest (what a migration's rounds sent before 0.5.0) would list every earlier round's

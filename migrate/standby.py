@@ -57,7 +57,7 @@ class UnknownProtection(ProtectionError):
     type = "not_found"
 
 
-class Staging(MemoryStore):
+class StandbyChunks(MemoryStore):
     """The standby's chunks, held only until the round that brought them is imported into the
     reserved blocks: then only their hashes stay (a manifest may list a chunk imported already,
     and the stream receiver checks it holds every chunk listed), so the copies cost the KV pool's
@@ -103,7 +103,7 @@ class Held:
     source: str
     lease_s: float
     last: float
-    store: Staging = field(default_factory=Staging)
+    store: StandbyChunks = field(default_factory=StandbyChunks)
     blocks: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
     upto: dict[str, int] = field(default_factory=dict)
     placed: list[str] = field(default_factory=list)
@@ -260,7 +260,7 @@ class StandbyTable:
                 h.promoted = await self.call(lambda e: place_promoted(e, h, told or {}))
             h.state = "promoted"
             self.ended[pid] = "promoted"
-            h.store = Staging()  # the staged chunks are not needed any more
+            h.store = StandbyChunks()  # the staged chunks are not needed any more
         return {**h.view(self.clock()), "sessions_promoted": sorted(h.promoted)}
 
     async def _promoted_view(self, h: Held, told: dict[str, list[int]]) -> dict:

@@ -55,8 +55,8 @@ def transfer_ttl() -> float:
 
 # ---- the records --------------------------------------------------------------------------------
 @dataclass
-class Cut:
-    """A round cut on the source's engine thread: sessions it paused (final round) and their snapshots."""
+class SourceRound:
+    """A round taken on the source's engine thread: sessions it paused (final round) and their snapshots."""
 
     paused: list[str]
     snaps: list[SessionSnapshot]
@@ -129,8 +129,8 @@ class Incoming:
 class EngineOps(Protocol):
     """What the protocol does on the replica's engine thread (migrate.engine_ops: the real one)."""
 
-    async def cut(self, sessions: list[str] | None, pause: bool, sent: dict[str, int],
-                  max_tokens: int | None) -> Cut:
+    async def take_round(self, sessions: list[str] | None, pause: bool, sent: dict[str, int],
+                  max_tokens: int | None) -> SourceRound:
         """Snapshot the sessions (all live ones: None) from `sent` on; with `pause`, hold them first.
         KeyError for a session that is not here."""
 
@@ -183,7 +183,7 @@ class TransferTable:
     async def export(self, tid: str, sessions: list[str] | None, pause: bool = False, codec: str = "none",
                      max_tokens: int | None = None, have: list[str] | None = None,
                      confirm_on_delivery: bool = False) -> Iterator[bytes]:
-        """Cut one round (the final one with `pause`) and return its frames, to be streamed to the
+        """SourceRound one round (the final one with `pause`) and return its frames, to be streamed to the
         target. `have`: a retry of a cut round — the chunks the target acknowledges holding.
         `confirm_on_delivery` (push): the round counts as sent once `push` delivered it, not once framed."""
         o = self.outgoing.get(tid)
@@ -206,7 +206,7 @@ class TransferTable:
             # chunks the target says it holds (completed rounds' KV is before kv_from: not listed)
             o.target_holds = {h for h in have if isinstance(h, str) and len(h) == 32}
         try:
-            cut = await self.ops.cut(sessions, pause, sent, None if pause else max_tokens)
+            cut = await self.ops.take_round(sessions, pause, sent, None if pause else max_tokens)
         except KeyError as e:
             raise UnknownSession(str(e.args[0])) from None
         if self.outgoing.get(tid) is not o:  # expired or aborted meanwhile: give them back
@@ -218,7 +218,7 @@ class TransferTable:
                           if sid not in carried}, **cut.not_moved}
         return self._frames(o, cut, sent, codec, pause, epoch, confirm_on_delivery)
 
-    def _frames(self, o: Outgoing, cut: Cut, sent: dict[str, int], codec: str, final: bool, epoch: int,
+    def _frames(self, o: Outgoing, cut: SourceRound, sent: dict[str, int], codec: str, final: bool, epoch: int,
                 confirm_on_delivery: bool) -> Iterator[bytes]:
         rnd = o.rounds
         try:

@@ -10,7 +10,7 @@ while the source still decodes), and its vLLM request starts at the commit, load
 
 A seeded sampled session is not moved: vLLM seeds one generator per request, so a resubmitted
 request would restart its random stream and change its tokens. It keeps running on the source,
-and the cut says why (`Cut.not_moved`)."""
+and the cut says why (`SourceRound.not_moved`)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from relayout.engine.session import SessionState
 from relayout.engine.snapshot import RestoreError, SessionSnapshot, geometry, model_ref
 from relayout.engine.vllm_engine import VllmEngine
 from relayout.engine.vllm_exchange import ExchangeError, write_kv
-from relayout.migrate.transfers import Cut, Incoming
+from relayout.migrate.transfers import Incoming, SourceRound
 from relayout.storage.checkpoint import CheckpointReader
 from relayout.storage.errors import CorruptCheckpoint
 from relayout.storage.manifest import Manifest
@@ -49,8 +49,8 @@ class VllmOps:
         self._files: dict[tuple[str, str], list[str]] = {}  # (transfer, session) -> its load files so far
 
     # ---- source --------------------------------------------------------------------------------
-    async def cut(self, sessions: list[str] | None, pause: bool, sent: dict[str, int],
-                  max_tokens: int | None) -> Cut:
+    async def take_round(self, sessions: list[str] | None, pause: bool, sent: dict[str, int],
+                  max_tokens: int | None) -> SourceRound:
         def freeze(e: VllmEngine) -> tuple[dict[str, SessionState], dict[str, str]]:
             if sessions is None:
                 live = [sid for sid, s in e.sessions.items() if not s.is_finished]
@@ -88,11 +88,11 @@ class VllmOps:
         paused = [sid for sid in states if sid not in gone] if pause else []
         if pause and gone:
             await self.resume(gone)  # each ends here with what vLLM already produced
-        return Cut(paused, snaps, model_ref(self.engine), self.engine.layout.to_dict(),  # type: ignore[arg-type]
+        return SourceRound(paused, snaps, model_ref(self.engine), self.engine.layout.to_dict(),  # type: ignore[arg-type]
                    geometry(self.engine), not_moved=why)  # type: ignore[arg-type]
 
-    async def checkpoint_cut(self, sessions: list[str] | None, stop: bool) -> Cut:
-        return await self.cut(sessions, stop, {}, None)
+    async def take_checkpoint(self, sessions: list[str] | None, stop: bool) -> SourceRound:
+        return await self.take_round(sessions, stop, {}, None)
 
     async def resume(self, session_ids: list[str]) -> None:
         await self.aengine.call(lambda e: e.resume(session_ids))

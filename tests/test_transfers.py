@@ -14,10 +14,10 @@ from relayout.engine.session import SamplingParams, SessionState
 from relayout.engine.snapshot import SessionSnapshot
 from relayout.migrate.frame_sink import FrameSink
 from relayout.migrate.transfers import (
-    Cut,
     ImportTooLarge,
     Incoming,
     RoundCut,
+    SourceRound,
     TooManyTransfers,
     TransferConflict,
     TransferTable,
@@ -53,7 +53,7 @@ class FakeEngine:
         self.running: list[str] = []  # committed sessions
         self.aborted: list[str] = []
 
-    async def cut(self, sessions, pause, sent, max_tokens) -> Cut:
+    async def take_round(self, sessions, pause, sent, max_tokens) -> SourceRound:
         ids = list(self.live if sessions is None else sessions)
         for sid in ids:
             if sid not in self.live:
@@ -66,7 +66,7 @@ class FakeEngine:
             kv = torch.full((1, 2, 2, 16 - lo, 16), float(i + 1)) if lo < 16 else None
             snaps.append(SessionSnapshot(SessionState(sid, [1, 2, 3] * 6, SamplingParams()), 16,
                                          [(0, 2, kv)] if kv is not None else None))
-        return Cut(ids if pause else [], snaps, MODEL, {"attn_dp": 1}, GEOMETRY)
+        return SourceRound(ids if pause else [], snaps, MODEL, {"attn_dp": 1}, GEOMETRY)
 
     async def resume(self, session_ids):
         self.paused.difference_update(session_ids)
