@@ -124,6 +124,13 @@ class Agent:
             raise HTTPError(404, f"no replica {rid!r}")
         return self.refresh(rid)
 
+    def running_replica(self, rid: str) -> dict:
+        """The replica's record; 409 unless it is running."""
+        r = self.get_replica(rid)
+        if r["status"] != "running":
+            raise HTTPError(409, f"replica {rid!r} is {r['status']}")
+        return r
+
     # ---- replicas ---------------------------------------------------------------------------
     async def launch(self, model: str, layout: str | None, name: str | None = None, dtype: str | None = None,
                      kv_dtype: str | None = None, engine: str = "builtin", vllm_args: list[str] | None = None

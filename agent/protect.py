@@ -73,11 +73,7 @@ def protect_router(ag: Agent) -> APIRouter:
     """Routes to include in the agent's authenticated /v1 router."""
     r = APIRouter()
 
-    def running(rid: str) -> dict:
-        rep = ag.get_replica(rid)
-        if rep["status"] != "running":
-            raise HTTPError(409, f"replica {rid!r} is {rep['status']}")
-        return rep
+    running = ag.running_replica
 
     @r.post("/replicas/{rid}/protect")
     async def protect(rid: str, body: ProtectBody):
