@@ -3,39 +3,15 @@ agents through S3 (moto) with a layout change, security checks, restart, and a s
 
 from __future__ import annotations
 
-import subprocess
 import threading
 import time
-from pathlib import Path
 
 import httpx
-from relayout.engine.web import bearer_headers
-from relayout.migrate import procs
-from relayout.migrate.procs import stop_process
 
-TOKEN = "agent-test-token"
-H = bearer_headers(TOKEN)
+from tests.helpers.agents import TOKEN, H, start_agent, stop, wait_op
+
 PROMPTS = ["The quick brown fox", "Once upon a time in"]
 MAX_TOKENS = 512  # long enough that both sessions are still running when the checkpoint cuts them
-
-
-def _start_agent(data_dir: Path, log: Path) -> tuple[subprocess.Popen, str]:
-    ag = procs.agent("--port", "0", "--data-dir", str(data_dir), env={"RELAYOUT_TOKEN": TOKEN}, log=log, timeout=60)
-    return ag.p, ag.url
-
-
-def _stop(p: subprocess.Popen) -> None:
-    stop_process(p, 30)
-
-
-def _wait_op(agent: str, oid: str, timeout: float = 180) -> dict:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        op = httpx.get(f"{agent}/v1/operations/{oid}", headers=H).json()
-        if op["state"] in ("succeeded", "failed", "aborted"):
-            return op
-        time.sleep(0.2)
-    raise AssertionError(f"operation {oid} did not finish: {op}")
 
 
 def _req(prompt: str) -> dict:
@@ -46,9 +22,9 @@ def _req(prompt: str) -> dict:
 def test_agent_checkpoint_restore_across_agents(tmp_path, s3_env):
     children = []
     try:
-        pa, a = _start_agent(tmp_path / "a", tmp_path / "a.log")
+        pa, a = start_agent(tmp_path / "a", tmp_path / "a.log")
         children.append(pa)
-        pb, b = _start_agent(tmp_path / "b", tmp_path / "b.log")
+        pb, b = start_agent(tmp_path / "b", tmp_path / "b.log")
         children.append(pb)
 
         # --- security and errors ------------------------------------------------------------
@@ -96,7 +72,7 @@ def test_agent_checkpoint_restore_across_agents(tmp_path, s3_env):
         r = httpx.post(f"{a}/v1/replicas/{src['id']}/checkpoint", headers=H,
                        json={"destination": "s3://relayout-test/agent", "stop": True})
         assert r.status_code == 202, r.text
-        op = _wait_op(a, r.json()["operation_id"])
+        op = wait_op(a, r.json()["operation_id"])
         assert op["state"] == "succeeded", op
         ckpt, sids = op["result"]["checkpoint"], op["result"]["sessions"]
         assert ckpt.startswith("s3://relayout-test/agent/") and len(sids) == len(PROMPTS)
@@ -106,7 +82,7 @@ def test_agent_checkpoint_restore_across_agents(tmp_path, s3_env):
         r = httpx.post(f"{b}/v1/restore", headers=H,
                        json={"checkpoint": ckpt, "replica": {"model": "builtin:tiny", "layout": "attn_tp=2"}})
         assert r.status_code == 202, r.text
-        op = _wait_op(b, r.json()["operation_id"])
+        op = wait_op(b, r.json()["operation_id"])
         assert op["state"] == "succeeded", op
         assert sorted(op["result"]["sessions"]) == sorted(sids)
         dst = httpx.get(f"{b}/v1/replicas/{op['result']['replica']}", headers=H).json()
@@ -136,7 +112,7 @@ def test_agent_checkpoint_restore_across_agents(tmp_path, s3_env):
         # --- agent restart: kill -9 A, start again on the same data dir ----------------------------
         pa.kill()
         pa.wait()
-        pa2, a2 = _start_agent(tmp_path / "a", tmp_path / "a2.log")
+        pa2, a2 = start_agent(tmp_path / "a", tmp_path / "a2.log")
         children.append(pa2)
         listed = httpx.get(f"{a2}/v1/replicas", headers=H).json()["replicas"]
         assert [(x["id"], x["status"]) for x in listed] == [(src["id"], "running")]
@@ -149,7 +125,7 @@ def test_agent_checkpoint_restore_across_agents(tmp_path, s3_env):
         assert httpx.get(f"{a2}/v1/replicas/{src['id']}", headers=H).status_code == 404
     finally:
         for p in children:
-            _stop(p)
+            stop(p)
 
 
 def test_agent_schema_fuzz_no_5xx(tmp_path):

@@ -12,7 +12,7 @@ import pytest
 from relayout.engine.weights import resolve_model
 from relayout.migrate import procs
 
-from tests.migration_helpers import finish_moved, idle, migrate_with_streams, reference, replica_state
+from tests.helpers.migration import finish_moved, idle, migrate_with_streams, reference, replica_state
 
 # the builtin template, plus a refusal a user's template may well contain
 TEMPLATE = ("{% for message in messages %}{% if message['content'] == 'forbidden' %}"

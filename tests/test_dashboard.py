@@ -11,7 +11,7 @@ import httpx
 import pytest
 from relayout.migrate import procs
 
-from tests.test_agent import TOKEN, H, _start_agent, _stop
+from tests.helpers.agents import TOKEN, H, start_agent, stop
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "relayout.json"
 METRIC_RE = re.compile(r"\brelayout_[a-z0-9_]+")
@@ -69,7 +69,7 @@ def running(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dash")
     mp = pytest.MonkeyPatch()
     mp.setenv("RELAYOUT_TOKEN", TOKEN)
-    p, agent = _start_agent(tmp / "a", tmp / "a.log")
+    p, agent = start_agent(tmp / "a", tmp / "a.log")
     gw = None
     try:
         r = httpx.post(f"{agent}/v1/replicas", headers=H, json={"model": "builtin:tiny"}, timeout=200)
@@ -79,7 +79,7 @@ def running(tmp_path_factory):
     finally:
         if gw is not None:
             gw.stop()
-        _stop(p)
+        stop(p)
         mp.undo()
 
 

@@ -14,7 +14,7 @@ from relayout.storage.errors import CorruptCheckpoint
 from relayout.storage.manifest import Manifest
 from relayout.storage.stores import MemoryStore
 
-from tests.migration_helpers import Incoming
+from tests.helpers.migration import Incoming
 
 PROMPT = list(range(3, 40))
 PARAMS = SamplingParams(max_tokens=24, ignore_eos=True)

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 from relayout.migrate.live import migrate_live
 
-from tests.migration_helpers import Moved, finish_moved, idle, port_of, reference, replica_pair, streams_on
-from tests.proxy import Proxy
+from tests.helpers.migration import Moved, finish_moved, idle, port_of, reference, replica_pair, streams_on
+from tests.helpers.proxy import Proxy
 
 # long prompts: the KV moved dwarfs the control messages, as in any real migration
 BODIES = [dict(prompt=f"direct {i}: " + "pack my box with five dozen liquor jugs " * (40 + 10 * i), max_tokens=160,

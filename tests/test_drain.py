@@ -4,7 +4,6 @@ replicas and the gateway stops routing to it until undrain. Plus the agent's mig
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
@@ -13,7 +12,7 @@ import pytest
 from openai import OpenAI
 from relayout.migrate import procs
 
-from tests.test_agent import TOKEN, H, _start_agent, _stop, _wait_op
+from tests.helpers.agents import TOKEN, H, lower_priority, start_agent, stop, wait_op
 
 # long enough to outlive the targets' launch on a loaded 2-core machine (tiny decodes ~100 steps/s; its
 # context limit is 4096 tokens)
@@ -44,22 +43,6 @@ def stream(base: str, req: dict, out: dict, key, started: threading.Event | None
             started.set()
 
 
-def lower_priority(pid: int, niceness: int) -> None:
-    """Renice `pid`: its scheduler autogroup (the agent starts each replica in a session of its own,
-    and with autogroups enabled nice only weighs threads against their own group) and every thread
-    (Linux nice is per thread; threads created later inherit it)."""
-    try:
-        with open(f"/proc/{pid}/autogroup", "w") as f:
-            f.write(str(niceness))
-    except OSError:
-        pass  # no autogroups (or not allowed): the per-thread nice below is what counts then
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            os.setpriority(os.PRIO_PROCESS, int(tid), niceness)
-        except (OSError, ValueError):
-            pass
-
-
 @pytest.fixture(scope="module")
 def two_agents(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("drain")
@@ -67,9 +50,9 @@ def two_agents(tmp_path_factory):
     mp.setenv("RELAYOUT_TOKEN", TOKEN)
     children = []
     try:
-        pa, a = _start_agent(tmp / "a", tmp / "a.log")
+        pa, a = start_agent(tmp / "a", tmp / "a.log")
         children.append(pa)
-        pb, b = _start_agent(tmp / "b", tmp / "b.log")
+        pb, b = start_agent(tmp / "b", tmp / "b.log")
         children.append(pb)
         reps = []
         for lay in ("attn_dp=1", "attn_dp=1,moe_ep=1"):  # world size 1: quick to relaunch on 2 CPU cores
@@ -85,7 +68,7 @@ def two_agents(tmp_path_factory):
         yield {"a": a, "b": b, "gw": gw.url, "replicas": reps}
     finally:
         for p in reversed(children):
-            _stop(p)
+            stop(p)
         mp.undo()
 
 
@@ -130,7 +113,7 @@ def test_drain_moves_every_stream_to_the_other_agent(two_agents):
     listed = httpx.get(f"{a}/v1/replicas", headers=H).json()
     assert listed["draining"] and all(x["draining"] for x in listed["replicas"])
     t0 = time.monotonic()
-    op = _wait_op(a, oid, timeout=240)
+    op = wait_op(a, oid, timeout=240)
     print(f"drain took {time.monotonic() - t0:.1f}s", {k: op[k] for k in ("bytes_done", "stall_ms")},
           [(x.get("launch_s"), x.get("move_s")) for x in op["result"]["replicas"]])
     # undisturbed reference, while B finishes the moved streams: the same requests straight to A's replicas
@@ -193,7 +176,7 @@ def test_agent_migrate_route_end_to_end(two_agents):
     r = httpx.post(f"{a}/v1/replicas/{src['id']}/migrate", headers=H,
                    json={"target": {"agent": b, "layout": "attn_tp=2"}, "mode": "live"})
     assert r.status_code == 202, r.text
-    op = _wait_op(a, r.json()["operation_id"])
+    op = wait_op(a, r.json()["operation_id"])
     assert op["state"] == "succeeded" and op["result"]["sessions"] == [], op
     new_id = op["result"]["replica"]
     new = httpx.get(f"{b}/v1/replicas/{new_id}", headers=H).json()
@@ -209,7 +192,7 @@ def test_agent_migrate_route_end_to_end(two_agents):
     r = httpx.post(f"{a}/v1/replicas/{src['id']}/migrate", headers=H,
                    json={"target": {"agent": b, "replica": new_id}, "mode": "live"})
     assert r.status_code == 202, r.text
-    op = _wait_op(a, r.json()["operation_id"])
+    op = wait_op(a, r.json()["operation_id"])
     assert op["state"] == "succeeded", op
     assert op["result"]["replica"] == new_id and len(op["result"]["sessions"]) == 1 and op["bytes_done"] > 0
     assert op["result"]["sessions_not_moved"] == []
@@ -222,7 +205,7 @@ def test_agent_migrate_route_end_to_end(two_agents):
     r = httpx.post(f"{b}/v1/replicas/{new_id}/migrate", headers=H,
                    json={"target": {"agent": a, "replica": reps[1]["id"]}, "mode": "cold"})
     assert r.status_code == 202, r.text
-    op = _wait_op(b, r.json()["operation_id"])
+    op = wait_op(b, r.json()["operation_id"])
     assert op["state"] == "succeeded", op
     assert op["result"]["replica"] == reps[1]["id"] and op["result"]["sessions"] == [sid]
     t.join(120)

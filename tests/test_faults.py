@@ -18,8 +18,8 @@ import pytest
 from relayout.migrate.live import MigrationError, migrate_live
 from relayout.migrate.procs import alive, children_of, launch, rank_processes
 
-from tests.fault_kit import fault_kit
-from tests.migration_helpers import (
+from tests.helpers.faults import fault_kit
+from tests.helpers.migration import (
     Moved,
     Stream,
     finish,
@@ -36,7 +36,7 @@ from tests.migration_helpers import (
     unchanged,
     wait_for,
 )
-from tests.proxy import Proxy
+from tests.helpers.proxy import Proxy
 
 TTL = 2.0  # RELAYOUT_TRANSFER_TTL_S of every replica here: how long a transfer may sit idle
 PROMPTS = [f"fault {i}: " + "the quick brown fox " * (8 + 3 * i) for i in range(3)]

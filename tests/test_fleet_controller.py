@@ -16,7 +16,7 @@ from relayout.engine.layout import Layout
 from relayout.migrate import procs
 from relayout.migrate.policy import PolicyConfig
 
-from tests.test_agent import TOKEN, H, _start_agent, _stop
+from tests.helpers.agents import TOKEN, H, start_agent, stop
 from tests.test_policy import MAX_TOKENS, PROMPTS, _complete_all, _signal_group, _stream
 
 EP2 = Layout.parse("attn_dp=2,moe_ep=2")  # identity placement: experts 0-3 on rank 0, the skew's side
@@ -34,7 +34,7 @@ def test_fleet_controller_relayouts_through_the_agent(tmp_path, monkeypatch):
     monkeypatch.setenv("RELAYOUT_TOKEN", TOKEN)
     children = []
     try:
-        pa, agent = _start_agent(tmp_path / "a", tmp_path / "agent.log")
+        pa, agent = start_agent(tmp_path / "a", tmp_path / "agent.log")
         children.append(pa)
         r = httpx.post(f"{agent}/v1/replicas", headers=H, json={"model": "builtin:tiny", "layout": EP2.to_dict()},
                        timeout=200)
@@ -96,7 +96,7 @@ def test_fleet_controller_relayouts_through_the_agent(tmp_path, monkeypatch):
         if "old" in locals():
             _signal_group(old["pid"], signal.SIGCONT)
         for p in reversed(children):
-            _stop(p)
+            stop(p)
 
 
 def test_cli_controller_needs_replica_or_agents(monkeypatch):

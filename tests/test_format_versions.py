@@ -17,7 +17,7 @@ from relayout.storage.manifest import FORMAT_VERSION
 from relayout.storage.stores import LocalStore
 from safetensors.torch import load as st_load
 
-from tests.checkpoint_samples import H, L, kv_tensor
+from tests.helpers.checkpoints import H, L, kv_tensor
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

@@ -16,7 +16,7 @@ from relayout.engine.workers import free_port
 from relayout.migrate.frame_link import CHALLENGE_BYTES, LINK_MAGIC, LINK_PATH, link_mac
 from relayout.migrate.live import MigrationError, migrate_live
 
-from tests.migration_helpers import (
+from tests.helpers.migration import (
     Moved,
     finish,
     finish_moved,
@@ -26,7 +26,7 @@ from tests.migration_helpers import (
     replica_pair,
     streams_on,
 )
-from tests.proxy import Proxy
+from tests.helpers.proxy import Proxy
 
 TOKEN = "link-secret"
 ENV = {"RELAYOUT_TRANSPORT": "tcp", "RELAYOUT_TOKEN": TOKEN}

@@ -3,13 +3,13 @@ a real replica and real gateways over loopback, the official openai client."""
 
 from __future__ import annotations
 
-import json
-
 import httpx
 import openai
 import pytest
 from openai import OpenAI
 from relayout.migrate import procs
+
+from tests.helpers.sse import sse, token_ids
 
 REPLICA_KEY, GATEWAY_KEY, TOKEN = "replica-client-key", "gateway-client-key", "replica-token"
 
@@ -86,9 +86,9 @@ def test_gateway_takes_its_own_client_keys_and_reaches_replicas_with_the_token(k
     assert info["replica"] == rep.rstrip("/")
     with httpx.stream("GET", f"{gw}/v1/sessions/{full.id}/stream", headers=bearer(GATEWAY_KEY),
                       params={"from_token": 5, "return_token_ids": "true"}) as r:
-        lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
-    assert lines[-1] == "data: [DONE]"
-    ids = [i for ln in lines[:-1] for c in json.loads(ln[6:]).get("choices", []) for i in c.get("token_ids") or []]
+        events, done = sse(r.iter_lines())
+    assert done
+    ids = [i for ev in events for i in token_ids(ev)]
     assert ids == info["token_ids"][5:]
     # chat passes through
     chat = c.chat.completions.create(model="builtin:tiny", messages=[{"role": "user", "content": "hi"}],

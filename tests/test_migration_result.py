@@ -14,7 +14,7 @@ import pytest
 from relayout.migrate.live import migrate_live
 from relayout.migrate.protocol import FINISHED_ON_SOURCE
 
-from tests.migration_helpers import reference, replica_pair, replica_state, streams_on
+from tests.helpers.migration import reference, replica_pair, replica_state, streams_on
 
 pytestmark = pytest.mark.slow
 

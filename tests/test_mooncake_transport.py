@@ -12,7 +12,7 @@ import pytest
 from relayout.migrate.live import MigrationError, migrate_live
 from relayout.migrate.mooncake_transport import DISABLE_ENV, MOONCAKE_PATH, unavailable
 
-from tests.migration_helpers import Moved, finish_moved, idle, reference, replica_pair, streams_on
+from tests.helpers.migration import Moved, finish_moved, idle, reference, replica_pair, streams_on
 
 TOKEN = "mooncake-secret"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from relayout.migrate.procs import stop_process
 
-from tests.test_agent import TOKEN
+from tests.helpers.agents import TOKEN
 
 ADDR_A, ADDR_B = "10.200.0.1", "10.200.0.2"
 PORT = 7070

@@ -20,6 +20,8 @@ from relayout.migrate.planner import Placement, balance
 from relayout.migrate.policy import Observation, PolicyConfig, RelayoutPolicy, current_placement
 from relayout.migrate.procs import stop_process
 
+from tests.helpers.sse import DONE, sse_data
+
 E, L = 8, 2
 EP2 = Layout.parse("attn_dp=2,moe_ep=2")
 
@@ -274,11 +276,10 @@ def _stream(url: str, prompt: str, max_tokens: int, out: dict, key: int, started
         with httpx.stream("POST", f"{url}/v1/completions", timeout=180,
                           json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
                                 "stream": True, "return_token_ids": True}) as r:
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                ev = json.loads(line[6:])
-                assert "error" not in ev, ev
+            for ev in sse_data(r.iter_lines()):
+                if ev == DONE:
+                    break
+                assert isinstance(ev, dict) and "error" not in ev, ev
                 toks += ev["choices"][0].get("token_ids") or []
                 if len(toks) >= 3:
                     started.set()

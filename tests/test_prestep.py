@@ -13,7 +13,7 @@ from relayout.engine.snapshot import geometry, model_ref, take_snapshot, write_s
 from relayout.storage.checkpoint import CheckpointWriter
 from relayout.storage.stores import MemoryStore
 
-from tests.migration_helpers import Incoming
+from tests.helpers.migration import Incoming
 
 PROMPT = list(range(5, 60))
 GREEDY = SamplingParams(max_tokens=20, ignore_eos=True)

@@ -1,5 +1,5 @@
 """Protection: a replica's sessions replicated continuously to a standby replica, and promoted
-there when the source dies — `kill -9`, or a partition (tests/proxy.py) then death — with every
+there when the source dies — `kill -9`, or a partition (tests/helpers/proxy.py) then death — with every
 complete output equal to an undisturbed run. Real replica processes over loopback; the test acts
 as the client (the gateway's part): it streams from the source, and after the failure tells the
 standby the tokens it got and reattaches there with `from_token`."""
@@ -20,8 +20,8 @@ from relayout.engine.sampling import advance_rng, new_rng_state, sample
 from relayout.engine.session import SamplingParams, SessionState
 from relayout.migrate import procs
 
-from tests.migration_helpers import port_of, reference, replica_state, wait_for
-from tests.proxy import Proxy
+from tests.helpers.migration import port_of, reference, replica_state, wait_for
+from tests.helpers.proxy import Proxy
 
 PROMPTS = ["hello world " * k for k in (1, 3, 5, 8, 2, 13, 4, 21)]
 

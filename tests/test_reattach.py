@@ -18,7 +18,7 @@ import httpx
 import pytest
 from relayout.migrate import procs
 
-from tests.test_agent import TOKEN, H, _start_agent, _stop, _wait_op
+from tests.helpers.agents import TOKEN, H, start_agent, stop, wait_op
 
 MODEL = "builtin:tiny"
 
@@ -99,7 +99,7 @@ def fleet(tmp_path_factory):
     try:
         agents = {}
         for name in ("a", "b"):
-            p, url = _start_agent(tmp / name, tmp / f"{name}.log")
+            p, url = start_agent(tmp / name, tmp / f"{name}.log")
             children.append(p)
             r = httpx.post(f"{url}/v1/replicas", headers=H, json={"model": MODEL, "layout": "attn_dp=1"}, timeout=200)
             assert r.status_code == 201, r.text
@@ -107,7 +107,7 @@ def fleet(tmp_path_factory):
         yield {"agents": agents, "tmp": tmp}
     finally:
         for p in reversed(children):
-            _stop(p)
+            stop(p)
         mp.undo()
 
 
@@ -163,7 +163,7 @@ def test_checkpoint_with_stop_then_restore_on_another_agent_continues_the_gatewa
         dst = next(ag for ag in fleet["agents"].values() if ag is not src)
         direct = Reader("GET", f"{where}/v1/sessions/{rd.sid}/stream", params={"return_token_ids": "true"})
         r = httpx.post(f"{src['url']}/v1/replicas/{src['replica']}/checkpoint", headers=H, json={"stop": True})
-        op = _wait_op(src["url"], r.json()["operation_id"])
+        op = wait_op(src["url"], r.json()["operation_id"])
         assert op["state"] == "succeeded", op
         uri = op["result"]["checkpoint"]
         # the direct client is told where its session went
@@ -175,7 +175,7 @@ def test_checkpoint_with_stop_then_restore_on_another_agent_continues_the_gatewa
         assert g["state"] == "checkpointed" and g["checkpoint"] == uri
         time.sleep(1.0)  # the gateway stream is held meanwhile, not ended
         r = httpx.post(f"{dst['url']}/v1/restore", headers=H, json={"checkpoint": uri, "replica": dst["replica"]})
-        op = _wait_op(dst["url"], r.json()["operation_id"])
+        op = wait_op(dst["url"], r.json()["operation_id"])
         assert op["state"] == "succeeded" and rd.sid in op["result"]["sessions"], op
         rd.read()
         assert rd.done and rd.finish == "length"
@@ -239,14 +239,14 @@ def test_stream_whose_replica_dies_is_held_until_a_restore_brings_the_session_ba
         src = owner(fleet, where)
         dst = next(ag for ag in fleet["agents"].values() if ag is not src)
         r = httpx.post(f"{src['url']}/v1/replicas/{src['replica']}/checkpoint", headers=H, json={})
-        op = _wait_op(src["url"], r.json()["operation_id"])
+        op = wait_op(src["url"], r.json()["operation_id"])
         assert op["state"] == "succeeded", op
         rd.read(until_tokens=len(rd.ids) + 20)  # the client gets ahead of the checkpoint
         kill_tree(httpx.get(f"{src['url']}/v1/replicas/{src['replica']}", headers=H).json()["pid"])
         time.sleep(1.0)
         r = httpx.post(f"{dst['url']}/v1/restore", headers=H,
                        json={"checkpoint": op["result"]["checkpoint"], "replica": dst["replica"]})
-        assert _wait_op(dst["url"], r.json()["operation_id"])["state"] == "succeeded"
+        assert wait_op(dst["url"], r.json()["operation_id"])["state"] == "succeeded"
         rd.read()
         assert rd.done and rd.finish == "length" and not any("error" in ev for ev in rd.events)
         assert rd.ids == reference(dst["replica_url"], q)

@@ -15,6 +15,8 @@ from relayout.engine.engine import LLMEngine, RequestError
 from relayout.engine.session import SamplingParams, SessionStatus
 from relayout.migrate import procs
 
+from tests.helpers.sse import sse as sse_events
+
 KV_MB = 1  # builtin:tiny: 512 B/token → 2048 tokens, so an over-long request is cheap to make
 
 
@@ -101,15 +103,7 @@ def test_concurrent_streams_match_alone(client):
 
 
 def sse(resp_or_lines) -> tuple[list[dict], bool]:
-    events, done = [], False
-    lines = resp_or_lines.iter_lines() if isinstance(resp_or_lines, httpx.Response) else resp_or_lines
-    for line in lines:
-        if line.startswith("data: "):
-            if line == "data: [DONE]":
-                done = True
-            else:
-                events.append(json.loads(line[6:]))
-    return events, done
+    return sse_events(resp_or_lines.iter_lines() if isinstance(resp_or_lines, httpx.Response) else resp_or_lines)
 
 
 def test_session_get_and_resumed_stream(server):

@@ -15,9 +15,8 @@ import pytest
 from relayout.migrate import procs
 
 from tests.conftest import _free_port
-from tests.migration_helpers import Stream
-from tests.test_agent import TOKEN, H, _start_agent, _stop, _wait_op
-from tests.test_drain import lower_priority
+from tests.helpers.agents import TOKEN, H, lower_priority, start_agent, stop, wait_op
+from tests.helpers.migration import Stream
 
 BODY = {"prompt": "status", "max_tokens": 3500, "temperature": 0, "ignore_eos": True}
 
@@ -31,17 +30,17 @@ def status(*agents: str, as_json: bool = True) -> subprocess.CompletedProcess:
 @pytest.fixture()
 def two_agents(tmp_path, monkeypatch):
     monkeypatch.setenv("RELAYOUT_TOKEN", TOKEN)
-    pa, a = _start_agent(tmp_path / "a", tmp_path / "a.log")
+    pa, a = start_agent(tmp_path / "a", tmp_path / "a.log")
     try:
-        pb, b = _start_agent(tmp_path / "b", tmp_path / "b.log")
+        pb, b = start_agent(tmp_path / "b", tmp_path / "b.log")
     except BaseException:
-        _stop(pa)
+        stop(pa)
         raise
     try:
         yield a, b
     finally:
-        _stop(pa)
-        _stop(pb)
+        stop(pa)
+        stop(pb)
 
 
 def test_status_follows_a_drain(two_agents):
@@ -92,7 +91,7 @@ def test_status_follows_a_drain(two_agents):
     for text in (f"drain {oid}", "━"):
         assert text in shown_table, shown_table
 
-    done = _wait_op(a, oid, timeout=240)
+    done = wait_op(a, oid, timeout=240)
     assert done["state"] == "succeeded", done
     after = json.loads(status(a, b).stdout)
     assert after["nodes"][0]["operations"] == [] and after["nodes"][0]["draining"] is True

@@ -20,7 +20,7 @@ from relayout.storage.errors import (
 from relayout.storage.manifest import KVGeometry
 from relayout.storage.stores import LocalStore, MemoryStore, open_store
 
-from tests.checkpoint_samples import LAYOUT, MODEL, D, H, L, kv_tensor, write_checkpoint
+from tests.helpers.checkpoints import LAYOUT, MODEL, D, H, L, kv_tensor, write_checkpoint
 
 # ---- round trips and re-slicing ------------------------------------------------------------
 

@@ -33,7 +33,7 @@ from relayout.storage.stream import (
     iter_checkpoint_frames,
 )
 
-from tests.checkpoint_samples import D, H, L, kv_tensor, write_checkpoint
+from tests.helpers.checkpoints import D, H, L, kv_tensor, write_checkpoint
 
 # ---- corruption -----------------------------------------------------------------------------
 

@@ -19,9 +19,9 @@ from relayout.engine import tracing
 from relayout.migrate import procs
 from relayout.migrate.live import migrate_live
 
-from tests.migration_helpers import streams_on, wait_for
-from tests.otlp_sink import OTLPSink
-from tests.test_agent import TOKEN, H, _start_agent, _stop, _wait_op
+from tests.helpers.agents import TOKEN, H, start_agent, stop, wait_op
+from tests.helpers.migration import streams_on, wait_for
+from tests.helpers.otlp_sink import OTLPSink
 
 BODY = {"prompt": "trace me", "max_tokens": 3000, "temperature": 0, "ignore_eos": True}
 
@@ -137,18 +137,18 @@ def test_checkpoint_then_restore_span_tree(sink, tmp_path, monkeypatch):
             monkeypatch.delenv(k, raising=False)
         else:
             monkeypatch.setenv(k, v)
-    p, agent = _start_agent(tmp_path / "a", tmp_path / "a.log")
+    p, agent = start_agent(tmp_path / "a", tmp_path / "a.log")
     try:
         r = httpx.post(f"{agent}/v1/replicas", headers=H, json={"model": "builtin:tiny"}, timeout=200)
         assert r.status_code == 201, r.text
         rep = r.json()
         streams_on(rep["url"], [BODY], [])  # a session to checkpoint (ended by the checkpoint's stop)
         oid = httpx.post(f"{agent}/v1/replicas/{rep['id']}/checkpoint", headers=H, json={"stop": True}).json()
-        ck = _wait_op(agent, oid["operation_id"])
+        ck = wait_op(agent, oid["operation_id"])
         assert ck["state"] == "succeeded", ck
         oid = httpx.post(f"{agent}/v1/restore", headers=H,
                          json={"checkpoint": ck["result"]["checkpoint"], "replica": rep["id"]}).json()
-        rs = _wait_op(agent, oid["operation_id"])
+        rs = wait_op(agent, oid["operation_id"])
         assert rs["state"] == "succeeded" and rs["result"]["sessions"] == ck["result"]["sessions"], rs
 
         (op_ck,) = sink.find(lambda s: s.name == "checkpoint" and s.attributes.get("relayout.operation") == ck["id"])
@@ -164,7 +164,7 @@ def test_checkpoint_then_restore_span_tree(sink, tmp_path, monkeypatch):
         (route,) = sink.find(lambda s: s.name == "POST /v1/sessions/restore" and s.parent_id == restoring.span_id)
         assert route.service == "relayout-replica" and route.trace_id == op_rs.trace_id
     finally:
-        _stop(p)
+        stop(p)
 
 
 def test_decode_path_never_loads_opentelemetry():

@@ -5,7 +5,6 @@ Runs where vLLM is installed (`pip install -e ".[vllm]"`); marked `vllm` and `sl
 
 from __future__ import annotations
 
-import json
 import re
 import threading
 import time
@@ -15,7 +14,8 @@ import httpx
 import pytest
 from relayout.migrate import procs
 
-from tests.vllm_model import make_tiny_qwen3_moe, reference_tokens
+from tests.helpers.sse import DONE, sse, sse_data, token_ids
+from tests.helpers.vllm_model import make_tiny_qwen3_moe, reference_tokens
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900),
               pytest.mark.skipif(find_spec("vllm") is None, reason="vLLM is not installed (pip install -e '.[vllm]')")]
@@ -80,12 +80,13 @@ class Stream:
     def _run(self, url: str, body: dict) -> None:
         with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True, "return_token_ids": True},
                           timeout=300) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    o = json.loads(line[6:])
-                    self.sid = o["id"]
-                    self.ids += o["choices"][0].get("token_ids") or []
-                    self.finish = o["choices"][0].get("finish_reason") or self.finish
+            for o in sse_data(r.iter_lines()):
+                if o == DONE:
+                    break
+                assert isinstance(o, dict)
+                self.sid = o["id"]
+                self.ids += token_ids(o)
+                self.finish = o["choices"][0].get("finish_reason") or self.finish
 
     def wait_for(self, n: int, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout
@@ -100,9 +101,8 @@ def _resume(url: str, sid: str, from_token: int, headers: dict | None = None) ->
                                                                        "return_token_ids": True},
                       headers=headers, timeout=300) as r:
         assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                out += json.loads(line[6:])["choices"][0].get("token_ids") or []
+        for o in sse(r.iter_lines())[0]:
+            out += token_ids(o)
     return out
 
 
@@ -146,11 +146,18 @@ def test_checkpoint_to_s3_restores_into_tp2_imported_not_recomputed(tp1, tp2, re
 
 def test_live_migration_tp2_to_tp1_keeps_the_stream(tp1, tp2, reference):
     from relayout.migrate.live import migrate_live
+    from relayout.migrate.protocol import FINISHED_ON_SOURCE
 
-    s = Stream(tp2, {"prompt": PROMPT, "max_tokens": N, "temperature": 0, "ignore_eos": True})
-    s.wait_for(1)  # the client's stream runs behind the replica's session: move it while it decodes
-    before = _local_compute(tp1)
-    res = migrate_live(tp2, tp1, transport="http")
+    for _attempt in range(3):  # vLLM decodes the session in seconds: on a loaded machine it may end first
+        s = Stream(tp2, {"prompt": PROMPT, "max_tokens": N, "temperature": 0, "ignore_eos": True})
+        s.wait_for(1)  # the client's stream runs behind the replica's session: move it while it decodes
+        before = _local_compute(tp1)
+        res = migrate_live(tp2, tp1, transport="http")
+        if res.sessions:
+            break
+        assert res.not_moved == {s.sid: FINISHED_ON_SOURCE}, res  # then it is named, with why
+        s.t.join(60)
+        assert s.ids == reference  # and it ran to its end on the source, untouched
     assert res.sessions == [s.sid], res
     s.t.join(60)
     got = len(s.ids)
@@ -231,15 +238,15 @@ def test_agents_live_migrate_a_vllm_session_to_tp2_under_a_gateway_stream(model_
     `target_replicas` (a drain that launched it would find the session finished)."""
     from openai import OpenAI
 
-    from tests.test_agent import TOKEN, H, _start_agent, _stop, _wait_op
+    from tests.helpers.agents import TOKEN, H, start_agent, stop, wait_op
 
     mp = pytest.MonkeyPatch()
     mp.setenv("RELAYOUT_TOKEN", TOKEN)
     children = []
     try:
-        pa, a = _start_agent(tmp_path / "a", tmp_path / "a.log")
+        pa, a = start_agent(tmp_path / "a", tmp_path / "a.log")
         children.append(pa)
-        pb, b = _start_agent(tmp_path / "b", tmp_path / "b.log")
+        pb, b = start_agent(tmp_path / "b", tmp_path / "b.log")
         children.append(pb)
         spec = {"engine": "vllm", "model": str(model_dir), "vllm_args": ["--max-model-len", "2048"]}
         r = httpx.post(f"{a}/v1/replicas", headers=H, json={**spec, "layout": "attn_dp=2"}, timeout=60)
@@ -284,7 +291,7 @@ def test_agents_live_migrate_a_vllm_session_to_tp2_under_a_gateway_stream(model_
         r = httpx.post(f"{a}/v1/replicas/{src['id']}/migrate", headers=H,
                        json={"target": {"agent": b, "replica": dst["id"]}, "mode": "live"})
         assert r.status_code == 202, r.text
-        op = _wait_op(a, r.json()["operation_id"], timeout=300)
+        op = wait_op(a, r.json()["operation_id"], timeout=300)
         assert op["state"] == "succeeded", op
         assert op["result"]["sessions"] == [got["sid"]] and op["result"]["sessions_not_moved"] == [], op
         new = httpx.get(f"{b}/v1/replicas/{dst['id']}", headers=H, timeout=30).json()
@@ -303,7 +310,7 @@ def test_agents_live_migrate_a_vllm_session_to_tp2_under_a_gateway_stream(model_
         r = httpx.post(f"{b}/v1/drain", headers=H, json={"target_agent": a, "target_replicas": {dst["id"]: src["id"]}},
                        timeout=60)
         assert r.status_code == 202, r.text
-        op = _wait_op(b, r.json()["operation_id"], timeout=300)
+        op = wait_op(b, r.json()["operation_id"], timeout=300)
         assert op["state"] == "succeeded", op
         entry = op["result"]["replicas"][0]
         assert (entry["state"], entry["target_replica"]) == ("drained", src["id"]), op
@@ -317,7 +324,7 @@ def test_agents_live_migrate_a_vllm_session_to_tp2_under_a_gateway_stream(model_
             for x in httpx.get(f"{ag}/v1/replicas", headers=H, timeout=30).json()["replicas"]:
                 httpx.delete(f"{ag}/v1/replicas/{x['id']}", headers=H, timeout=120)
         for p in reversed(children):
-            _stop(p)
+            stop(p)
         mp.undo()
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from relayout.migrate.procs import replica
 
 from tests.conftest import _free_port
-from tests.proxy import Proxy
+from tests.helpers.proxy import Proxy
 
 
 @contextmanager
