@@ -129,10 +129,11 @@ def attach_early(dst: str, sid: str) -> tuple[Callable[[], None], Callable[[], T
         try:
             with httpx.Client(timeout=30) as client:
                 while not quit_.is_set():
-                    r = client.get(f"{dst}/v1/sessions/{sid}")
+                    # without the id lists: a 16k-token session's ids made this poll most of the target's CPU
+                    r = client.get(f"{dst}/v1/sessions/{sid}", params={"token_ids": "false"})
                     # (the target also remembers the session's earlier life there, checkpointed or done)
                     if r.status_code == 200 and r.json().get("state") == "running":
-                        k = len(r.json()["token_ids"])
+                        k = r.json()["num_generated_tokens"]
                         box["s"] = TokenStream("GET", f"{dst}/v1/sessions/{sid}/stream?from_token={k}"
                                                "&return_token_ids=true")
                         return

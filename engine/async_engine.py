@@ -174,18 +174,18 @@ class AsyncEngine:
             self._aborts.append(session_id)
             self._wake.notify()
 
-    def get(self, session_id: str) -> dict | None:
+    def get(self, session_id: str, token_ids: bool = True) -> dict | None:
+        """The session as its route shows it; `token_ids` False leaves the id lists out (their counts
+        stay): a watcher polling the state does not copy and encode thousands of ids a call."""
         with self._lock:
             s = self._snaps.get(session_id)
             if s is None:
                 return None
-            return {
-                "id": session_id,
-                "state": s.status.value,
-                "prompt_token_ids": list(s.prompt_token_ids),
-                "token_ids": list(s.token_ids),
-                "finish_reason": s.finish_reason,
-            }
+            out = {"id": session_id, "state": s.status.value, "finish_reason": s.finish_reason,
+                   "num_prompt_tokens": len(s.prompt_token_ids), "num_generated_tokens": len(s.token_ids)}
+            if token_ids:
+                out.update(prompt_token_ids=list(s.prompt_token_ids), token_ids=list(s.token_ids))
+            return out
 
     def logprobs(self, session_id: str, lo: int, hi: int) -> list[list]:
         """Logprob records of generated tokens [lo, hi) (published with the ids: a batch from

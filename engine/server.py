@@ -170,8 +170,8 @@ def create_app(aengine: AsyncEngine, model_name: str, api_keys: list[str] | None
         if not aengine.healthy:
             raise EngineDeadError(str(aengine.dead_error()))
 
-    def snapshot(sid: str) -> dict:
-        snap = aengine.get(sid)
+    def snapshot(sid: str, token_ids: bool = True) -> dict:
+        snap = aengine.get(sid, token_ids)
         if snap is None:
             raise HTTPError(404, f"no session {sid!r} on this replica", "not_found_error")
         return snap
@@ -227,8 +227,8 @@ def create_app(aengine: AsyncEngine, model_name: str, api_keys: list[str] | None
         return await aengine.call(gather)
 
     @app.get("/v1/sessions/{sid}")
-    async def session(sid: str):
-        s = snapshot(sid)
+    async def session(sid: str, token_ids: bool = True):
+        s = snapshot(sid, token_ids)
         out = {**s, "state": _LIVE.get(s["state"], s["state"])}
         if sid in aengine.migrated_to:
             out["migrated_to"] = aengine.migrated_to[sid]

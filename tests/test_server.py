@@ -113,6 +113,10 @@ def test_session_get_and_resumed_stream(server):
     s = httpx.get(f"{server}/v1/sessions/{sid}").json()
     assert s["id"] == sid and s["state"] == "finished" and s["finish_reason"] == "length"
     assert s["token_ids"] == ids and s["prompt_token_ids"] == list(b"resume me")
+    lean = httpx.get(f"{server}/v1/sessions/{sid}", params={"token_ids": "false"}).json()
+    assert "token_ids" not in lean and "prompt_token_ids" not in lean
+    assert (lean["num_generated_tokens"], lean["num_prompt_tokens"]) == (len(ids), len(b"resume me")) == (
+        s["num_generated_tokens"], s["num_prompt_tokens"])
     for k in (0, 5, 23, 24):
         with httpx.stream("GET", f"{server}/v1/sessions/{sid}/stream",
                           params={"from_token": k, "return_token_ids": "true"}) as resp:
