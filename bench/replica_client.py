@@ -260,7 +260,9 @@ def link_copy(nbytes: int = 512 << 20, sender_cpus: set[int] | None = None, nice
         finally:
             out, _ = p.communicate(timeout=60)
     got = int(res.get("got", 0))
-    if got < (1 if seconds else nbytes) or "t1" not in res:
+    # a timed probe at a low priority may move nothing on a busy machine: that is its measurement
+    # (0 GB/s, reported as no figure), not a failure; a copy of all the bytes must deliver them
+    if "t1" not in res or (not seconds and got < nbytes):
         raise BenchError(f"link probe: {got} of {nbytes} bytes arrived")
     try:
         sender_cpu = float(out.strip().splitlines()[-1])
