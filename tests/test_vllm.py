@@ -148,11 +148,11 @@ def test_live_migration_tp2_to_tp1_keeps_the_stream(tp1, tp2, reference):
     from relayout.migrate.live import migrate_live
     from relayout.migrate.protocol import FINISHED_ON_SOURCE
 
-    for _attempt in range(3):  # vLLM decodes the session in seconds: on a loaded machine it may end first
+    for _attempt in range(3):  # vLLM decodes the session in a few seconds: it may end before the move
+        before = _local_compute(tp1)  # (asked first: the move starts as soon as the session decodes)
         s = Stream(tp2, {"prompt": PROMPT, "max_tokens": N, "temperature": 0, "ignore_eos": True})
         s.wait_for(1)  # the client's stream runs behind the replica's session: move it while it decodes
-        before = _local_compute(tp1)
-        res = migrate_live(tp2, tp1, transport="http")
+        res = migrate_live(tp2, tp1, [s.sid], transport="http")  # named: a session that ended is named back
         if res.sessions:
             break
         assert res.not_moved == {s.sid: FINISHED_ON_SOURCE}, res  # then it is named, with why
