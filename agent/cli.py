@@ -205,13 +205,13 @@ def migrate_replica(
 ) -> None:
     """Move sessions between two replicas directly (no agent), with a progress display."""
     from relayout.engine.web import env_token
-    from relayout.migrate.live import MigrationError, migrate_live
+    from relayout.migrate.live import MigrationError, MigrationPlan, migrate_live
     from rich.progress import Progress
 
     with Progress(transient=True) as bar:
         task = bar.add_task("migrating", total=None)
         try:
-            res = migrate_live(source, target, session or None, token=env_token(), mode=mode,
+            res = migrate_live(source, target, session or None, token=env_token(), plan=MigrationPlan(mode=mode),
                                progress=lambda phase, n: bar.update(task, description=f"{phase} {n / 2**20:.1f} MiB"))
         except MigrationError as e:
             _fail(str(e), 1)

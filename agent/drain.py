@@ -49,7 +49,8 @@ async def drain_node(ag: Agent, op: dict, target: str, layouts: dict[str, str | 
     `target`, each with its own layout unless `layouts` plans another for it, or into the running
     replica `into` names for it. Progress per replica is in op["result"] while it runs; a session
     that cannot be moved is listed in `sessions_not_moved` (the op then fails), never dropped silently."""
-    from relayout.migrate.live import MigrationError, migrate_live, new_transfer_id
+    from relayout.migrate.live import MigrationPlan, MigrationResult, migrate_live, new_transfer_id
+    from relayout.migrate.relocate import relocate
 
     res: dict[str, Any] = {"target_agent": target, "replicas": [], "sessions_moved": 0, "sessions_not_moved": []}
     op["result"] = res
@@ -110,54 +111,42 @@ async def drain_node(ag: Agent, op: dict, target: str, layouts: dict[str, str | 
         e, src = entries[rid], ag.reg.replicas[rid]["url"]
         e["state"] = "migrating"
         op["phase"] = f"migrating {rid}"
-        failed: dict[str, str] = {}  # sessions given up on (a move of them alone failed), with the reason
-        last_err: dict[str, str] = {}
-        strikes = 0
         seen = live_at_start[rid]  # so a session that finishes here before its turn is still accounted for
-        for _ in range(DRAIN_PASSES):
-            ids = [s for s in await sessions_of(src) if s not in failed]
+        loop = asyncio.get_running_loop()
+
+        def live() -> list[str]:  # in relocate's thread: the listing runs on the agent's loop
+            ids = asyncio.run_coroutine_threadsafe(sessions_of(src), loop).result()
             seen.update(ids)
-            if not ids:
-                break
-            # all at once; after two failed tries one by one, so one bad session cannot hold back the rest
-            for group in ([ids] if strikes < 2 else [[s] for s in ids]):
-                base = e["bytes_done"]
+            return ids
 
-                def progress(phase=None, nbytes=None, *_, _base=base, **__):
-                    if phase is not None:
-                        op["phase"] = f"{rid}: {phase}"
-                    if nbytes is not None:
-                        e["bytes_done"] = _base + nbytes
-                        op["bytes_done"] = sum(x["bytes_done"] for x in entries.values())
+        def one(group: list[str]) -> MigrationResult:
+            base = e["bytes_done"]
 
-                tid = new_transfer_id()
-                e["transfers"].append(tid)  # each migration's id, as both replicas know it
-                try:
-                    mr = await asyncio.to_thread(migrate_live, src, e["target_url"], group, token=ag.token,
-                                                 mode="live", progress=progress, transfer_id=tid)
-                except MigrationError as err:
-                    if err.committed_sessions:  # failed after the commit: they live on the target now
-                        e["sessions_moved"] += [s for s in err.committed_sessions if s not in e["sessions_moved"]]
-                    # often a session finished between the pre-copy and the cutover: the next pass lists again
-                    for sid in group:
-                        last_err[sid] = str(err)
-                    if len(group) == 1:
-                        failed[group[0]] = str(err)
-                    else:
-                        strikes += 1
-                    continue
-                ag.m.observe_migration(mr)
-                e["bytes_done"] = base + mr.bytes_total
-                op["bytes_done"] = sum(x["bytes_done"] for x in entries.values())
-                op["stall_ms"] = max(op.get("stall_ms") or 0.0, mr.stall_ms)
-                e["sessions_moved"] += [s for s in mr.sessions if s not in e["sessions_moved"]]
-                kept = mr.kept()  # the source's word on each one it did not move
-                for sid in mr.not_moved:
-                    if sid in kept:  # the engine keeps it (e.g. a seeded vLLM request): no later pass moves it
-                        failed[sid] = kept[sid]
-                    elif sid not in e["sessions_finished_here"]:
-                        e["sessions_finished_here"].append(sid)
-        left = [s for s in await sessions_of(src)]
+            def progress(phase=None, nbytes=None, *_, **__):
+                if phase is not None:
+                    op["phase"] = f"{rid}: {phase}"
+                if nbytes is not None:
+                    e["bytes_done"] = base + nbytes
+                    op["bytes_done"] = sum(x["bytes_done"] for x in entries.values())
+
+            tid = new_transfer_id()
+            e["transfers"].append(tid)  # each migration's id, as both replicas know it
+            mr = migrate_live(src, e["target_url"], group, token=ag.token, plan=MigrationPlan(transfer_id=tid),
+                              progress=progress)
+            ag.m.observe_migration(mr)
+            e["bytes_done"] = base + mr.bytes_total
+            op["bytes_done"] = sum(x["bytes_done"] for x in entries.values())
+            op["stall_ms"] = max(op.get("stall_ms") or 0.0, mr.stall_ms)
+            e["sessions_moved"] += [s for s in mr.sessions if s not in e["sessions_moved"]]
+            return mr
+
+        # passes re-list: sessions that finish or arrive while the replica is moved (migrate.relocate)
+        rel = await asyncio.to_thread(relocate, live, one, passes=DRAIN_PASSES)
+        e["sessions_moved"] += [s for s in rel.moved if s not in e["sessions_moved"]]  # a failed move's committed ones
+        e["sessions_finished_here"] += [s for s in rel.finished_here if s not in e["sessions_finished_here"]]
+        if rel.source_error:
+            raise HTTPError(502, rel.source_error)
+        left = rel.left
         # the source's own word settles any session the migration results did not name (e.g. a
         # move whose answer was lost after its commit): released to the target, or finished here
         for sid in sorted(seen - set(left) - set(e["sessions_moved"]) - set(e["sessions_finished_here"])):
@@ -169,7 +158,7 @@ async def drain_node(ag: Agent, op: dict, target: str, layouts: dict[str, str | 
             else:
                 e["sessions_not_moved"].append({"id": sid, "error": f"not on the source any more (state {state})"})
         for sid in left:
-            why = failed.get(sid) or last_err.get(sid) or f"still on the source after {DRAIN_PASSES} passes"
+            why = rel.not_moved.get(sid) or rel.last_error.get(sid) or f"still on the source after {DRAIN_PASSES} passes"
             e["sessions_not_moved"].append({"id": sid, "error": why})
         e["state"] = "failed" if left or e["sessions_not_moved"] else "drained"
 

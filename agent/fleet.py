@@ -31,11 +31,11 @@ from relayout.engine.tracing import traced
 from relayout.migrate.controller import PollLoop, ReplicaWatch, Step
 from relayout.migrate.live import MigrationResult
 from relayout.migrate.policy import Decision, PolicyConfig, RelayoutPolicy
+from relayout.migrate.relocate import GONE, relocate
 
 __all__ = ["FleetController", "expand_agents"]
 
 OP_DONE = ("succeeded", "failed", "aborted")
-GONE = ("finished", "migrated")  # session states no longer served here (anything else still is)
 
 
 def _split_urls(urls: Iterable[str]) -> list[str]:
@@ -229,21 +229,22 @@ class FleetController(PollLoop):
             return
         step.migrations.append(self._result(op))
         step.acted = True
-        try:
-            for _ in range(max(0, self.sweeps - 1)):  # sweep again for sessions that arrived meanwhile
-                left = self._left(url)
-                if not left:
-                    break
-                op = self._migrate(agent, rid, {"target": {"agent": agent, "replica": new}, "sessions": left,
-                                                "mode": self.mode})
-                if op["state"] != "succeeded":
-                    raise RuntimeError(f"sweep failed: {op.get('error')}")
-                step.migrations.append(self._result(op))
-            kept = {sid: why for m in step.migrations for sid, why in m.kept().items()}
-            if kept:  # the old replica's engine keeps them (a seeded vLLM request): it stays up until they end
-                step.error = "sessions not moved: " + "; ".join(f"{k}: {v}" for k, v in sorted(kept.items()))
-        except (RuntimeError, httpx.HTTPError, ValueError) as e:
-            step.error = f"migration failed: {e}"  # the old replica keeps the sessions it still has
+        def sweep(ids: list[str]) -> MigrationResult:
+            op = self._migrate(agent, rid, {"target": {"agent": agent, "replica": new}, "sessions": ids,
+                                            "mode": self.mode})
+            if op["state"] != "succeeded":
+                raise RuntimeError(f"sweep failed: {op.get('error')}")
+            return self._result(op)
+
+        # sweep again for sessions that arrived meanwhile (migrate.relocate); the operation above was the first pass
+        rel = relocate(lambda: self._left(url), sweep, passes=self.sweeps - 1,
+                       failures=(RuntimeError, httpx.HTTPError, ValueError))
+        step.migrations += rel.migrations
+        not_moved = {sid: why for m in step.migrations[:1] for sid, why in m.kept().items()} | rel.not_moved
+        if not_moved:  # the old replica's engine keeps them (a seeded vLLM request): it stays up until they end
+            step.error = "sessions not moved: " + "; ".join(f"{k}: {v}" for k, v in sorted(not_moved.items()))
+        if rel.errors:  # the old replica keeps the sessions it still has
+            step.error = f"migration failed: {rel.errors[-1]}" + (f"; {step.error}" if step.error else "")
         # the policy state (its cooldown) goes on with the new replica
         self.watches[(aid, new)] = self.watches.pop(key)
         if step.error is None:

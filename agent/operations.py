@@ -53,7 +53,7 @@ async def run_restore(ag: Agent, op: dict, rid: str | None, new: tuple | None, b
 
 
 async def run_migrate(ag: Agent, op: dict, src: dict, body: MigrateBody) -> dict:
-    from relayout.migrate.live import migrate_live, new_transfer_id
+    from relayout.migrate.live import MigrationPlan, migrate_live, new_transfer_id
 
     t = body.target
     agent_url = t.agent.rstrip("/")
@@ -81,8 +81,9 @@ async def run_migrate(ag: Agent, op: dict, src: dict, body: MigrateBody) -> dict
             op["bytes_done"] = bytes_done
 
     op["transfer"] = tid = new_transfer_id()  # the id both replicas know it by (their transfer state)
-    res = await asyncio.to_thread(migrate_live, src["url"], tr["url"], sessions=body.sessions, token=ag.token,
-                                  mode=body.mode, progress=progress, transport=body.transport, transfer_id=tid)
+    plan = MigrationPlan(mode=body.mode, transport=body.transport, transfer_id=tid)
+    res = await asyncio.to_thread(migrate_live, src["url"], tr["url"], body.sessions, token=ag.token, plan=plan,
+                                  progress=progress)
     ag.m.observe_migration(res)
     op["stall_ms"] = res.stall_ms
     op["bytes_done"] = op["bytes_total"] = res.bytes_total

@@ -82,7 +82,7 @@ def _wait_gone(url: str, sid: str | None, timeout: float = 10.0) -> None:
 
 
 def measure_move(c: Ctx, mode: str, with_second: bool) -> dict:
-    from relayout.migrate.live import migrate_live
+    from relayout.migrate.live import MigrationPlan, migrate_live
 
     def reattach(src_stream: TokenStream) -> None:
         # the moment the source's stream ends without [DONE], follow the session on the target
@@ -128,9 +128,9 @@ def measure_move(c: Ctx, mode: str, with_second: bool) -> dict:
         if ph == "stop-and-copy":
             attach()
 
-    res = migrate_live(c.src, c.dst, [s.sid], mode=mode, progress=progress, max_rounds=MAX_ROUNDS,
-                       small_bytes=SMALL_ROUND_BYTES, timeout_s=max(300.0, c.timeout), transport=c.transport,
-                       on_phase=on_phase)
+    plan = MigrationPlan(mode=mode, max_rounds=MAX_ROUNDS, small_bytes=SMALL_ROUND_BYTES,
+                         timeout_s=max(300.0, c.timeout), transport=c.transport)
+    res = migrate_live(c.src, c.dst, [s.sid], plan=plan, progress=progress, on_phase=on_phase)
     t_done = time.perf_counter()
     s.finish(60)
     if s.done or not res.sessions:

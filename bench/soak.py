@@ -136,7 +136,7 @@ def run(count: int = 20, layouts: tuple[str, str] = ("attn_dp=1", "attn_tp=2"), 
     `count` times, checking every output against an undisturbed run; then compare RSS, open file
     descriptors, processes and KV blocks of both replicas with their baseline (taken after
     `warmup` migrations, once allocators and caches have settled)."""
-    from relayout.migrate.live import MigrationError, migrate_live
+    from relayout.migrate.live import MigrationError, MigrationPlan, migrate_live
 
     if count < 1 or sessions < 1:
         raise ValueError("count and sessions must be >= 1")
@@ -165,7 +165,7 @@ def run(count: int = 20, layouts: tuple[str, str] = ("attn_dp=1", "attn_tp=2"), 
             for s in ss:
                 s.started.wait(60)
             try:
-                res = migrate_live(urls[src], urls[dst], small_bytes=0, max_rounds=2, timeout_s=60)
+                res = migrate_live(urls[src], urls[dst], plan=MigrationPlan(small_bytes=0, max_rounds=2, timeout_s=60))
                 if i >= warmup:
                     stats["migrations"] += 1
                     stats["sessions_moved"] += len(res.sessions)

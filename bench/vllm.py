@@ -59,7 +59,7 @@ def _complete(url: str, prompt: list[int], n: int) -> tuple[list[int], float]:
 
 
 def measure_context(src: str, dst: str, ctx: int, kv_per_token: int, seed: int = 0) -> dict:
-    from relayout.migrate.live import migrate_live
+    from relayout.migrate.live import MigrationPlan, migrate_live
 
     rnd = random.Random(seed + ctx)
     prompt = [rnd.randrange(1, 500) for _ in range(ctx)]
@@ -77,7 +77,7 @@ def measure_context(src: str, dst: str, ctx: int, kv_per_token: int, seed: int =
     s.wait_tokens(8, 120)
     phases: dict[str, float] = {}
     t0 = time.perf_counter()
-    res = migrate_live(src, dst, [s.sid] if s.sid else None, transport="http",
+    res = migrate_live(src, dst, [s.sid] if s.sid else None, plan=MigrationPlan(transport="http"),
                        on_phase=lambda p: phases.setdefault(p.split(":")[0], time.perf_counter()))
     t1 = time.perf_counter()
     s.finish(120)

@@ -28,9 +28,10 @@ from relayout.engine import web
 from relayout.engine.layout import Layout
 from relayout.engine.tracing import traced
 from relayout.migrate import procs
-from relayout.migrate.live import MigrationError, MigrationResult, migrate_live
+from relayout.migrate.live import MigrationPlan, MigrationResult, migrate_live
 from relayout.migrate.policy import Decision, RelayoutPolicy
 from relayout.migrate.procs import LaunchError, stop_process
+from relayout.migrate.relocate import GONE, relocate
 
 __all__ = ["Controller", "LaunchError", "PollLoop", "Relayout", "ReplicaWatch", "Step", "SubprocessLauncher"]
 
@@ -255,19 +256,19 @@ class Controller(PollLoop):
             return
         step.launch_s = time.monotonic() - t0
         step.new_replica = new = new.rstrip("/")
-        try:
-            for _ in range(max(1, self.sweeps)):  # sweep again for sessions that arrived meanwhile
-                left = [s["id"] for s in self._get_replica(old)["sessions"]
-                        if s.get("state") not in ("finished", "migrated")]
-                if not left:
-                    break
-                step.migrations.append(migrate_live(old, new, left, token=self.token, mode=self.mode))
-            kept = {sid: why for m in step.migrations for sid, why in m.kept().items()}
-            if kept:  # the old replica's engine keeps them: it stays up until they end there
-                step.error = "sessions not moved: " + "; ".join(f"{k}: {v}" for k, v in sorted(kept.items()))
-        except (MigrationError, httpx.HTTPError, ValueError) as e:
-            step.error = f"migration failed: {e}"
-            if not step.migrations:
+
+        def live() -> list[str]:
+            return [s["id"] for s in self._get_replica(old)["sessions"] if s.get("state") not in GONE]
+
+        plan = MigrationPlan(mode=self.mode)
+        # sweep again for sessions that arrived meanwhile (migrate.relocate)
+        rel = relocate(live, lambda ids: migrate_live(old, new, ids, token=self.token, plan=plan), passes=max(1, self.sweeps))
+        step.migrations = rel.migrations
+        if rel.not_moved:  # the old replica keeps them: it stays up until they end there
+            step.error = "sessions not moved: " + "; ".join(f"{k}: {v}" for k, v in sorted(rel.not_moved.items()))
+        if rel.errors:
+            step.error = f"migration failed: {rel.errors[-1]}" + (f"; {step.error}" if step.error else "")
+            if not rel.moved:
                 # nothing moved: the old replica keeps serving everything; drop the new one
                 self._stop(new, 0.0)
                 return

@@ -93,6 +93,41 @@ class MigrationResult:
         return {sid: why for sid, why in self.not_moved.items() if why != FINISHED_ON_SOURCE}
 
 
+@dataclass(frozen=True)
+class MigrationPlan:
+    """How a live migration runs (what it moves is the call's `sessions`, where is its two URLs).
+
+    Pre-copy rounds send at most `precopy_slice_tokens` tokens per session each (default: as many
+    as make `precopy_round_bytes` over all the sessions, see `round_slice_tokens`), until a round is at
+    most `small_bytes` (caught up) or `max_rounds` ran; then the stop-and-copy round. `mode="cold"`
+    skips the pre-copy. A pre-copy round cut by a network error is retried (`retries` times) from the
+    chunks the target acknowledges holding; the final round is not retried (the sessions are paused).
+    `source_for_target`: the source's URL as the target can reach it (default the source's URL);
+    `target_for_source`: the target's URL as the source can reach it (default the target's URL).
+    `transport`: how the source pushes the rounds, "http", "tcp" or "mooncake" (default: the source's
+    RELAYOUT_TRANSPORT). `transfer_id`: the id the replicas will know this transfer by (default a new
+    `new_transfer_id()`); the result, and a MigrationError, carry it."""
+
+    mode: str = "live"
+    max_rounds: int = 64
+    small_bytes: int = SMALL_ROUND_BYTES
+    codec: str = "none"
+    precopy_slice_tokens: int | None = None
+    precopy_round_bytes: int | None = PRECOPY_ROUND_BYTES
+    retries: int = 3
+    timeout_s: float = 300.0
+    source_for_target: str | None = None
+    target_for_source: str | None = None
+    transport: str | None = None
+    transfer_id: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("live", "cold"):
+            raise ValueError("mode must be 'live' or 'cold'")
+        if self.max_rounds < 0 or self.retries < 0 or self.timeout_s <= 0:
+            raise ValueError("max_rounds and retries must be >= 0, timeout_s > 0")
+
+
 Progress = Callable[[str, int], None]  # (phase, bytes so far)
 OnPhase = Callable[[str], None]
 
@@ -102,143 +137,158 @@ class RoundNotDelivered(RuntimeError):
     connection, a timeout): the round may be resumed from the chunks the target acknowledges."""
 
 
-def _round(client: httpx.Client, src: str, dst: str, transfer: str, sessions: list[str] | None, final: bool,
-           codec: str, token: str | None, source_for_target: str | None = None,
-           slice_tokens: int | None = None, have: list[str] | None = None, timeout_s: float = 300.0,
-           transport: str | None = None) -> tuple[dict, int, dict[str, str] | None]:
-    """One round: the source pushes it to the target (`dst`, as the source reaches it) and answers
-    with the target's reply; only that small answer comes here. Returns (target reply, bytes moved,
-    the sessions asked for that the round does not carry, with the source's reason)."""
-    body: dict = {"transfer": transfer, "sessions": sessions, "pause": final, "codec": codec, "target": dst,
-                  "timeout_s": timeout_s}
-    if source_for_target:
-        body["source"] = source_for_target  # whom the target asks if this migrator disappears
-    if slice_tokens and not final:
-        body["max_tokens"] = slice_tokens
-    if have is not None:
-        body["have"] = have  # a retried round: chunks the target already holds are not resent
-    if transport:
-        body["transport"] = transport  # how the source pushes (http, tcp, mooncake); default: its RELAYOUT_TRANSPORT
-    # the source sends a space every second while it pushes: the read timeout measures its silence
-    resp = client.post(f"{src}/v1/sessions/export", json=body, headers=bearer_headers(token))
-    check_response(resp, "source export")
-    try:
-        doc = json.loads(resp.content)
-    except ValueError:
-        raise RuntimeError("source export: the answer is not JSON") from None
-    if not isinstance(doc, dict):
-        raise RuntimeError("source export: the answer is not a JSON object")
-    if "error" in doc:
-        msg = f"source push: {(doc.get('error') or {}).get('message', 'failed')}"
-        raise RoundNotDelivered(msg) if doc.get("retryable") else RuntimeError(msg)
-    not_moved = doc.get("not_moved")  # None: a source from before 0.6.0, which does not name them
-    if not_moved is not None and not isinstance(not_moved, dict):
-        raise RuntimeError("source export: not_moved is not an object")
-    return doc["reply"], int(doc.get("bytes", 0)), None if not_moved is None else {
-        str(k): str(v) for k, v in not_moved.items()}
+@dataclass
+class _Link:
+    """One migration's view of its two replicas: the URLs each side is reached by, and the client."""
 
+    client: httpx.Client
+    src: str
+    dst: str  # the target as this process reaches it
+    push_to: str  # ... and as the source reaches it
+    back: str  # the source as the target reaches it
+    transfer: str
+    plan: MigrationPlan
+    token: str | None
 
-def _precopy_round(client: httpx.Client, src: str, dst: str, t: str, ids: list[str], codec: str,
-                   token: str | None, back: str, slice_tokens: int | None, retries: int,
-                   res: MigrationResult, push_to: str, timeout_s: float, transport: str | None = None
-                   ) -> tuple[dict, int, dict[str, str] | None]:
-    have: list[str] | None = None
-    for attempt in range(retries + 1):
+    def headers(self) -> dict[str, str]:
+        return bearer_headers(self.token)
+
+    def target_state(self, what: str) -> dict:
+        return check_response(self.client.get(f"{self.dst}/v1/sessions/transfers/{self.transfer}",
+                                              headers=self.headers()), what)
+
+    def round(self, sessions: list[str], final: bool, slice_tokens: int | None = None,
+              have: list[str] | None = None) -> tuple[dict, int, dict[str, str] | None]:
+        """One round: the source pushes it to the target and answers with the target's reply; only
+        that small answer comes here. Returns (target reply, bytes moved, the sessions asked for that
+        the round does not carry, with the source's reason)."""
+        p = self.plan
+        body: dict = {"transfer": self.transfer, "sessions": sessions, "pause": final, "codec": p.codec,
+                      "target": self.push_to, "timeout_s": p.timeout_s,
+                      "source": self.back}  # whom the target asks if this migrator disappears
+        if slice_tokens and not final:
+            body["max_tokens"] = slice_tokens
+        if have is not None:
+            body["have"] = have  # a retried round: chunks the target already holds are not resent
+        if p.transport:
+            body["transport"] = p.transport  # how the source pushes; default: its RELAYOUT_TRANSPORT
+        # the source sends a space every second while it pushes: the read timeout measures its silence
+        resp = self.client.post(f"{self.src}/v1/sessions/export", json=body, headers=self.headers())
+        check_response(resp, "source export")
         try:
-            return _round(client, src, push_to, t, ids, False, codec, token, back, slice_tokens, have, timeout_s,
-                          transport)
-        except (httpx.TransportError, RoundNotDelivered):
-            if attempt == retries:
-                raise
-            time.sleep(0.2 * (attempt + 1))
-            # what the target kept of the cut round (hash-verified chunks): resume after them
-            st = check_response(client.get(f"{dst}/v1/sessions/transfers/{t}", headers=bearer_headers(token)), "target state")
-            if st.get("incoming") != IncomingState.RECEIVING:
-                raise
-            have = list(st.get("chunks") or [])
-            res.retries += 1
-    raise AssertionError("unreachable")
+            doc = json.loads(resp.content)
+        except ValueError:
+            raise RuntimeError("source export: the answer is not JSON") from None
+        if not isinstance(doc, dict):
+            raise RuntimeError("source export: the answer is not a JSON object")
+        if "error" in doc:
+            msg = f"source push: {(doc.get('error') or {}).get('message', 'failed')}"
+            raise RoundNotDelivered(msg) if doc.get("retryable") else RuntimeError(msg)
+        not_moved = doc.get("not_moved")  # None: a source from before 0.6.0, which does not name them
+        if not_moved is not None and not isinstance(not_moved, dict):
+            raise RuntimeError("source export: not_moved is not an object")
+        return doc["reply"], int(doc.get("bytes", 0)), None if not_moved is None else {
+            str(k): str(v) for k, v in not_moved.items()}
 
+    def precopy_round(self, sessions: list[str], slice_tokens: int | None, res: MigrationResult) -> int:
+        """A pre-copy round, resumed after a network error from what the target kept; its bytes."""
+        have: list[str] | None = None
+        for attempt in range(self.plan.retries + 1):
+            try:
+                return self.round(sessions, False, slice_tokens, have)[1]
+            except (httpx.TransportError, RoundNotDelivered):
+                if attempt == self.plan.retries:
+                    raise
+                time.sleep(0.2 * (attempt + 1))
+                # what the target kept of the cut round (hash-verified chunks): resume after them
+                st = self.target_state("target state")
+                if st.get("incoming") != IncomingState.RECEIVING:
+                    raise
+                have = list(st.get("chunks") or [])
+                res.retries += 1
+        raise AssertionError("unreachable")
 
-def _commit_target(client: httpx.Client, dst: str, t: str, token: str | None, tries: int = 3) -> None:
-    """Tell the target to resume; idempotent on its side, so a lost answer is simply asked again."""
-    for attempt in range(tries):
+    def commit_target(self, tries: int = 3) -> None:
+        """Tell the target to resume; idempotent on its side, so a lost answer is simply asked again."""
+        for attempt in range(tries):
+            try:
+                check_response(self.client.post(f"{self.dst}/v1/sessions/transfers/{self.transfer}/commit",
+                                                headers=self.headers()), "target commit")
+                return
+            except (httpx.TransportError, RuntimeError):
+                if attempt == tries - 1:
+                    raise
+                time.sleep(0.2 * (attempt + 1))
+
+    def abort(self, paused: list[str]) -> None:
+        for url in (f"{self.dst}/v1/sessions/transfers/{self.transfer}",
+                    f"{self.src}/v1/sessions/transfers/{self.transfer}"):
+            try:
+                self.client.request("DELETE", url, headers=self.headers(), timeout=10)
+            except httpx.HTTPError:
+                pass  # a dead target's reservations die with it
         try:
-            check_response(client.post(f"{dst}/v1/sessions/transfers/{t}/commit", headers=bearer_headers(token)), "target commit")
-            return
-        except (httpx.TransportError, RuntimeError):
-            if attempt == tries - 1:
-                raise
-            time.sleep(0.2 * (attempt + 1))
+            # resume everything we may have paused (a no-op for sessions that were never paused)
+            self.client.post(f"{self.src}/v1/sessions/resume", json={"sessions": paused}, headers=self.headers(),
+                             timeout=10)
+        except httpx.HTTPError:
+            pass
 
 
 @traced_migration  # the migration's trace: a span per phase (migrate.observe)
-def migrate_live(source_url: str, target_url: str, sessions: list[str] | None = None, *, token: str | None = None,
-                 mode: str = "live", max_rounds: int = 64, small_bytes: int = SMALL_ROUND_BYTES, codec: str = "none",
-                 precopy_slice_tokens: int | None = None, precopy_round_bytes: int | None = PRECOPY_ROUND_BYTES,
-                 retries: int = 3,
-                 progress: Progress | None = None, timeout_s: float = 300.0, on_phase: OnPhase | None = None,
-                 source_for_target: str | None = None, target_for_source: str | None = None,
-                 transport: str | None = None, transfer_id: str | None = None) -> MigrationResult:
-    """Move `sessions` (default: all) from the source replica to the target replica.
-
-    Pre-copy rounds send at most `precopy_slice_tokens` tokens per session each (default: as many
-    as make `precopy_round_bytes` over all the sessions, see `round_slice_tokens`), until a round is at
-    most `small_bytes` (caught up) or `max_rounds` ran; then the stop-and-copy round.
-    A pre-copy round cut by a network error is retried (`retries` times) from the chunks the
-    target acknowledges holding; the final round is not retried (the sessions are paused).
-    The source pushes each round to the target itself; this process sees only control messages.
-    `source_for_target`: the source's URL as the target can reach it (default `source_url`);
-    `target_for_source`: the target's URL as the source can reach it (default `target_url`).
-    `transport`: how the source pushes the rounds, "http", "tcp" or "mooncake" (default: the source's
-    RELAYOUT_TRANSPORT). `transfer_id`: the id the replicas will know this transfer by (default a new
-    `new_transfer_id()`); the result, and a MigrationError, carry it."""
-    if mode not in ("live", "cold"):
-        raise ValueError("mode must be 'live' or 'cold'")
+def migrate_live(source_url: str, target_url: str, sessions: list[str] | None = None, *,
+                 plan: MigrationPlan | None = None, token: str | None = None,
+                 progress: Progress | None = None, on_phase: OnPhase | None = None) -> MigrationResult:
+    """Move `sessions` (default: all, named when the migration starts) from the source replica to the
+    target replica, as `plan` says (default `MigrationPlan()`). The source pushes each round to the
+    target itself; this process sees only control messages. `progress(phase, bytes so far)` after
+    each round, `on_phase(name)` at each phase boundary."""
+    plan = plan or MigrationPlan()
     src, dst = source_url.rstrip("/"), target_url.rstrip("/")
-    res = MigrationResult(transfer_id=transfer_id or new_transfer_id())
+    res = MigrationResult(transfer_id=plan.transfer_id or new_transfer_id())
     t = res.transfer_id
     phase: str = Phase.PRE_COPY
     paused: list[str] = []
     committed = False
-    back = source_for_target or src
-    push_to = (target_for_source or dst).rstrip("/")
 
     def at(name: str) -> None:
         name = str(name)  # a Phase is its wire string; spans and callers get plain str
         phase_boundary(name)
         if on_phase:
             on_phase(name)
-    with httpx.Client(verify=tls_context(), timeout=timeout_s, event_hooks=inject_hooks()) as client:
+
+    def count(n: int, seconds: float, final: bool) -> None:
+        res.rounds.append(PreCopyRound(len(res.rounds), n, seconds, final))
+        round_bytes(n, seconds)
+        res.bytes_total += n
+    with httpx.Client(verify=tls_context(), timeout=plan.timeout_s, event_hooks=inject_hooks()) as client:
+        link = _Link(client, src, dst, (plan.target_for_source or dst).rstrip("/"), plan.source_for_target or src,
+                     t, plan, token)
         try:
             ids = sessions
-            size_rounds = mode == "live" and precopy_slice_tokens is None  # from the source's KV size
-            rep = (check_response(client.get(f"{src}/v1/replica", headers=bearer_headers(token)), "source replica")
+            slice_tokens = plan.precopy_slice_tokens
+            size_rounds = plan.mode == "live" and slice_tokens is None  # from the source's KV size
+            rep = (check_response(client.get(f"{src}/v1/replica", headers=link.headers()), "source replica")
                    if ids is None or size_rounds else {})
             if ids is None:  # name them now, so an abort knows exactly what to resume
                 ids = [s["id"] for s in rep["sessions"]]
             if size_rounds:
-                precopy_slice_tokens = round_slice_tokens(precopy_round_bytes, rep.get("kv_bytes_per_token"), len(ids))
-            if mode == "live":
-                for i in range(max_rounds):
-                    at(f"{Phase.PRE_COPY}:{i}")
-                    t0 = time.perf_counter()
-                    # bounded slices per round: the source's decoding never waits on a long copy
-                    _, n, _ = _precopy_round(client, src, dst, t, ids, codec, token, back, precopy_slice_tokens,
-                                              retries, res, push_to, timeout_s, transport)
-                    res.rounds.append(PreCopyRound(i, n, time.perf_counter() - t0, False))
-                    round_bytes(n, res.rounds[-1].seconds)
-                    res.bytes_total += n
-                    if progress:
-                        progress(phase, res.bytes_total)
-                    if n <= small_bytes or not ids:
-                        break
+                slice_tokens = round_slice_tokens(plan.precopy_round_bytes, rep.get("kv_bytes_per_token"), len(ids))
+            for i in range(plan.max_rounds if plan.mode == "live" else 0):
+                at(f"{Phase.PRE_COPY}:{i}")
+                t0 = time.perf_counter()
+                # bounded slices per round: the source's decoding never waits on a long copy
+                n = link.precopy_round(ids, slice_tokens, res)
+                count(n, time.perf_counter() - t0, False)
+                if progress:
+                    progress(phase, res.bytes_total)
+                if n <= plan.small_bytes or not ids:
+                    break
             phase = Phase.STOP_AND_COPY
             at(phase)
             t_hold = time.perf_counter()
             paused = list(ids)
-            reply, n, named = _round(client, src, push_to, t, ids, True, codec, token, back,
-                                     timeout_s=timeout_s, transport=transport)
+            reply, n, named = link.round(ids, True)
             res.sessions = paused = list(reply.get("placed", reply["sessions"]))
             res.not_moved = named or {}
             # every session asked for is either placed on the target or named with the source's reason
@@ -247,25 +297,23 @@ def migrate_live(source_url: str, target_url: str, sessions: list[str] | None = 
             if unnamed or not set(res.sessions) <= set(ids):
                 raise RuntimeError(f"the final round placed {sorted(res.sessions)} for {sorted(ids)}; "
                                    f"{sorted(unnamed)} neither moved nor named by the source")
-            res.rounds.append(PreCopyRound(len(res.rounds), n, time.perf_counter() - t_hold, True))
-            round_bytes(n, res.rounds[-1].seconds)
-            res.bytes_total += n
+            count(n, time.perf_counter() - t_hold, True)
             phase = "commit"
             # the target must still hold them right before the commit (narrows the window in which
             # a target that died after its acknowledgement would take the sessions with it)
-            st = check_response(client.get(f"{dst}/v1/sessions/transfers/{t}", headers=bearer_headers(token)), "target check")
+            st = link.target_state("target check")
             if st.get("incoming") != IncomingState.PLACED or sorted(st.get("placed", [])) != sorted(res.sessions):
                 raise RuntimeError(f"target no longer holds the transfer ({st.get('incoming')})")
             at(Phase.PREPARED)
             check_response(client.post(f"{src}/v1/sessions/release",
-                               json={"sessions": res.sessions, "migrated_to": push_to, "transfer": t},
-                               headers=bearer_headers(token)), "source release")
+                                       json={"sessions": res.sessions, "migrated_to": link.push_to, "transfer": t},
+                                       headers=link.headers()), "source release")
             committed = True
             at(Phase.COMMITTED)
-            _commit_target(client, dst, t, token)
+            link.commit_target()
             res.stall_ms = (time.perf_counter() - t_hold) * 1000
             try:  # tidy-up only: the source already forgot the transfer when it released it
-                client.request("DELETE", f"{src}/v1/sessions/transfers/{t}", headers=bearer_headers(token), timeout=5)
+                client.request("DELETE", f"{src}/v1/sessions/transfers/{t}", headers=link.headers(), timeout=5)
             except httpx.HTTPError:
                 pass  # e.g. the source died right after the commit; the sessions run on the target
             if progress:
@@ -278,18 +326,5 @@ def migrate_live(source_url: str, target_url: str, sessions: list[str] | None = 
                 raise MigrationError(phase, f"{e} (sessions committed to the target; it resumes them by itself "
                                             "once its transfer lease sees the source's release)",
                                      committed_sessions=res.sessions, transfer_id=t) from e
-            _abort(client, src, dst, t, paused, token)
+            link.abort(paused)
             raise MigrationError(phase, f"{e}; the sessions continue on the source", transfer_id=t) from e
-
-
-def _abort(client: httpx.Client, src: str, dst: str, transfer: str, paused: list[str], token: str | None) -> None:
-    for url in (f"{dst}/v1/sessions/transfers/{transfer}", f"{src}/v1/sessions/transfers/{transfer}"):
-        try:
-            client.request("DELETE", url, headers=bearer_headers(token), timeout=10)
-        except httpx.HTTPError:
-            pass  # a dead target's reservations die with it
-    try:
-        # resume everything we may have paused (a no-op for sessions that were never paused)
-        client.post(f"{src}/v1/sessions/resume", json={"sessions": paused}, headers=bearer_headers(token), timeout=10)
-    except httpx.HTTPError:
-        pass

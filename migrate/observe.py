@@ -72,13 +72,13 @@ def round_bytes(nbytes: int, seconds: float) -> None:
 
 
 def traced_migration(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap `migrate_live(source_url, target_url, sessions=None, *, token=..., mode=...)` in its trace."""
+    """Wrap `migrate_live(source_url, target_url, sessions=None, *, plan=..., token=...)` in its trace."""
 
     @functools.wraps(fn)
     def wrapper(source_url: str, target_url: str, *args: Any, **kwargs: Any) -> Any:
         if not tracing.tracing_enabled():
             return fn(source_url, target_url, *args, **kwargs)
-        with tracing.span("migration", source=source_url, target=target_url, mode=kwargs.get("mode", "live")) as root:
+        with tracing.span("migration", source=source_url, target=target_url, mode=getattr(kwargs.get("plan"), "mode", "live")) as root:
             ph = _Phases(root)
             reset = _PHASES.set(ph)
             try:

@@ -6,7 +6,7 @@ sessions finish on the target with exactly the tokens of an undisturbed run."""
 from __future__ import annotations
 
 import pytest
-from relayout.migrate.live import migrate_live
+from relayout.migrate.live import MigrationPlan, migrate_live
 
 from tests.helpers.migration import Moved, finish_moved, idle, port_of, reference, replica_pair, streams_on
 from tests.helpers.proxy import Proxy
@@ -30,8 +30,8 @@ def test_migrator_connections_carry_no_kv(pair):
     try:
         m = Moved(streams_on(a, BODIES, [b]))  # the clients talk to the replicas directly
         # the migrator reaches both replicas only through the proxies; the replicas reach each other directly
-        res = m.result = migrate_live(to_a.url, to_b.url, small_bytes=0, max_rounds=3, timeout_s=60,
-                                      source_for_target=a, target_for_source=b)
+        res = m.result = migrate_live(to_a.url, to_b.url, plan=MigrationPlan(
+            small_bytes=0, max_rounds=3, timeout_s=60, source_for_target=a, target_for_source=b))
         finish_moved(m, refs, b, a)
         assert res.bytes_total > 0 and res.sessions
         through_migrator = to_a.bytes_up + to_a.bytes_down + to_b.bytes_up + to_b.bytes_down
@@ -53,9 +53,16 @@ def test_push_target_must_be_a_replica_url(pair):
     assert httpx.get(f"{a}/v1/sessions/transfers/bad-target").json()["outgoing"] is None
 
 
-def test_migrate_live_keeps_its_signature():
+def test_migrate_live_takes_where_what_and_a_plan():
+    import dataclasses
     import inspect
 
     params = inspect.signature(migrate_live).parameters
     assert list(params)[:3] == ["source_url", "target_url", "sessions"]
-    assert params["target_for_source"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in list(params.values())[3:])
+    assert {"target_for_source", "source_for_target", "transport", "transfer_id"} <= {
+        f.name for f in dataclasses.fields(MigrationPlan)}
+    with pytest.raises(ValueError, match="mode"):
+        MigrationPlan(mode="warm")
+    with pytest.raises(ValueError, match="timeout_s"):
+        MigrationPlan(timeout_s=0)

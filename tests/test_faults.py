@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
-from relayout.migrate.live import MigrationError, migrate_live
+from relayout.migrate.live import MigrationError, MigrationPlan, migrate_live
 from relayout.migrate.procs import alive, children_of, launch, rank_processes
 
 from tests.helpers.faults import fault_kit
@@ -315,13 +315,12 @@ def test_second_migration_of_same_replica_refused(ab, px, refs):
     ss = start_streams(a, [b])
     px.arm("slow", after=0, delay=0.01)
     # over HTTP: the proxy slows the target's HTTP port (the frame link would bypass it)
-    t = threading.Thread(target=lambda: first.update(res=migrate_live(a, px.url, small_bytes=0, max_rounds=1,
-                                                                      timeout_s=30, source_for_target=a,
-                                                                      transport="http")))
+    t = threading.Thread(target=lambda: first.update(res=migrate_live(a, px.url, plan=MigrationPlan(
+        small_bytes=0, max_rounds=1, timeout_s=30, source_for_target=a, transport="http"))))
     t.start()
     assert wait_for(lambda: _transfers_on(a), 10)
     with pytest.raises(MigrationError, match="409.*one outgoing migration at a time"):
-        migrate_live(a, b, timeout_s=10)
+        migrate_live(a, b, plan=MigrationPlan(timeout_s=10))
     t.join(60)
     assert first["res"].phase == "done"  # the first one was not disturbed
     unchanged(ss, refs)

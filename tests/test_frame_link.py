@@ -14,7 +14,7 @@ import httpx
 import pytest
 from relayout.engine.workers import free_port
 from relayout.migrate.frame_link import CHALLENGE_BYTES, LINK_MAGIC, LINK_PATH, link_mac
-from relayout.migrate.live import MigrationError, migrate_live
+from relayout.migrate.live import MigrationError, MigrationPlan, migrate_live
 
 from tests.helpers.migration import (
     Moved,
@@ -117,7 +117,7 @@ def test_live_migration_over_the_link(pair):
     a, b = (p.url for p in pair)
     refs = [reference(b, body) for body in BODIES]
     m = Moved(streams_on(a, BODIES, [b]))
-    m.result = res = migrate_live(a, b, small_bytes=0, max_rounds=2, timeout_s=60, token=TOKEN)
+    m.result = res = migrate_live(a, b, token=TOKEN, plan=MigrationPlan(small_bytes=0, max_rounds=2, timeout_s=60))
     assert res.bytes_total > 0 and res.sessions
     finish_moved(m, refs, b, a)
     idle(a)

@@ -10,7 +10,7 @@ import httpx
 import pytest
 from openai import OpenAI
 from relayout.migrate import procs
-from relayout.migrate.live import MigrationError, migrate_live, round_slice_tokens
+from relayout.migrate.live import MigrationError, MigrationPlan, migrate_live, round_slice_tokens
 
 
 def launch(*args: str) -> tuple[subprocess.Popen, str]:
@@ -102,7 +102,7 @@ def test_dead_target_leaves_sessions_on_source(fleet):
     os.kill(dead.pid, signal.SIGKILL)
     dead.wait(10)
     with pytest.raises(MigrationError, match="pre-copy"):
-        migrate_live(fleet["src"], dead_url, timeout_s=10)
+        migrate_live(fleet["src"], dead_url, plan=MigrationPlan(timeout_s=10))
     t.join(120)
     assert got[0][0] == ref  # finished on the source, unchanged
 

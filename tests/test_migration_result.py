@@ -11,7 +11,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from relayout.migrate.live import migrate_live
+from relayout.migrate.live import MigrationPlan, migrate_live
 from relayout.migrate.protocol import FINISHED_ON_SOURCE
 
 from tests.helpers.migration import reference, replica_pair, replica_state, streams_on
@@ -34,7 +34,7 @@ def test_result_lists_every_session_exactly_under_load():
         try:
             streams = streams_on(a, bodies, [b])
             listed = {s["id"] for s in replica_state(a)["sessions"]}
-            res = migrate_live(a, b, sorted(listed), small_bytes=0)
+            res = migrate_live(a, b, sorted(listed), plan=MigrationPlan(small_bytes=0))
         finally:
             for h in hogs:
                 h.kill()

@@ -1,4 +1,4 @@
-"""The Mooncake transport (`"transport": "mooncake"` on the export, `migrate_live(transport=…)`): real
+"""The Mooncake transport (`"transport": "mooncake"` on the export, `MigrationPlan(transport=…)`): real
 replica processes, the source writes each round into the target's registered ring over Mooncake's
 transfer engine; the sessions finish on the target with the tokens of an undisturbed run, and the
 rings are unregistered afterwards. Without Mooncake (the package, or the system's libibverbs1) the
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from relayout.migrate.live import MigrationError, migrate_live
+from relayout.migrate.live import MigrationError, MigrationPlan, migrate_live
 from relayout.migrate.mooncake_transport import DISABLE_ENV, MOONCAKE_PATH, unavailable
 
 from tests.helpers.migration import Moved, finish_moved, idle, reference, replica_pair, streams_on
@@ -38,7 +38,8 @@ def test_live_migration_over_mooncake(pair):
     a, b = (p.url for p in pair)
     refs = [reference(b, body) for body in BODIES]
     m = Moved(streams_on(a, BODIES, [b]))
-    m.result = res = migrate_live(a, b, small_bytes=0, max_rounds=2, timeout_s=60, token=TOKEN, transport="mooncake")
+    m.result = res = migrate_live(a, b, token=TOKEN, plan=MigrationPlan(small_bytes=0, max_rounds=2, timeout_s=60,
+                                                                     transport="mooncake"))
     assert max(r.bytes for r in res.rounds) > 1 << 20 and res.sessions, res  # a round wrapped the 1 MiB ring
     finish_moved(m, refs, b, a)
     idle(a)
@@ -106,7 +107,8 @@ def test_mooncake_unavailable_is_a_clear_400(without_mooncake):
     # through migrate_live: the migration fails before anything moved, and says why
     s = streams_on(a, BODIES[:1], [b])
     with pytest.raises(MigrationError, match="mooncake is not available"):
-        migrate_live(a, b, small_bytes=0, max_rounds=1, timeout_s=30, token=TOKEN, transport="mooncake")
+        migrate_live(a, b, token=TOKEN, plan=MigrationPlan(small_bytes=0, max_rounds=1, timeout_s=30,
+                                                             transport="mooncake"))
     s[0].join(120)
     assert s[0].error is None and s[0].owners[-1] == a
     idle(a)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,8 +19,10 @@ from relayout.engine.sampling import advance_rng, new_rng_state, sample
 from relayout.engine.session import SamplingParams, SessionState
 from relayout.migrate import procs
 
+from tests.helpers.faults import kill_tree
 from tests.helpers.migration import port_of, reference, replica_state, wait_for
 from tests.helpers.proxy import Proxy
+from tests.helpers.sse import DONE, sse_data, token_ids
 
 PROMPTS = ["hello world " * k for k in (1, 3, 5, 8, 2, 13, 4, 21)]
 
@@ -69,17 +70,15 @@ class Client(threading.Thread):
         self.start()
 
     def _consume(self, resp: httpx.Response, standby: bool) -> None:
-        for line in resp.iter_lines():
-            if not line.startswith("data: "):
-                continue
-            if line[6:] == "[DONE]":
+        for obj in sse_data(resp.iter_lines()):
+            if obj == DONE:
                 self.done = True
                 return
-            obj = json.loads(line[6:])
+            assert isinstance(obj, dict)
             if "error" in obj:
                 raise RuntimeError(obj["error"])
             self.sid = self.sid or obj["id"]
-            ids = obj["choices"][0].get("token_ids") or []
+            ids = token_ids(obj)
             if ids and standby and self.first_after is None:
                 self.first_after = time.monotonic()
             self.tokens += ids
@@ -121,15 +120,6 @@ def standby() -> Iterator[procs.Proc]:
 @pytest.fixture(scope="module")
 def refs(standby: procs.Proc) -> list[list[int]]:
     return [reference(standby.url, b) for b in bodies()]
-
-
-def kill_tree(pid: int) -> None:
-    """kill -9 a process and every process under it."""
-    for p in procs.process_tree(pid):
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def kill_all(p: procs.Proc) -> None:

@@ -8,9 +8,6 @@ at once; a bare disconnect detaches for the grace; past the reattach bound the c
 
 from __future__ import annotations
 
-import json
-import os
-import signal
 import threading
 import time
 
@@ -19,6 +16,8 @@ import pytest
 from relayout.migrate import procs
 
 from tests.helpers.agents import TOKEN, H, start_agent, stop, wait_op
+from tests.helpers.faults import kill_tree
+from tests.helpers.sse import DONE, sse_data, token_ids
 
 MODEL = "builtin:tiny"
 
@@ -36,22 +35,20 @@ class Reader:
         self.cm = self.client.stream(method, url, **kw)
         self.resp = self.cm.__enter__()
         assert self.resp.status_code == 200, self.resp.read()
-        self.lines = self.resp.iter_lines()
+        self.events_left = sse_data(self.resp.iter_lines())  # read on, a call at a time
         self.sid, self.ids, self.finish, self.events, self.done = None, [], None, [], False
 
     def read(self, until_tokens: int | None = None) -> Reader:
-        for line in self.lines:
-            if not line.startswith("data: "):
-                continue
-            if line == "data: [DONE]":
+        for ev in self.events_left:
+            if ev == DONE:
                 self.done = True
                 break
-            ev = json.loads(line[6:])
+            assert isinstance(ev, dict)
             self.events.append(ev)
             self.sid = ev.get("id", self.sid)
-            for c in ev.get("choices", []):
-                self.ids += c.get("token_ids") or []
-                self.finish = c.get("finish_reason") or self.finish
+            self.ids += token_ids(ev)
+            self.finish = next((c["finish_reason"] for c in ev.get("choices", []) if c.get("finish_reason")),
+                               self.finish)
             if until_tokens is not None and len(self.ids) >= until_tokens:
                 break
         return self
@@ -66,15 +63,6 @@ def reference(replica_url: str, req: dict) -> list[int]:
     r = httpx.post(f"{replica_url}/v1/completions", json=req, timeout=300)
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["token_ids"]
-
-
-def kill_tree(pid: int) -> None:
-    """kill -9 a replica and its rank processes."""
-    for p in procs.process_tree(pid)[::-1]:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def wait_for(fn, timeout: float = 60, what: str = "condition"):

@@ -15,10 +15,10 @@ BOUND_MIB = 24
 
 MIGRATOR = r"""
 import json, resource, sys
-from relayout.migrate.live import migrate_live
+from relayout.migrate.live import MigrationPlan, migrate_live
 import httpx  # noqa: F401  (imports done before the baseline)
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-res = migrate_live(sys.argv[1], sys.argv[2], max_rounds=2, small_bytes=0)
+res = migrate_live(sys.argv[1], sys.argv[2], plan=MigrationPlan(max_rounds=2, small_bytes=0))
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 print(json.dumps({"grew_kib": peak - base, "bytes": res.bytes_total, "sessions": res.sessions}))
 """

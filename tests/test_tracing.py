@@ -17,7 +17,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from relayout.engine import tracing
 from relayout.migrate import procs
-from relayout.migrate.live import migrate_live
+from relayout.migrate.live import MigrationPlan, migrate_live
 
 from tests.helpers.agents import TOKEN, H, start_agent, stop, wait_op
 from tests.helpers.migration import streams_on, wait_for
@@ -75,7 +75,7 @@ def test_exporter_only_from_the_environment(monkeypatch):
 def test_live_migration_span_tree(replicas, sink, memory_spans):
     src, dst = replicas
     streams = streams_on(src, [BODY, {**BODY, "prompt": "and me too"}], [dst])
-    res = migrate_live(src, dst, small_bytes=0, max_rounds=3)
+    res = migrate_live(src, dst, plan=MigrationPlan(small_bytes=0, max_rounds=3))
     assert sorted(res.sessions) == sorted(s.sid for s in streams)
 
     first = wait_for(lambda: [s for s in memory_spans.get_finished_spans() if s.name == "first-token"], 30)

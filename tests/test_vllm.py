@@ -145,14 +145,14 @@ def test_checkpoint_to_s3_restores_into_tp2_imported_not_recomputed(tp1, tp2, re
 
 
 def test_live_migration_tp2_to_tp1_keeps_the_stream(tp1, tp2, reference):
-    from relayout.migrate.live import migrate_live
+    from relayout.migrate.live import MigrationPlan, migrate_live
     from relayout.migrate.protocol import FINISHED_ON_SOURCE
 
     for _attempt in range(3):  # vLLM decodes the session in a few seconds: it may end before the move
         before = _local_compute(tp1)  # (asked first: the move starts as soon as the session decodes)
         s = Stream(tp2, {"prompt": PROMPT, "max_tokens": N, "temperature": 0, "ignore_eos": True})
         s.wait_for(1)  # the client's stream runs behind the replica's session: move it while it decodes
-        res = migrate_live(tp2, tp1, [s.sid], transport="http")  # named: a session that ended is named back
+        res = migrate_live(tp2, tp1, [s.sid], plan=MigrationPlan(transport="http"))  # named: a session that ended is named back
         if res.sessions:
             break
         assert res.not_moved == {s.sid: FINISHED_ON_SOURCE}, res  # then it is named, with why

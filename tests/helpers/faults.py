@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -12,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
-from relayout.migrate.procs import replica
+from relayout.migrate.procs import process_tree, replica
 
 from tests.conftest import _free_port
 from tests.helpers.proxy import Proxy
@@ -63,3 +64,12 @@ def fault_kit(tmp: Path, ttl: float) -> Iterator[dict]:
         if mounted:
             subprocess.run(["umount", str(full)], capture_output=True)
         shutil.rmtree(full, ignore_errors=True)
+
+
+def kill_tree(pid: int) -> None:
+    """kill -9 a process and every process under it (a replica and its rank processes), children first."""
+    for p in process_tree(pid)[::-1]:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

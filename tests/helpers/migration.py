@@ -14,7 +14,7 @@ import pytest
 
 # the same clients the soak bench uses: one copy, in relayout.bench.soak
 from relayout.bench.soak import Stream, port_of, reference, replica_state, wait_for  # noqa: F401 - re-exported to the tests
-from relayout.migrate.live import MigrationResult, migrate_live
+from relayout.migrate.live import MigrationPlan, MigrationResult, migrate_live
 from relayout.migrate.procs import Proc, replica
 from relayout.storage.stores import MemoryStore
 
@@ -63,19 +63,20 @@ class Moved:
 
 def migrate_with_streams(src: str, target: str, follow: list[str], bodies: list[dict], *,
                          arm: Callable[[], object] | None = None, raises: type[BaseException] | None = None,
-                         match: str | None = None, **kw) -> Moved:
+                         match: str | None = None, token: str | None = None, **kw) -> Moved:
     """The shape of every migration fault: streams of `bodies` on `src` (followed to `follow`),
-    then `arm()` (the fault), then migrate_live(src, target, small_bytes=0, **kw) — which must
+    then `arm()` (the fault), then migrate_live(src, target) under MigrationPlan(small_bytes=0, **kw) — which must
     raise `raises` (matching `match`) when given."""
+    plan = MigrationPlan(**{"small_bytes": 0, **kw})
     m = Moved(streams_on(src, bodies, follow))
     if arm is not None:
         arm()
     t0 = time.time()
     if raises is None:
-        m.result = migrate_live(src, target, small_bytes=0, **kw)
+        m.result = migrate_live(src, target, token=token, plan=plan)
     else:
         with pytest.raises(raises, match=match) as ei:
-            migrate_live(src, target, small_bytes=0, **kw)
+            migrate_live(src, target, token=token, plan=plan)
         m.error = ei.value
     m.seconds = time.time() - t0
     return m
