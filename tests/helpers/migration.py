@@ -63,20 +63,21 @@ class Moved:
 
 def migrate_with_streams(src: str, target: str, follow: list[str], bodies: list[dict], *,
                          arm: Callable[[], object] | None = None, raises: type[BaseException] | None = None,
-                         match: str | None = None, token: str | None = None, **kw) -> Moved:
+                         match: str | None = None, token: str | None = None,
+                         on_phase: Callable[[str], object] | None = None, **kw) -> Moved:
     """The shape of every migration fault: streams of `bodies` on `src` (followed to `follow`),
-    then `arm()` (the fault), then migrate_live(src, target) under MigrationPlan(small_bytes=0, **kw) — which must
-    raise `raises` (matching `match`) when given."""
+    then `arm()` (the fault), then migrate_live(src, target) under MigrationPlan(small_bytes=0, **kw), with
+    `on_phase` observing its phases — which must raise `raises` (matching `match`) when given."""
     plan = MigrationPlan(**{"small_bytes": 0, **kw})
     m = Moved(streams_on(src, bodies, follow))
     if arm is not None:
         arm()
     t0 = time.time()
     if raises is None:
-        m.result = migrate_live(src, target, token=token, plan=plan)
+        m.result = migrate_live(src, target, token=token, plan=plan, on_phase=on_phase)
     else:
         with pytest.raises(raises, match=match) as ei:
-            migrate_live(src, target, token=token, plan=plan)
+            migrate_live(src, target, token=token, plan=plan, on_phase=on_phase)
         m.error = ei.value
     m.seconds = time.time() - t0
     return m
