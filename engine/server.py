@@ -36,6 +36,7 @@ from relayout.engine.streaming import usage as _usage
 from relayout.engine.tokenizer import Tokenizer
 from relayout.engine.web import (
     BodyLimit,
+    BodyLimits,
     ClientKeyAuth,
     HTTPError,
     env_api_keys,
@@ -152,8 +153,11 @@ def create_app(aengine: AsyncEngine, model_name: str, api_keys: list[str] | None
 
     app = FastAPI(title="relayout replica", lifespan=lifespan)
 
-    # a completion body is a prompt and a few fields: refuse megabytes before parsing them
-    app.add_middleware(BodyLimit, limit=lambda path: MAX_COMPLETION_BODY if path in COMPLETION_PATHS else None)
+    # a completion body is a prompt and a few fields: refuse megabytes before parsing them; the session
+    # and protection routes bound their own paths in the same table (app.state.body_limits)
+    app.state.body_limits = limits = BodyLimits()
+    limits.bound(lambda path: path in COMPLETION_PATHS, MAX_COMPLETION_BODY)
+    app.add_middleware(BodyLimit, limit=limits)
     install_error_handlers(app)
     keys = env_api_keys() if api_keys is None else api_keys
     app.add_middleware(ClientKeyAuth, keys=keys, protects=replica_client_route, token=env_token())

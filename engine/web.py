@@ -192,6 +192,21 @@ class ClientKeyAuth:
 
 
 # ---- body limits ------------------------------------------------------------------------------
+class BodyLimits:
+    """The one table of body limits of an app: each concern that adds routes bounds its own paths
+    here (`bound`), and a single BodyLimit middleware reads it — one buffering pass per request,
+    however many concerns the app serves."""
+
+    def __init__(self) -> None:
+        self.rules: list[tuple[Callable[[str], bool], int]] = []
+
+    def bound(self, matches: Callable[[str], bool], limit: int) -> None:
+        self.rules.append((matches, limit))
+
+    def __call__(self, path: str) -> int | None:
+        return next((limit for matches, limit in self.rules if matches(path)), None)
+
+
 class BodyLimit:
     """ASGI middleware: a request body over `limit(path)` bytes is refused with 413 before any
     route parses it (declared content-length checked first, then the bytes as they arrive).

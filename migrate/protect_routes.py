@@ -16,7 +16,6 @@ from relayout.engine.async_engine import AsyncEngine
 from relayout.engine.web import (
     MAX_JSON_BODY,
     URL_RE,
-    BodyLimit,
     HTTPError,
     bearer_auth,
     bearer_headers,
@@ -179,8 +178,8 @@ def install_protect_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
         return await standby.drop(check_id(pid, "protection id"))
 
     app.include_router(r)
-    app.add_middleware(BodyLimit, limit=lambda path: MAX_JSON_BODY if (
-        path.startswith("/v1/protection") or path.endswith("/promote")) else None)
+    app.state.body_limits.bound(lambda path: path.startswith("/v1/protection") or path.endswith("/promote"),
+                                MAX_JSON_BODY)
 
     @app.exception_handler(ProtectionError)
     async def _protection_error(_: Request, e: ProtectionError):

@@ -28,7 +28,6 @@ from relayout.engine.web import (
     ID_RE,
     MAX_JSON_BODY,
     URL_RE,
-    BodyLimit,
     HTTPError,
     bearer_auth,
     bearer_headers,
@@ -313,8 +312,7 @@ def install_replica_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
 
     install_mooncake_routes(r, table.import_round, _classify)
     app.include_router(r)
-    app.add_middleware(BodyLimit, limit=lambda path: MAX_JSON_BODY if (
-        path.startswith("/v1/sessions/") and path != IMPORT_PATH) else None)
+    app.state.body_limits.bound(lambda path: path.startswith("/v1/sessions/") and path != IMPORT_PATH, MAX_JSON_BODY)
 
     @app.exception_handler(TransferError)
     async def _transfer_error(_: Request, e: TransferError):

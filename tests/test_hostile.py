@@ -194,11 +194,16 @@ def test_oversized_json_bodies_413(app_client):
     c = app_client
     big = json.dumps({"sessions": ["a" * 100] * 20000}).encode()
     assert len(big) > 1 << 20
-    for path in ("/v1/sessions/release", "/v1/sessions/resume", "/v1/sessions/checkpoint", "/v1/sessions/export"):
+    # one table bounds every concern's paths: the session routes, the protection routes, a promotion
+    for path in ("/v1/sessions/release", "/v1/sessions/resume", "/v1/sessions/checkpoint", "/v1/sessions/export",
+                 "/v1/protection", "/v1/standby/p1/promote"):
         refused(c.post(path, content=big, headers={"content-type": "application/json"}), 413)
         # no content-length (chunked): read up to the limit, then refused
         refused(c.post(path, content=iter([big[i:i + 65536] for i in range(0, len(big), 65536)]),
                        headers={"content-type": "application/json"}), 413)
+    # a completion is bounded by its own (larger) limit: a 2 MiB prompt is parsed, 9 MiB is refused unread
+    assert c.post("/v1/completions", content=big, headers={"content-type": "application/json"}).status_code == 400
+    refused(c.post("/v1/completions", content=b" " * (9 << 20), headers={"content-type": "application/json"}), 413)
 
 
 @pytest.mark.parametrize("body", [b"{", b"[]", b'{"sessions": "x"}', b'{"sessions": [1, 2]}', b"\xff\xfe",
