@@ -62,6 +62,9 @@ QUICK_CONTEXTS = (256, 1024)
 MAX_ROUNDS = 64  # migrate_live's default, passed explicitly: the bench predicts its last pre-copy round
 LOADED_PROBE_BYTES = 4 << 30  # at pre-copy's priority beside a decode: a cap; PROBE_STEPS decode steps long
 PROBE_STEPS = 4  # the source's decode steps before the loaded-link probe (its baseline) and during it
+# the probe's shortest window: a low-priority copy of a few short steps (builtin:tiny's ~10 ms) may
+# not be scheduled at all on a busy machine, and would measure the scheduler rather than the link
+MIN_PROBE_S = 0.5
 
 
 def kv_bytes_per_token(model: str) -> int:
@@ -195,13 +198,14 @@ def measure_move(c: Ctx, mode: str, with_second: bool) -> dict:
 
 def loaded_link(c: Ctx, s: TokenStream) -> tuple[float, float | None]:
     """The link as pre-copy finds it: a plain socket copy, both ends at pre-copy's priority, for
-    PROBE_STEPS of the source's decode steps while it decodes `s` alone (GB/s); and that decoding's
+    PROBE_STEPS of the source's decode steps (at least MIN_PROBE_S) while it decodes `s` alone (GB/s); and that decoding's
     rate meanwhile against its rate just before. A bare copy has no framing, hashing or pool copies:
     what it leaves of the decoding is the most any transport moving bytes at its rate can leave."""
     t_base = s.times[-1]
     s.wait_tokens(len(s.tokens) + PROBE_STEPS, c.timeout)
     base = [b - a for a, b in gaps(s.times) if a >= t_base]
-    cp = link_copy(LOADED_PROBE_BYTES, c.source_cpus, precopy_nice(), seconds=PROBE_STEPS * statistics.median(base))
+    seconds = max(PROBE_STEPS * statistics.median(base), MIN_PROBE_S)
+    cp = link_copy(LOADED_PROBE_BYTES, c.source_cpus, precopy_nice(), seconds=seconds)
     s.wait_tokens(len(s.tokens) + 1, c.timeout)  # the gap the copy ended in
     during = [b - a for a, b in gaps(s.times) if b > cp.started and a < cp.ended]
     return cp.gbps, round(statistics.mean(base) / statistics.mean(during), 3) if base and during else None
