@@ -155,6 +155,9 @@ def measure_move(c: Ctx, mode: str, with_second: bool) -> dict:
         "stall_attached_ms": round((early.times[0] - s.times[-1]) * 1000, 2) if early and early.times else None,
         "server_stall_ms": round(res.stall_ms, 2),  # migrate_live: source hold -> target commit returned
         "final_round_ms": round(res.rounds[-1].seconds * 1000, 2),  # pause + export + transfer + import
+        # the replicas' own account of it (migrate.live.PreCopyRound.timing): the source's wait for a
+        # step boundary and cut, each side's CPU over its part, the target's receive and import
+        "final_round_timing": res.rounds[-1].timing,
         # source + target CPU over the final round (cut, frame, hash, send, receive, verify, import)
         "final_round_cpu_s": round(cpu["prepared"] - cpu["stop-and-copy"], 3) if len(cpu) == 2 else None,
         "commit_ms": round(res.stall_ms - res.rounds[-1].seconds * 1000, 2),  # release + commit (resume)
@@ -235,8 +238,15 @@ def run_context(src: str, dst: str, L: int, *, warm: int, after: int, timeout: f
     # the yardstick of the cold round: the same bytes over a bare socket, at normal priority, nothing
     # else running (both ends' CPU: the least any path can spend per byte on this machine)
     bare = link_copy(cold["bytes"], c.source_cpus, 0) if cold["bytes"] else None
-    cold_s = cold["final_round_ms"] / 1000
     cold_gb = cold["bytes"] / 1e9
+    # the cold round's data path: from the sessions held on the source (its wait for the decode step
+    # in flight to end, part of the stall, is not the path's) to the target's reply; its CPU is both
+    # replicas' over their parts of it (the source from its cut, the target from its first byte to
+    # its KV in the pool, before its first decode step there)
+    tm = cold["final_round_timing"]
+    cut_ms = tm.get("source_cut_ms")
+    cold_s = (cold["final_round_ms"] - (cut_ms or 0)) / 1000
+    path_cpu = tm["source_cpu_s"] + tm["target_cpu_s"] if {"source_cpu_s", "target_cpu_s"} <= tm.keys() else None
     moved, secs = precopy_transport(live)
     step = live["target_itl_ms"]
     out = {
@@ -259,8 +269,14 @@ def run_context(src: str, dst: str, L: int, *, warm: int, after: int, timeout: f
         # the cold move's one round (sessions paused, nothing else running): what the path moves alone
         "cold_transport_gbps": round(cold_gb / cold_s, 3) if cold_s > 0 else None,
         "cold_round_gbps": round(cold_gb / cold_s, 3) if cold_s > 0 else None,
-        # CPU seconds per GB: the path's (source + target processes over the cold round) and a bare copy's
-        "cpu_s_per_gb": round(cold["final_round_cpu_s"] / cold_gb, 3)
+        "cold_cut_ms": cut_ms,  # the source's wait for a step boundary, then the cut (not in the two above)
+        # the whole round, that wait included, as the migrator timed it
+        "cold_round_with_cut_gbps": round(cold_gb / cold["final_round_ms"] * 1000, 3) if cold["final_round_ms"] else None,
+        # CPU seconds per GB: the path's (source + target replicas over their parts of the cold round) and a bare copy's
+        "cpu_s_per_gb": round(path_cpu / cold_gb, 3) if path_cpu is not None and cold_gb > 0 else None,
+        # both replicas' process trees from the migrator's stop-and-copy to prepared: also the decode
+        # step the cut waits for and the target's first step (it starts as the import returns)
+        "round_window_cpu_s_per_gb": round(cold["final_round_cpu_s"] / cold_gb, 3)
         if cold.get("final_round_cpu_s") is not None and cold_gb > 0 else None,
         "bare_copy_gbps": round(bare.gbps, 3) if bare else None,
         "bare_cpu_s_per_gb": round(bare.cpu_s_per_gb(cold["bytes"]) or 0, 3) if bare else None,

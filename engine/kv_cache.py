@@ -51,6 +51,26 @@ def _rows_np(t: torch.Tensor, width: int) -> np.ndarray | None:
         return None
 
 
+def _strided_rows_np(t: torch.Tensor) -> np.ndarray | None:
+    """`t` ([2, tokens, heads, head_dim] on the CPU, each token's heads x head_dim contiguous, e.g.
+    a head slice of a wider chunk) as a numpy [2, tokens, heads * head_dim] view of same-size ints
+    sharing its memory (rows strided), else None. Lets a TP rank's share of a chunk go into its pool
+    as one numpy copy per run of blocks instead of a torch copy per run."""
+    it = _SAME_SIZE_INT.get(t.element_size())
+    if it is None or t.device.type != "cpu" or t.dim() != 4 or t.stride(3) != 1 or t.stride(2) != t.shape[3]:
+        return None
+    try:
+        a = t.view(it).numpy()
+    except (RuntimeError, TypeError):
+        return None
+    v = a.view()
+    try:
+        v.shape = (t.shape[0], t.shape[1], t.shape[2] * t.shape[3])  # raises where that would copy
+    except AttributeError:
+        return None
+    return v
+
+
 def kv_storage_dtype(kv_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     """The KV pool's element type for a KV dtype name ("auto": the model's)."""
     if kv_dtype == "auto":
@@ -333,6 +353,13 @@ class KVCache:
         src_rows = _rows_np(src, h * kv.shape[3]) if pool_rows is not None else None
         if hasher is not None and src_rows is None:
             raise ValueError("import_from hashes only whole-row, token-major KV of all the pool's heads")
+        # a head slice of a wider chunk (a TP rank's share): its rows are strided, still one copy per run
+        strided = _strided_rows_np(src) if pool_rows is not None and src_rows is None and hasher is None else None
+        if strided is not None and pool_rows is not None:
+            for j in (0, 1):
+                for a, b, rows in self._row_runs(blocks, tok_lo, tok_lo + n):
+                    np.copyto(pool_rows[j][rows], strided[j, a - tok_lo : b - tok_lo])
+            return
         if src_rows is not None and pool_rows is not None:  # one numpy copy per run, GIL released
             s = src_rows.reshape(2, n, -1)
             runs = list(self._row_runs(blocks, tok_lo, tok_lo + n))

@@ -94,6 +94,7 @@ def import_range(engine: LLMEngine, store: Store, manifest: Manifest, sid: str, 
             t = kv_view(data, e.chunk, e.shape(c.head_dim), engine.dtype, manifest.format_version, verified=True)
         views.append((e, t, scale))
     if pools is not None:  # straight from each chunk into the blocks of every pool holding its heads
+        jobs = []
         for e, t, scale in views:
             lo, hi = max(a, e.tok_lo), min(b, e.tok_hi)
             for pool, (p_lo, p_hi) in pools:
@@ -101,7 +102,10 @@ def import_range(engine: LLMEngine, store: Store, manifest: Manifest, sid: str, 
                 if h0 < h1:
                     part = t[:, h0 - e.head_lo : h1 - e.head_lo, lo - e.tok_lo : hi - e.tok_lo]
                     sc = None if scale is None else scale[:, h0 - e.head_lo : h1 - e.head_lo, lo - e.tok_lo : hi - e.tok_lo]
-                    pool.import_from(blocks, e.layer, lo, part, h0 - p_lo, sc)
+                    jobs.append((pool, e.layer, lo, part, h0 - p_lo, sc))
+        # every job writes its own rows (a pool, a layer, a token range): on all cores, GIL released
+        parallel_map(lambda j: j[0].import_from(blocks, *j[1:]), jobs,
+                     nbytes=sum(j[3].numel() * j[3].element_size() for j in jobs))
         return
     # through the executor, IMPORT_SLICE_TOKENS at a time through one reused buffer: a whole round
     # assembled at once would be that much fresh memory (page faults) here and in every rank. The

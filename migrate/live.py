@@ -73,6 +73,11 @@ class PreCopyRound:
     bytes: int
     seconds: float
     final: bool
+    # where the round went, as the replicas saw it: source_cut_ms (its wait for a step boundary and
+    # the cut), source_cpu_s (the source's CPU from the cut to the target's reply), target_receive_ms,
+    # target_import_ms, target_cpu_s (the target's from the round's first byte to its KV in the pool);
+    # the CPU figures are whole replicas' (rank processes included): a round's own where nothing else runs
+    timing: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -149,6 +154,7 @@ class _Link:
     transfer: str
     plan: MigrationPlan
     token: str | None
+    timing: dict[str, float] = field(default_factory=dict)  # the last round's (PreCopyRound.timing)
 
     def headers(self) -> dict[str, str]:
         return bearer_headers(self.token)
@@ -184,6 +190,10 @@ class _Link:
         if "error" in doc:
             msg = f"source push: {(doc.get('error') or {}).get('message', 'failed')}"
             raise RoundNotDelivered(msg) if doc.get("retryable") else RuntimeError(msg)
+        reply = doc["reply"] if isinstance(doc.get("reply"), dict) else {}
+        self.timing = {f"{side}_{k}": float(v) for side, key in (("source", "source_timing"), ("target", "timing"))
+                       for k, v in (reply[key] if isinstance(reply.get(key), dict) else {}).items()
+                       if isinstance(v, int | float)}
         not_moved = doc.get("not_moved")  # None: a source from before 0.6.0, which does not name them
         if not_moved is not None and not isinstance(not_moved, dict):
             raise RuntimeError("source export: not_moved is not an object")
@@ -258,7 +268,7 @@ def migrate_live(source_url: str, target_url: str, sessions: list[str] | None = 
             on_phase(name)
 
     def count(n: int, seconds: float, final: bool) -> None:
-        res.rounds.append(PreCopyRound(len(res.rounds), n, seconds, final))
+        res.rounds.append(PreCopyRound(len(res.rounds), n, seconds, final, dict(link.timing)))
         round_bytes(n, seconds)
         res.bytes_total += n
     with httpx.Client(verify=tls_context(), timeout=plan.timeout_s, event_hooks=inject_hooks()) as client:

@@ -22,6 +22,7 @@ from typing import Protocol
 
 from relayout.engine.snapshot import SessionSnapshot, write_snapshot_steps
 from relayout.migrate.frame_sink import FrameSink
+from relayout.migrate.procs import TreeCpu
 from relayout.migrate.protocol import (  # noqa: F401 - the refusals are re-exported: the routes map each to a status
     FINISHED_ON_SOURCE,
     AskSource,
@@ -92,6 +93,7 @@ class Outgoing:
     epoch: int = 0  # bumped by every export: a round framed under an older epoch is stale
     framed: SentRound | None = None  # push mode: the round framed, counted as sent once delivered
     not_moved: dict[str, str] = field(default_factory=dict)  # last round: asked for, not in it, and why
+    timing: dict[str, float] = field(default_factory=dict)  # last round: its wait for the cut, its CPU since
 
     @property
     def state(self) -> OutgoingState:  # protocol_states: active -> paused (final round cut) -> ended
@@ -160,6 +162,7 @@ class TransferTable:
         self.out_done: OrderedDict[str, OutgoingState] = OrderedDict()  # transfer -> how it ended (ENDED_OUTGOING)
         self.in_done: OrderedDict[str, IncomingState] = OrderedDict()  # transfer -> how it ended (ENDED_INCOMING)
         self._sweeper: asyncio.Task | None = None
+        self.cpu = TreeCpu()  # this replica's CPU seconds, its ranks' included: each round's cost is reported
 
     # ---- what the replica reports -------------------------------------------------------------------
     def not_moved(self, tid: str) -> dict[str, str]:  # source: sessions the last round lacks, with why
@@ -206,7 +209,10 @@ class TransferTable:
             # chunks the target says it holds (completed rounds' KV is before kv_from: not listed)
             o.target_holds = {h for h in have if isinstance(h, str) and len(h) == 32}
         try:
+            t0 = time.perf_counter()
             cut = await self.ops.take_round(sessions, pause, sent, None if pause else max_tokens)
+            # the wait for a step boundary is the decode's, not the path's: the round's figures start after it
+            o.timing = {"cut_ms": round((time.perf_counter() - t0) * 1000, 2), "cpu_at_cut": self.cpu()}
         except KeyError as e:
             raise UnknownSession(str(e.args[0])) from None
         if self.outgoing.get(tid) is not o:  # expired or aborted meanwhile: give them back
@@ -255,7 +261,8 @@ class TransferTable:
             while not (await asyncio.wait({task}, timeout=min(1.0, self.ttl() / 4)))[0]:
                 o.last = self.clock()  # a round on a slow link is not an idle transfer
             reply, _ = task.result(), o.mark_sent(o.framed)  # delivered: the target holds these chunks now
-            return reply
+            o.timing["cpu_s"] = round(self.cpu() - o.timing.pop("cpu_at_cut", self.cpu()), 4)
+            return {**reply, "source_timing": o.timing} if isinstance(reply, dict) else reply
         finally:
             task.cancel()  # a no-op once done; else whoever awaited this round is gone
             if o.pushing is task:
@@ -313,13 +320,17 @@ class TransferTable:
         the lease frees everything if it never comes back; any other failure drops the transfer."""
         i = self.open_import(tid, source, declared)
         recv = StreamReceiver(i.store, max_frame_bytes=self.frame_limit)
+        t0, cpu0 = time.perf_counter(), self.cpu()
         try:
             try:
                 manifest = await receive_round_bytes(i, recv, pieces, self.import_limit, self.clock, background=not final)
             except LimitExceeded:
                 raise ImportTooLarge(f"transfer {tid} sent more than this replica's import limit of "
                                      f"{self.import_limit} bytes") from None
+            t1 = time.perf_counter()
             res = await self.ops.receive(i, manifest, final)
+            res["timing"] = {"receive_ms": round((t1 - t0) * 1000, 2), "import_ms": round((time.perf_counter() - t1) * 1000, 2),
+                             "cpu_s": round(self.cpu() - cpu0, 4)}  # from its first byte to its KV in the pool
             i.store.forget_imported(manifest, i.upto, recv.bytes_received)
         except RoundCut:
             if final:

@@ -18,6 +18,7 @@ import json
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Protocol, TypeVar
 
@@ -30,6 +31,9 @@ from relayout.storage.settings import settings
 IMPORT_PATH = "/v1/sessions/import"
 T = TypeVar("T")
 PUMP_DEPTH = 6  # frames produced ahead of the sender (each at most a chunk: a few MiB)
+# a final round's bytes produced ahead of the frame link's socket (about two batches of chunks at
+# 4k tokens): the copy out of the pool and the hash of one batch overlap the sending of the one before
+AHEAD_BYTES = 32 << 20
 
 
 class PushFailed(Exception):
@@ -154,9 +158,13 @@ class RoundFrames:
         self._aiter: AsyncIterator[bytes] | None = None
 
     def blocking(self) -> Iterator[bytes]:
+        """The frames for a thread that sends each as it comes. A final round's are produced on a
+        thread of their own up to AHEAD_BYTES ahead (the sessions are paused: its copies and the
+        sending share the cores, and the round is the stall); a pre-copy round's are produced by
+        the sending thread itself, one pre-copy worker beside the decoding, not two."""
         t0, sent = time.perf_counter(), 0
         try:
-            for f in self.frames:
+            for f in (self.frames if self.background else _produced_ahead(self, AHEAD_BYTES)):
                 yield f
                 sent += len(f)
                 self.counter[0] = sent
@@ -188,6 +196,59 @@ class RoundFrames:
             await self._aiter.aclose()  # type: ignore[attr-defined]
         else:
             self.close_source()
+
+
+def _nbytes(piece: bytes | memoryview) -> int:
+    return piece.nbytes if isinstance(piece, memoryview) else len(piece)
+
+
+def _produced_ahead(rf: RoundFrames, max_bytes: int) -> Iterator[bytes]:
+    """rf's frames, produced by a thread of their own at most `max_bytes` ahead of the caller; a
+    producer's exception is raised after the frames it produced before it. The producer stops (and
+    closes the frames) once the caller stops taking them."""
+    queued: deque = deque()
+    cond = threading.Condition()
+    state: dict = {"bytes": 0, "done": False, "error": None}
+    stop = threading.Event()
+
+    def produce() -> None:
+        try:
+            for f in rf.frames:
+                n = _nbytes(f)
+                with cond:
+                    while state["bytes"] >= max_bytes and not stop.is_set():
+                        cond.wait(0.25)
+                    if stop.is_set():
+                        return
+                    queued.append(f)
+                    state["bytes"] += n
+                    cond.notify_all()
+        except BaseException as e:  # noqa: BLE001 - raised by the caller, in order
+            state["error"] = e
+        finally:
+            rf.close_source()
+            with cond:
+                state["done"] = True
+                cond.notify_all()
+
+    threading.Thread(target=produce, name="frame-producer", daemon=True).start()
+    try:
+        while True:
+            with cond:
+                while not queued and not state["done"]:
+                    cond.wait()
+                if not queued:
+                    if state["error"] is not None:
+                        raise state["error"]
+                    return
+                f = queued.popleft()
+                state["bytes"] -= _nbytes(f)
+                cond.notify_all()
+            yield f
+    finally:
+        stop.set()
+        with cond:
+            cond.notify_all()
 
 
 def pump(frames: Iterator[bytes], mbps: float | None = None, depth: int = PUMP_DEPTH,
