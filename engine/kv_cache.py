@@ -71,6 +71,35 @@ def _strided_rows_np(t: torch.Tensor) -> np.ndarray | None:
     return v
 
 
+def import_hashed_rows(pools: list[tuple[KVCache, int, int]], blocks: list[int], layer: int, tok_lo: int,
+                       kv: torch.Tensor, hasher: Hasher) -> None:
+    """A chunk's K and V (`kv`: [2, heads, tokens, head_dim], all the chunk's heads, a view of its
+    token-major storage) into every pool that holds some of its heads (`pools`: each with its
+    columns [c0, c1) of a row), tokens from `tok_lo` of `blocks`, and into `hasher` in memory
+    order: each piece hashed just before its copies, which then read it from L2. The chunk's bytes
+    are read from memory once, for the hash and the copy together. Pools of one attention-DP group
+    share `blocks`, so one set of runs serves them all."""
+    n, width = kv.shape[2], kv.shape[1] * kv.shape[3]
+    flat = _rows_np(kv.transpose(1, 2), width)
+    if flat is None:
+        raise ValueError("import_hashed_rows needs a token-major chunk numpy can view")
+    rows = flat.reshape(2, n, width)
+    step = max(1, HASH_PIECE // (rows.shape[2] * rows.itemsize))  # rows per hashed piece
+    dests = [(p._pool_rows(layer), c0, c1) for p, c0, c1 in pools]
+    if any(d is None for d, _, _ in dests):
+        raise ValueError("import_hashed_rows needs pools numpy can view")
+    runs = list(pools[0][0]._row_runs(blocks, tok_lo, tok_lo + n))
+    for j in (0, 1):
+        for a, b, sl in runs:
+            src = rows[j, a - tok_lo : b - tok_lo]
+            for i in range(0, b - a, step):
+                piece = src[i : i + step]
+                hasher.update(piece)
+                rws = slice(sl.start + i, min(sl.stop, sl.start + i + step))
+                for d, c0, c1 in dests:
+                    np.copyto(d[j][rws], piece[:, c0:c1])  # type: ignore[index]
+
+
 def kv_storage_dtype(kv_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     """The KV pool's element type for a KV dtype name ("auto": the model's)."""
     if kv_dtype == "auto":

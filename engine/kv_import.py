@@ -12,10 +12,17 @@ from __future__ import annotations
 
 import torch
 from relayout.engine.engine import LLMEngine
-from relayout.engine.kv_cache import KVCache, copy_into
+from relayout.engine.kv_cache import KVCache, copy_into, import_hashed_rows
 from relayout.engine.snapshot import RestoreError
 from relayout.storage.checkpoint import CheckpointReader
-from relayout.storage.chunks import check_streamed, kv_scaled_view, kv_stream_view, kv_view, parallel_map
+from relayout.storage.chunks import (
+    check_streamed,
+    kv_scaled_view,
+    kv_stream_view,
+    kv_view,
+    parallel_map,
+    verify_chunk,
+)
 from relayout.storage.errors import CorruptCheckpoint
 from relayout.storage.manifest import Manifest
 from relayout.storage.store_base import Store
@@ -70,10 +77,34 @@ def import_session(engine: LLMEngine, reader: CheckpointReader, sid: str, group:
     engine.executor.import_kv(group, blocks, 0, kv.transpose(2, 3))
 
 
+def _hashed_job(pools: list | None, e, data: bytes, a: int, b: int, head_dim: int, dtype: torch.dtype,
+                format_version: int) -> tuple | None:
+    """(pool columns, the chunk's KV view, streaming hasher) to import an unverified chunk whole while hashing
+    it (kv_cache.import_hashed_rows), or None where that does not apply: a chunk of which only
+    some tokens are imported, a pool holding only some of its heads, another codec or dtype."""
+    if pools is None or e.tok_lo < a or e.tok_hi > b:
+        return None
+    cols = []
+    for pool, (p_lo, p_hi) in pools:
+        h0, h1 = max(p_lo, e.head_lo), min(p_hi, e.head_hi)
+        if h0 >= h1:
+            continue
+        if (h0, h1) != (p_lo, p_hi) or pool.quantised or pool.k[e.layer].dtype != dtype:
+            return None
+        cols.append((pool, (h0 - e.head_lo) * head_dim, (h1 - e.head_lo) * head_dim))
+    got = kv_stream_view(data, e.chunk, e.shape(head_dim), dtype, format_version) if cols else None
+    if got is None:
+        return None
+    return (cols, got[0], got[1]) if got[0].transpose(1, 2).is_contiguous() else None
+
+
 def import_range(engine: LLMEngine, store: Store, manifest: Manifest, sid: str, group: int, blocks: list[int],
                  a: int, b: int) -> None:
-    """Import tokens [a, b) of one session from whichever chunks cover them. `store` holds only
-    chunks verified on receipt (storage.stream.StreamReceiver): their hashes are not computed again."""
+    """Import tokens [a, b) of one session from whichever chunks cover them. A chunk `store` holds
+    verified (on receipt) is not hashed again; one held unverified (`store.unverified`, a live
+    round's: migrate.received) is hashed as it is copied into the pools where it can be (its bytes
+    read once), else first. A mismatch raises CorruptCheckpoint: the blocks are the transfer's,
+    never placed, so nothing unverified is ever served."""
     if b <= a:
         return
     c = engine.cfg
@@ -85,9 +116,19 @@ def import_range(engine: LLMEngine, store: Store, manifest: Manifest, sid: str, 
     scaled = manifest.kv.scale is not None
     if scaled and (pools is None or len(pools) != 1):  # check_compatible refuses this before any block is reserved
         raise RestoreError("fp8 KV moves only into a replica whose KV pool is local host memory (one rank, CPU)")
-    views = []
+    views, hashed = [], []
     for e in entries:
         data, scale = store.get_chunk(e.chunk.hash), None
+        if store.unverified(e.chunk.hash):
+            job = None if scaled else _hashed_job(pools, e, data, a, b, c.head_dim, engine.dtype, manifest.format_version)
+            if job is not None:
+                hashed.append((e, job))
+                continue
+            try:
+                verify_chunk(data, e.chunk)
+            except CorruptCheckpoint as exc:
+                raise CorruptCheckpoint(f"{exc} (session {sid}, layer {e.layer})") from None
+            store.mark_verified(e.chunk.hash)
         if scaled:
             t, scale = kv_scaled_view(data, e.chunk, e.shape(c.head_dim), manifest.kv.dtype, verified=True)
         else:
@@ -103,9 +144,19 @@ def import_range(engine: LLMEngine, store: Store, manifest: Manifest, sid: str, 
                     part = t[:, h0 - e.head_lo : h1 - e.head_lo, lo - e.tok_lo : hi - e.tok_lo]
                     sc = None if scale is None else scale[:, h0 - e.head_lo : h1 - e.head_lo, lo - e.tok_lo : hi - e.tok_lo]
                     jobs.append((pool, e.layer, lo, part, h0 - p_lo, sc))
+        def hash_in(job: tuple) -> None:
+            e, (cols, kv, hasher) = job
+            import_hashed_rows(cols, blocks, e.layer, e.tok_lo, kv, hasher)
+            try:
+                check_streamed(hasher, e.chunk)
+            except CorruptCheckpoint as exc:
+                raise CorruptCheckpoint(f"{exc} (session {sid}, layer {e.layer})") from None
+            store.mark_verified(e.chunk.hash)
+
         # every job writes its own rows (a pool, a layer, a token range): on all cores, GIL released
-        parallel_map(lambda j: j[0].import_from(blocks, *j[1:]), jobs,
-                     nbytes=sum(j[3].numel() * j[3].element_size() for j in jobs))
+        parallel_map(lambda j: j[0].import_from(blocks, *j[1:]) if isinstance(j[0], KVCache) else hash_in(j),
+                     jobs + hashed, nbytes=sum(j[3].numel() * j[3].element_size() for j in jobs)
+                     + sum(j[1][1].numel() * j[1][1].element_size() for j in hashed))
         return
     # through the executor, IMPORT_SLICE_TOKENS at a time through one reused buffer: a whole round
     # assembled at once would be that much fresh memory (page faults) here and in every rank. The

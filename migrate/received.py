@@ -6,8 +6,10 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
+from relayout.migrate.protocol import RoundCut
 from relayout.migrate.transport import in_thread
-from relayout.storage.chunks import keep_freed_memory
+from relayout.storage.chunks import chunk_hash, keep_freed_memory
+from relayout.storage.errors import ChunkMissing
 from relayout.storage.manifest import ChunkRef, Manifest
 from relayout.storage.store_base import check_hash
 from relayout.storage.stores import MemoryStore
@@ -39,15 +41,30 @@ async def receive_round_bytes(i: RoundLease, recv: StreamReceiver, pieces: Async
             i.last = clock()  # a round still arriving is not an idle transfer
             return n
 
-        return await in_thread(recv.receive_from, read_into, limit - i.staged, background=background)
-    async for piece in pieces:
-        if piece:
-            i.staged += len(piece)
-            i.last = clock()
-            if i.staged > limit:
-                raise LimitExceeded(f"the stream sent more than the {limit}-byte limit")
-            recv.feed(piece)
+        try:
+            return await in_thread(recv.receive_from, read_into, limit - i.staged, background=background)
+        except RoundCut:
+            await _verify_kept(recv)
+            raise
+    try:
+        async for piece in pieces:
+            if piece:
+                i.staged += len(piece)
+                i.last = clock()
+                if i.staged > limit:
+                    raise LimitExceeded(f"the stream sent more than the {limit}-byte limit")
+                recv.feed(piece)
+    except RoundCut:
+        await _verify_kept(recv)
+        raise
     return recv.close()
+
+
+async def _verify_kept(recv: StreamReceiver) -> None:
+    """A cut round's chunks are kept for its resume, which will not resend them: hash the ones its
+    import would have (received unverified) now, and drop any that do not match."""
+    if isinstance(recv.store, ReceivedChunks):
+        await in_thread(recv.store.verify_pending)
 
 
 class ReceivedChunks(MemoryStore):
@@ -61,9 +78,44 @@ class ReceivedChunks(MemoryStore):
     def __init__(self) -> None:
         super().__init__()
         self._imported: set[str] = set()
+        # received, not hashed yet (StreamReceiver(verify=False)): the import hashes each as it copies
+        # it (engine.kv_import), so its bytes are read once; a cut round's are hashed on the cut
+        self._pending: set[str] = set()
 
     def has_chunk(self, h: str) -> bool:
         return super().has_chunk(h) or check_hash(h) in self._imported
+
+    def put_unverified(self, h: str, data: bytes) -> None:
+        held = super().has_chunk(h)  # bytes already here (verified or not): these are not kept
+        self.put_chunk(h, data, hashed=True)
+        if not held:
+            with self._lock:
+                self._pending.add(h)
+
+    def unverified(self, h: str) -> bool:
+        with self._lock:
+            return h in self._pending
+
+    def mark_verified(self, h: str) -> None:
+        with self._lock:
+            self._pending.discard(h)
+
+    def verify_pending(self) -> None:
+        """Hash every chunk held unverified; drop those whose bytes do not match their hash."""
+        with self._lock:
+            pending, self._pending = set(self._pending), set()
+        for h in pending:
+            try:
+                data = self.get_chunk(h)
+            except ChunkMissing:
+                continue
+            if chunk_hash(data) != h:
+                self._delete_chunk(h)
+
+    def chunk_hashes(self) -> list[str]:
+        """The chunks whose bytes are held and verified: what a resumed round need not resend."""
+        with self._lock:
+            return [h for h in self._chunks if h not in self._pending]
 
     def put_chunk(self, h: str, data: bytes, *, hashed: bool = False, ref: ChunkRef | None = None) -> None:
         # the same bytes again (another session's identical chunk in a later round): hold them anew,
@@ -88,3 +140,4 @@ class ReceivedChunks(MemoryStore):
         for h in done - needed:
             self._imported.add(h)
             self._delete_chunk(h)
+            self.mark_verified(h)

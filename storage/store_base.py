@@ -94,6 +94,14 @@ class Store:
             return
         self._put_chunk_new(h, data)
 
+    def unverified(self, h: str) -> bool:
+        """The chunk is held but its bytes were not hashed yet (only a staging store takes chunks so,
+        migrate.received.ReceivedChunks; whoever reads one verifies it, then `mark_verified`)."""
+        return False
+
+    def mark_verified(self, h: str) -> None:
+        """The reader hashed the chunk's bytes to `h`."""
+
     def pin(self, h: str) -> None:
         """Protect a chunk from delete/GC until ``unpin`` (held by in-flight writers)."""
         with _PIN_LOCK:
