@@ -47,7 +47,7 @@ def test_quick_bench_reports_documented_keys():
         assert set(tm) == {"source_cut_ms", "source_cpu_s", "target_receive_ms", "target_import_ms", "target_cpu_s"}
         assert r["cold_cut_ms"] == tm["source_cut_ms"] > 0 and tm["target_cpu_s"] > 0 and tm["source_cpu_s"] > 0
         assert tm["target_receive_ms"] + tm["target_import_ms"] < r["cold"]["final_round_ms"] - tm["source_cut_ms"]
-        assert r["cold_round_with_cut_gbps"] < r["cold_round_gbps"]
+        assert r["cold_round_with_cut_gbps"] <= r["cold_round_gbps"]
         assert r["cpu_s_per_gb"] == round((tm["source_cpu_s"] + tm["target_cpu_s"]) / (r["cold_bytes"] / 1e9), 3)
         assert r["round_window_cpu_s_per_gb"] > 0
     assert res["cpu_vs_bare"] is None or res["cpu_vs_bare"] > 0
