@@ -126,7 +126,9 @@ def measure_move(c: Ctx, mode: str, with_second: bool) -> dict:
     cpu: dict[str, float] = {}  # both replicas' CPU seconds at the final round's start and end
 
     def on_phase(ph: str) -> None:
-        if ph in ("stop-and-copy", "prepared") and c.pids:
+        # only the cold move's window is reported (round_window_cpu_s_per_gb): reading /proc costs this
+        # process ~10 ms of a core, which in a live move would compete with the target's pre-step
+        if ph in ("stop-and-copy", "prepared") and c.pids and mode == "cold":
             cpu[ph] = sum(tree_cpu_s(p) for p in c.pids)
         if ph == "stop-and-copy":
             attach()
