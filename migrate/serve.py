@@ -12,11 +12,13 @@ import argparse
 import shlex
 import signal
 import sys
+import threading
 
 from fastapi import FastAPI
 from relayout.engine.async_engine import AsyncEngine
 from relayout.engine.server import create_app
 from relayout.engine.tracing import install_tracing, setup_tracing
+from relayout.engine.web import tls_context
 from relayout.engine.workers import RankPlacement
 from relayout.migrate.protect_routes import install_protect_routes
 from relayout.migrate.replica_routes import install_replica_routes
@@ -86,6 +88,9 @@ def serve(model: str = "builtin:tiny", layout: str | None = None, host: str = "1
             async def startup(self, sockets=None):
                 await super().startup(sockets)
                 if self.started:
+                    # the one TLS context (the CA bundle: 40-80 ms of CPU) built now, beside serving: a
+                    # first migration that is one cold round would otherwise build it inside its stall
+                    threading.Thread(target=tls_context, name="tls-context", daemon=True).start()
                     bound = self.servers[0].sockets[0].getsockname()[1] if self.servers else port
                     if standby:
                         protect_from_start(app, aengine, standby, f"http://{host}:{bound}")
