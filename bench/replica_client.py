@@ -274,17 +274,15 @@ def link_copy(nbytes: int = 512 << 20, sender_cpus: set[int] | None = None, nice
 def tree_cpu_s(pid: int) -> float:
     """CPU seconds (user + system) of a process and all its descendants so far (Linux /proc): a
     replica with its rank processes."""
-    from relayout.migrate.procs import children_of
+    from relayout.migrate.procs import children_of, proc_cpu_s
 
-    total, todo, tick = 0.0, [pid], os.sysconf("SC_CLK_TCK")
+    total, todo = 0.0, [pid]
     while todo:
         p = todo.pop()
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
-        except (OSError, IndexError, ValueError):
+        cpu = proc_cpu_s(p)
+        if cpu is None:
             continue
+        total += cpu
         todo += children_of(p)
     return total
 

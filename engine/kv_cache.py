@@ -379,26 +379,25 @@ class KVCache:
         ssrc = scale.transpose(1, 2) if self.quantised and scale is not None else None
         full = h == self.k[layer].shape[2]  # all of the pool's heads: whole pool rows
         pool_rows = self._pool_rows(layer) if full and ssrc is None and kv.dtype == self.k[layer].dtype else None
-        src_rows = _rows_np(src, h * kv.shape[3]) if pool_rows is not None else None
+        if pool_rows is not None and hasher is None:
+            # whole rows, or a head slice of a wider chunk (a TP rank's share: rows strided): one numpy
+            # copy per run of blocks, GIL released
+            strided = _strided_rows_np(src)
+            if strided is not None:
+                for j in (0, 1):
+                    for a, b, rows in self._row_runs(blocks, tok_lo, tok_lo + n):
+                        np.copyto(pool_rows[j][rows], strided[j, a - tok_lo : b - tok_lo])
+                return
+        src_rows = _rows_np(src, h * kv.shape[3]) if pool_rows is not None and hasher is not None else None
         if hasher is not None and src_rows is None:
             raise ValueError("import_from hashes only whole-row, token-major KV of all the pool's heads")
-        # a head slice of a wider chunk (a TP rank's share): its rows are strided, still one copy per run
-        strided = _strided_rows_np(src) if pool_rows is not None and src_rows is None and hasher is None else None
-        if strided is not None and pool_rows is not None:
-            for j in (0, 1):
-                for a, b, rows in self._row_runs(blocks, tok_lo, tok_lo + n):
-                    np.copyto(pool_rows[j][rows], strided[j, a - tok_lo : b - tok_lo])
-            return
-        if src_rows is not None and pool_rows is not None:  # one numpy copy per run, GIL released
+        if src_rows is not None and pool_rows is not None and hasher is not None:
             s = src_rows.reshape(2, n, -1)
             runs = list(self._row_runs(blocks, tok_lo, tok_lo + n))
             step = max(1, HASH_PIECE // (s.shape[2] * s.itemsize))  # rows per hashed piece
             for j in (0, 1):  # all of K, then all of V: the chunk's memory order, as the hash reads it
                 for a, b, rows in runs:
                     pj, sj = pool_rows[j][rows], s[j, a - tok_lo : b - tok_lo]
-                    if hasher is None:
-                        np.copyto(pj, sj)
-                        continue
                     for i in range(0, b - a, step):
                         hasher.update(sj[i : i + step])
                         np.copyto(pj[i : i + step], sj[i : i + step])

@@ -10,6 +10,8 @@ places the sessions, and a mismatch raises before that, so nothing unverified is
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from relayout.engine.engine import LLMEngine
 from relayout.engine.kv_cache import KVCache, copy_into, import_hashed_rows
@@ -143,9 +145,10 @@ def import_range(engine: LLMEngine, store: Store, manifest: Manifest, sid: str, 
                 if h0 < h1:
                     part = t[:, h0 - e.head_lo : h1 - e.head_lo, lo - e.tok_lo : hi - e.tok_lo]
                     sc = None if scale is None else scale[:, h0 - e.head_lo : h1 - e.head_lo, lo - e.tok_lo : hi - e.tok_lo]
-                    jobs.append((pool, e.layer, lo, part, h0 - p_lo, sc))
-        def hash_in(job: tuple) -> None:
-            e, (cols, kv, hasher) = job
+                    jobs.append((partial(pool.import_from, blocks, e.layer, lo, part, h0 - p_lo, sc),
+                                 part.numel() * part.element_size()))
+
+        def hash_in(e, cols: list, kv: torch.Tensor, hasher) -> None:
             import_hashed_rows(cols, blocks, e.layer, e.tok_lo, kv, hasher)
             try:
                 check_streamed(hasher, e.chunk)
@@ -153,10 +156,9 @@ def import_range(engine: LLMEngine, store: Store, manifest: Manifest, sid: str, 
                 raise CorruptCheckpoint(f"{exc} (session {sid}, layer {e.layer})") from None
             store.mark_verified(e.chunk.hash)
 
+        jobs += [(partial(hash_in, e, *job), job[1].numel() * job[1].element_size()) for e, job in hashed]
         # every job writes its own rows (a pool, a layer, a token range): on all cores, GIL released
-        parallel_map(lambda j: j[0].import_from(blocks, *j[1:]) if isinstance(j[0], KVCache) else hash_in(j),
-                     jobs + hashed, nbytes=sum(j[3].numel() * j[3].element_size() for j in jobs)
-                     + sum(j[1][1].numel() * j[1][1].element_size() for j in hashed))
+        parallel_map(lambda j: j[0](), jobs, nbytes=sum(n for _, n in jobs))
         return
     # through the executor, IMPORT_SLICE_TOKENS at a time through one reused buffer: a whole round
     # assembled at once would be that much fresh memory (page faults) here and in every rank. The

@@ -299,6 +299,20 @@ def alive(pid: int) -> bool:
         return False
 
 
+def proc_cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system) process `pid` has used so far (Linux /proc, clock ticks), None
+    if it cannot be read (gone, not Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / _CLK_TCK  # utime, stime
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
 class TreeCpu:
     """CPU seconds (user + system) this process and its descendants (a replica's rank processes)
     have used so far, cheap enough for a round's stall path: the descendants are listed once (a
@@ -307,20 +321,11 @@ class TreeCpu:
 
     def __init__(self) -> None:
         self._others: list[int] | None = None
-        self._tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
     def __call__(self) -> float:
         if self._others is None:
             self._others = process_tree(os.getpid())[1:] if os.path.isdir("/proc") else []
-        total = time.process_time()
-        for p in self._others:
-            try:
-                with open(f"/proc/{p}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                total += (int(fields[11]) + int(fields[12])) / self._tick  # utime, stime
-            except (OSError, IndexError, ValueError):
-                continue
-        return total
+        return time.process_time() + sum(proc_cpu_s(p) or 0.0 for p in self._others)
 
 
 def process_tree(pid: int) -> list[int]:

@@ -94,6 +94,11 @@ class Store:
             return
         self._put_chunk_new(h, data)
 
+    def put_unverified(self, h: str, data: bytes) -> None:
+        """Hold a chunk whose bytes its reader will hash (StreamReceiver(verify=False)). A store
+        that does not track unverified chunks hashes them now, as put_chunk does."""
+        self.put_chunk(h, data)
+
     def unverified(self, h: str) -> bool:
         """The chunk is held but its bytes were not hashed yet (only a staging store takes chunks so,
         migrate.received.ReceivedChunks; whoever reads one verifies it, then `mark_verified`)."""

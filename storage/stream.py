@@ -315,7 +315,7 @@ class StreamReceiver:
             if self.verify:
                 self.store.put_chunk(frame.ref.hash, frame.payload, hashed=True)  # verified just above
             else:
-                self.store.put_unverified(frame.ref.hash, frame.payload)  # type: ignore[attr-defined]
+                self.store.put_unverified(frame.ref.hash, frame.payload)
             self._received.add(frame.ref.hash)
             self.chunks_received += 1
             return
