@@ -348,7 +348,8 @@ def protect(
     layout: str = typer.Option(None, "--layout", help="launch a new standby replica with this layout"),
     every_tokens: int = typer.Option(16, "--every-tokens", help="sync a session every N new tokens"),
     every_ms: int = typer.Option(200, "--every-ms", help="... or every T ms, whichever first"),
-    lease_s: float = typer.Option(1.0, "--lease-s", help="the source stops serving after this long unrenewed"),
+    lease_s: float = typer.Option(None, "--lease-s", show_default=False,
+                                  help="the source stops serving after this long unrenewed [default: 0.6, the replica's]"),
     stop: bool = typer.Option(False, "--stop", help="stop protecting (the standby frees its copies)"),
     show: bool = typer.Option(False, "--show", help="print the protection and each session's replication lag"),
     token_file: Path = typer.Option(None, "--token-file"),
@@ -368,7 +369,8 @@ def protect(
             sb: dict = {"agent": (standby_agent or agent_url).rstrip("/")}
             sb.update({"layout": layout} if layout is not None else {"replica": standby_replica})
             resp = httpx.post(url, headers=headers, timeout=600, json={
-                "standby": sb, "every_tokens": every_tokens, "every_ms": every_ms, "lease_s": lease_s})
+                "standby": sb, "every_tokens": every_tokens, "every_ms": every_ms,
+                **({"lease_s": lease_s} if lease_s is not None else {})})
     except httpx.HTTPError as e:
         _fail(f"cannot reach agent {agent_url}: {e}", 1)
     if resp.status_code != 200:

@@ -12,6 +12,7 @@ from relayout.agent.node import Agent
 from relayout.agent.schema import OP_TIMEOUT
 from relayout.engine import web
 from relayout.engine.web import HTTPError, tls_context
+from relayout.migrate.replication import LEASE_S
 
 
 class StandbyRef(BaseModel):
@@ -27,7 +28,7 @@ class ProtectBody(BaseModel):
     standby: StandbyRef
     every_tokens: int = Field(16, ge=1, le=1 << 20)
     every_ms: int = Field(200, ge=10, le=600_000)
-    lease_s: float = Field(1.0, ge=0.2, le=600)
+    lease_s: float = Field(LEASE_S, ge=0.2, le=600)
 
 
 async def _standby_url(ag: Agent, source: dict, ref: StandbyRef) -> tuple[str, str]:

@@ -181,21 +181,25 @@ def median_gap_ms(times: list[float]) -> float | None:
 # ---- the link ------------------------------------------------------------------------------------------
 _SENDER = """
 import os, socket, sys, time
-n, port, nice, seconds = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], float(sys.argv[4])
+n, port, nice, seconds, mbps = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], float(sys.argv[4]), float(sys.argv[5])
 # as migrate.transport.background_thread lowers a pre-copy worker; not imported from there: it
 # loads torch, seconds in which a short session on the measured replica may finish decoding
 if nice == "idle":
     os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 elif int(nice):
     os.nice(int(nice))
-buf = memoryview(bytearray(4 << 20))
-end = time.monotonic() + seconds if seconds > 0 else float("inf")
+# paced at `mbps` (0: as fast as it goes): pieces of about 10 ms of the rate, as a replication's small rounds
+buf = memoryview(bytearray(min(4 << 20, max(64 << 10, int(mbps * 1e4))) if mbps > 0 else 4 << 20))
+t0 = time.monotonic()
+end = t0 + seconds if seconds > 0 else float("inf")
 with socket.create_connection(("127.0.0.1", port)) as s:
-    c0 = time.process_time()
+    c0, sent = time.process_time(), 0
     while n > 0 and time.monotonic() < end:
         k = min(n, len(buf))
         s.sendall(buf[:k])
-        n -= k
+        n, sent = n - k, sent + k
+        if mbps > 0 and (ahead := sent / (mbps * 1e6) - (time.monotonic() - t0)) > 0:
+            time.sleep(ahead)
     print(time.process_time() - c0)  # the send loop's CPU seconds (the copy's, not the interpreter's start)
 """
 
@@ -222,12 +226,13 @@ class LinkCopy:
 
 
 def link_copy(nbytes: int = 512 << 20, sender_cpus: set[int] | None = None, nice: int | str = 0,
-              seconds: float = 0.0) -> LinkCopy:
+              seconds: float = 0.0, mbps: float = 0.0) -> LinkCopy:
     """A plain TCP socket copy of `nbytes` (or for `seconds`, if that ends first) from another
     process (on `sender_cpus`, default anywhere) to this one, over loopback (where the bench's
     replicas talk): what the link itself moves. `nice`: both ends at that priority (a nice value,
     or "idle" for SCHED_IDLE), as pre-copy's workers run (migrate.transport.precopy_nice): beside
-    a decoding replica, what the link still moves for them."""
+    a decoding replica, what the link still moves for them. `mbps`: the sender paced at that many
+    MB/s (a replication's byte rate), not as fast as it goes."""
     import socket
 
     from relayout.migrate.transport import background_thread
@@ -235,7 +240,7 @@ def link_copy(nbytes: int = 512 << 20, sender_cpus: set[int] | None = None, nice
     res: dict[str, float | int] = {}
     with socket.create_server(("127.0.0.1", 0)) as srv:
         port = srv.getsockname()[1]
-        p = subprocess.Popen([sys.executable, "-c", _SENDER, str(nbytes), str(port), str(nice), str(seconds)],
+        p = subprocess.Popen([sys.executable, "-c", _SENDER, str(nbytes), str(port), str(nice), str(seconds), str(mbps)],
                              stdout=subprocess.PIPE, text=True,
                              preexec_fn=(lambda: os.sched_setaffinity(0, sender_cpus)) if sender_cpus else None)
 

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 
 import httpx
-from relayout.bench.replica_client import split_cpus
+from relayout.bench.replica_client import link_copy, split_cpus
 from relayout.migrate import procs
 
 Log = Callable[[str], None]
@@ -93,6 +93,8 @@ class _Client(threading.Thread):
         self.target: tuple[str, str] | None = None  # (standby URL, protection id), once killed
         self.go = threading.Event()
         self.first_after: float | None = None
+        self.broken_at: float | None = None  # when the source's stream ended (time.monotonic)
+        self.promoted_at: float | None = None  # when the standby answered the promotion
         self.error: str | None = None
         self.start()
 
@@ -119,18 +121,42 @@ class _Client(threading.Thread):
                         return
             except httpx.HTTPError:
                 pass
+            self.broken_at = time.monotonic()
             if not self.go.wait(120) or self.target is None or self.sid is None:
                 raise RuntimeError("no failover target")
             standby, pid = self.target
             r = httpx.post(f"{standby}/v1/standby/{pid}/promote", json={"tokens": {self.sid: self.tokens}},
                            timeout=60)
             r.raise_for_status()
+            self.promoted_at = time.monotonic()
             with httpx.stream("GET", f"{standby}/v1/sessions/{self.sid}/stream", timeout=120,
                               params={"from_token": len(self.tokens), "return_token_ids": "true"}) as r:
                 r.raise_for_status()
                 self._consume(r, True)
         except Exception as e:  # noqa: BLE001 - reported in the figures
             self.error = f"{type(e).__name__}: {e}"
+
+
+def _beside_bare_copy(url: str, bodies: list[dict], mbps: float, seconds: float, sender_cpus: set[int]) -> float:
+    """_decode_rate of the bodies while a bare socket copy at `mbps` runs for `seconds` (about the
+    decode's length) from a process on `sender_cpus` to this one."""
+    copy = threading.Thread(target=link_copy, args=(int(mbps * 1e6 * seconds * 2) + (1 << 20), sender_cpus),
+                            kwargs={"seconds": seconds, "mbps": mbps}, daemon=True)
+    copy.start()
+    try:
+        return _decode_rate(url, bodies)
+    finally:
+        copy.join(seconds + 60)
+
+
+def _failover_parts(clients: list[_Client], killed: float) -> dict:
+    done = [c for c in clients if None not in (c.broken_at, c.promoted_at, c.first_after)]
+    if not done:
+        return {}
+    c = min(done, key=lambda c: c.first_after)  # type: ignore[arg-type, return-value]
+    ms = lambda a, b: round((b - a) * 1000, 1)  # noqa: E731
+    return {"failover_detect_ms": ms(killed, c.broken_at), "failover_promote_ms": ms(c.broken_at, c.promoted_at),
+            "failover_reattach_ms": ms(c.promoted_at, c.first_after)}
 
 
 def _kill_tree(p: procs.Proc) -> None:
@@ -183,16 +209,26 @@ def run(model: str = "builtin:tiny", every_tokens: int = 16, sessions: int = 8, 
     try:
         bodies = _bodies(sessions, max_tokens)
         _decode_rate(src.url, bodies[:2])  # warm up
-        plain, protected, lag, engine_ms = [], [], [], []
+        plain, protected, bare, lag, engine_ms, mbps, fences = [], [], [], [], [], [], 0
         for i in range(reps):
             log(f"rep {i + 1}/{reps}: unprotected")
             plain.append(_decode_rate(src.url, bodies))
             _protect(src.url, sb.url, every_tokens)
             log(f"rep {i + 1}/{reps}: protected (every {every_tokens} tokens)")
+            t0 = time.perf_counter()
             protected.append(_decode_rate(src.url, bodies, lag))
-            engine_ms.append(httpx.get(f"{src.url}/v1/protection", timeout=30).json()["engine_ms_per_round"])
+            seconds = time.perf_counter() - t0
+            view = httpx.get(f"{src.url}/v1/protection", timeout=30).json()
+            engine_ms.append(view["engine_ms_per_round"])
+            fences += view["fences"]
+            mbps.append(view["bytes"] / seconds / 1e6)  # (the first rep's includes the first full sync)
             httpx.delete(f"{src.url}/v1/protection", timeout=30)
+            # the yardstick: the same byte rate over a bare socket from the source's CPUs to the
+            # standby's, beside unprotected decoding (what any transport at that rate leaves of it)
+            log(f"rep {i + 1}/{reps}: unprotected beside a bare copy at {mbps[-1]:.1f} MB/s")
+            bare.append(_beside_bare_copy(src.url, bodies, mbps[-1], seconds, set(placement["source_cpus"])))
         ratios = [b / a for a, b in zip(plain, protected, strict=True)]
+        bare_ratios = [b / a for a, b in zip(plain, bare, strict=True)]
         log("references for the failover")
         long_bodies = _bodies(sessions, max_tokens * 4)
         refs = [_reference(sb.url, b) for b in long_bodies]
@@ -219,15 +255,27 @@ def run(model: str = "builtin:tiny", every_tokens: int = 16, sessions: int = 8, 
             "decode_tok_s_protected": round(statistics.median(protected), 1),
             "decode_ratio_with_replication": round(statistics.median(ratios), 3),
             "decode_ratio_pairs": [round(r, 3) for r in ratios],
+            "replication_mbps": round(statistics.median(mbps), 2),
+            # unprotected decode beside a bare socket copy at the replication's byte rate, against
+            # the unprotected run of the same rep (median over reps)
+            "bare_copy_decode_ratio": round(statistics.median(bare_ratios), 3),
+            "bare_copy_decode_pairs": [round(r, 3) for r in bare_ratios],
+            "fences": fences,  # times a protected run's lease lapsed on the source (each paused its sessions)
             "replication_lag_tokens_max": max(lag, default=0),
             "replication_lag_tokens_median": sorted(lag)[len(lag) // 2] if lag else 0,
             "engine_ms_per_round": round(min(engine_ms), 3),
             "failover_ms": round(min(firsts) * 1000, 1) if firsts else None,
             "failover_ms_max": round(max(firsts) * 1000, 1) if firsts else None,
+            # where the fastest session's failover went: the client seeing its stream end, the promotion, the first token
+            **_failover_parts(clients, killed),
             "failed_over_sessions": len(firsts),
             "lost_tokens": sum(d["lost"] for d in diffs), "repeated_tokens": sum(d["repeated"] for d in diffs),
             "changed_tokens": sum(d["changed"] for d in diffs),
             "client_errors": [c.error for c in clients if c.error],
+            "goals": {
+                "decode_ge_0.95x_bare_copy": statistics.median(ratios) >= 0.95 * statistics.median(bare_ratios),
+                "failover_le_1s": bool(firsts) and min(firsts) <= 1.0,
+            },
         }
     finally:
         os.sched_setaffinity(0, mine)
@@ -239,9 +287,14 @@ def print_table(res: dict, console) -> None:
     console.print(f"replication ({res['model']}, {res['sessions']} sessions, every {res['every_tokens']} tokens; "
                   f"source on CPUs {res['source_cpus']}, standby and clients on {res['standby_and_client_cpus']})")
     console.print(f"  decode tok/s: {res['decode_tok_s']} unprotected, {res['decode_tok_s_protected']} protected "
-                  f"-> ratio {res['decode_ratio_with_replication']}")
+                  f"-> ratio {res['decode_ratio_with_replication']}; beside a bare copy at the replication's "
+                  f"{res['replication_mbps']} MB/s: {res['bare_copy_decode_ratio']} (lease lapses: {res['fences']})")
     console.print(f"  lag tokens: median {res['replication_lag_tokens_median']}, max {res['replication_lag_tokens_max']}; "
                   f"engine thread per round: {res['engine_ms_per_round']} ms")
     console.print(f"  kill -9 failover: first token after {res['failover_ms']} ms (last session {res['failover_ms_max']} "
                   f"ms), {res['failed_over_sessions']} sessions; lost {res['lost_tokens']}, repeated "
                   f"{res['repeated_tokens']}, changed {res['changed_tokens']}")
+    if "failover_detect_ms" in res:
+        console.print(f"  first session: stream end seen after {res['failover_detect_ms']} ms, promoted "
+                      f"{res['failover_promote_ms']} ms later, first token {res['failover_reattach_ms']} ms after that")
+    console.print(f"  goals: {res['goals']}")

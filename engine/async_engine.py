@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from relayout.engine.workers import RankFailure
 
 T = TypeVar("T")
 
+STEP_DECAY = 0.98  # recent_step_s forgets a long step over ~100 steps
 _IDLE_RETRY_S = 0.05  # has_work() but nothing schedulable (e.g. every holder of blocks paused)
 _MAX_DONE_SNAPSHOTS = 4096
 
@@ -67,6 +69,9 @@ class AsyncEngine:
         self.num_steps = 0
         self.tokens_generated = 0
         self.kv_blocks_used = 0
+        # the longest step lately (seconds; decays by STEP_DECAY a step): how long a call queued now
+        # may wait for the step boundary (a protection fences this much ahead of its lease's end)
+        self.recent_step_s = 0.0
 
     # ---- lifecycle ---------------------------------------------------------------
     def start(self) -> AsyncEngine:
@@ -274,12 +279,13 @@ class AsyncEngine:
                     return
                 if self.error is not None or not eng.has_work():
                     continue
-                before = eng.num_steps
+                before, t0 = eng.num_steps, time.perf_counter()
                 try:
                     events = eng.step()
                 except BaseException as e:  # noqa: BLE001 - e.g. a rank of the replica died
                     self._fail(e)
                     continue
+                self.recent_step_s = max(time.perf_counter() - t0, self.recent_step_s * STEP_DECAY)
                 self._publish({ev.session_id for ev in events})
                 if eng.num_steps == before and not events:
                     with self._lock:  # nothing could be scheduled: wait for a change, don't spin

@@ -26,7 +26,7 @@ from relayout.engine.web import (
 )
 from relayout.migrate.engine_ops import EngineThreadOps, import_limits
 from relayout.migrate.protocol import LIVE_PROTECTION
-from relayout.migrate.replication import ProtectConfig, Replicator, engine_progress
+from relayout.migrate.replication import LEASE_S, ProtectConfig, Replicator, engine_progress
 from relayout.migrate.standby import ProtectionError, StandbyTable
 from relayout.storage.settings import settings
 
@@ -36,7 +36,7 @@ class ProtectBody(BaseModel):
     standby: str = Field(..., max_length=2048)  # the standby replica's URL
     every_tokens: int = Field(16, ge=1, le=1 << 20)
     every_ms: int = Field(200, ge=10, le=600_000)
-    lease_s: float = Field(1.0, ge=0.2, le=600)
+    lease_s: float = Field(LEASE_S, ge=0.2, le=600)
     # this replica's URL as the standby reaches it (default: the URL this request came to)
     source_url: str | None = Field(None, max_length=2048)
     codec: str = Field("none", pattern="^(none|zstd|zstd-planes)$")
@@ -80,7 +80,8 @@ def source_answer(token: str | None):
 
 def start_protection(app: FastAPI, aengine: AsyncEngine, cfg: ProtectConfig, token: str | None) -> Replicator:
     """Protect this replica's sessions to `cfg.standby` (on the server's event loop)."""
-    rep = Replicator(Replicator.new_id(), cfg, EngineThreadOps.of(aengine), engine_progress(aengine.engine), token)
+    rep = Replicator(Replicator.new_id(), cfg, EngineThreadOps.of(aengine), engine_progress(aengine.engine),
+                     lambda: aengine.recent_step_s, token)
     rep.start()
     app.state.protection = rep
     return rep

@@ -33,6 +33,7 @@ from relayout.storage.manifest import Manifest
 PROMOTED = "protection_promoted"  # the error type a standby answers once it owns the sessions
 DROPPED = "protection_dropped"  # the error type for a protection the standby has dropped
 WATCH_S = 0.05  # how often the lease and the sessions' progress are looked at
+LEASE_S = 0.6  # the default lease (migrate.standby may promote LEASE_S + PROMOTE_MARGIN_S after the last round)
 
 
 @dataclass
@@ -41,7 +42,7 @@ class ProtectConfig:
     source_url: str  # this replica's URL, as the standby reaches it (to ask whether it is alive)
     every_tokens: int = 16
     every_ms: int = 200
-    lease_s: float = 1.0
+    lease_s: float = LEASE_S
     codec: str = "none"
 
 
@@ -59,6 +60,8 @@ class Replicator:
     cfg: ProtectConfig
     ops: EngineThreadOps
     progress: Callable[[], dict[str, int]]  # live session -> tokens now (read without the engine thread)
+    # the engine's longest step lately (AsyncEngine.recent_step_s): a fence waits for a step boundary
+    step_s: Callable[[], float] = lambda: 0.0
     token: str | None = None
     clock: Callable[[], float] = time.monotonic
     state: ProtectionState = ProtectionState.ACTIVE  # migrate.protocol: active | fenced | lost | stopped
@@ -67,6 +70,7 @@ class Replicator:
     round_bytes: int = 0
     lease_until: float = 0.0
     fenced: list[str] = field(default_factory=list)
+    fences: int = 0  # times the lease lapsed here (each paused the sessions until a round got through)
     last_error: str | None = None
     last_round_at: float = 0.0
     _tasks: list[asyncio.Task] = field(default_factory=list)
@@ -115,7 +119,7 @@ class Replicator:
                 "lease_s": self.cfg.lease_s, "lease_left_s": round(max(0.0, self.lease_until - self.clock()), 3),
                 # what the rounds cost the decode: the engine thread's time in their cuts, per round
                 "engine_ms_per_round": round(1000 * self.ops.cut_engine_s / max(1, self.rounds), 3),
-                "fenced": list(self.fenced), "last_error": self.last_error, "sessions": sessions,
+                "fenced": list(self.fenced), "fences": self.fences, "last_error": self.last_error, "sessions": sessions,
                 "max_lag_tokens": max((s["lag_tokens"] for s in sessions), default=0)}
 
     # ---- the rounds ---------------------------------------------------------------------------------
@@ -189,9 +193,16 @@ class Replicator:
     # ---- the lease ----------------------------------------------------------------------------------
     async def _watch_lease(self) -> None:
         while self.state in LIVE_PROTECTION:
-            if self.state == ProtectionState.ACTIVE and self.clock() > self.lease_until:
+            # fenced ahead: the pause waits for the step under way (and this loop for its next look),
+            # so the sessions are paused by the time the lease ends, not one step and a look after it
+            if self.state == ProtectionState.ACTIVE and self.clock() > self.lease_until - self.fence_ahead_s():
                 await self._fence()
             await asyncio.sleep(WATCH_S)
+
+    def fence_ahead_s(self) -> float:
+        """How long before the lease's end the sessions are fenced: one look of the watch, the step
+        under way (twice the longest lately: a step may run long under load), at most half the lease."""
+        return min(self.cfg.lease_s / 2, WATCH_S + 2 * self.step_s())
 
     async def _fence(self) -> None:
         """The lease lapsed: stop serving what the standby holds before it may promote it."""
@@ -206,7 +217,7 @@ class Replicator:
             # paused first, then reported: whoever sees "fenced" sees them stopped (a round that renews
             # the lease meanwhile leaves them paused until the next one resumes them)
             self.fenced = await self.ops.call(pause)
-            self.state = ProtectionState.FENCED
+            self.state, self.fences = ProtectionState.FENCED, self.fences + 1
 
     async def _lose(self) -> None:
         """The standby promoted: the sessions it holds are its own now; free them here."""

@@ -28,6 +28,7 @@ from relayout.storage.manifest import ChunkRef, Manifest
 from relayout.storage.stores import MemoryStore
 from relayout.storage.stream import StreamReceiver
 
+PROMOTE_MARGIN_S = 0.15  # a fence's pause overrunning the lease's end (a step longer than lately), clock drift
 AUTO_GRACE_S = 0.5  # the standby's own promotion waits this much longer than one a caller triggers
 
 
@@ -90,9 +91,11 @@ class StandbyChunks(MemoryStore):
 
 
 def promote_after(lease_s: float) -> float:
-    """How long the standby waits after the last round before it may promote: longer than the
-    source's lease plus the time the source needs to pause (one step)."""
-    return 1.5 * lease_s + 0.25
+    """How long the standby waits after the last round before it may promote: the source's lease,
+    which it counts from before it cut the round (earlier than this replica's count, which starts
+    once the round is imported) and by whose end it has paused the sessions (it fences ahead of
+    the end by the step under way: migrate.replication), plus PROMOTE_MARGIN_S."""
+    return lease_s + PROMOTE_MARGIN_S
 
 
 @dataclass
