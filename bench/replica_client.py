@@ -179,9 +179,11 @@ def median_gap_ms(times: list[float]) -> float | None:
 
 
 # ---- the link ------------------------------------------------------------------------------------------
-_SENDER = """
+DISTINCT_MAX = 1 << 30  # a distinct copy's buffers (each end's) wrap around beyond this
+_SENDER = f"DISTINCT_MAX = {DISTINCT_MAX}\n" + """
 import os, socket, sys, time
 n, port, nice, seconds, mbps = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], float(sys.argv[4]), float(sys.argv[5])
+distinct = sys.argv[6] == "1"
 # as migrate.transport.background_thread lowers a pre-copy worker; not imported from there: it
 # loads torch, seconds in which a short session on the measured replica may finish decoding
 if nice == "idle":
@@ -190,13 +192,16 @@ elif int(nice):
     os.nice(int(nice))
 # paced at `mbps` (0: as fast as it goes): pieces of about 10 ms of the rate, as a replication's small rounds
 buf = memoryview(bytearray(min(4 << 20, max(64 << 10, int(mbps * 1e4))) if mbps > 0 else 4 << 20))
+if distinct:  # every byte sent from memory of its own (as a round's chunks are), paged in beforehand
+    src = bytearray(min(n, DISTINCT_MAX))
+    src[::4096] = b"\1" * len(src[::4096])
 t0 = time.monotonic()
 end = t0 + seconds if seconds > 0 else float("inf")
 with socket.create_connection(("127.0.0.1", port)) as s:
     c0, sent = time.process_time(), 0
     while n > 0 and time.monotonic() < end:
         k = min(n, len(buf))
-        s.sendall(buf[:k])
+        s.sendall(buf[:k] if not distinct else memoryview(src)[sent % len(src):][:k])
         n, sent = n - k, sent + k
         if mbps > 0 and (ahead := sent / (mbps * 1e6) - (time.monotonic() - t0)) > 0:
             time.sleep(ahead)
@@ -226,13 +231,16 @@ class LinkCopy:
 
 
 def link_copy(nbytes: int = 512 << 20, sender_cpus: set[int] | None = None, nice: int | str = 0,
-              seconds: float = 0.0, mbps: float = 0.0) -> LinkCopy:
+              seconds: float = 0.0, mbps: float = 0.0, distinct: bool = False) -> LinkCopy:
     """A plain TCP socket copy of `nbytes` (or for `seconds`, if that ends first) from another
     process (on `sender_cpus`, default anywhere) to this one, over loopback (where the bench's
     replicas talk): what the link itself moves. `nice`: both ends at that priority (a nice value,
     or "idle" for SCHED_IDLE), as pre-copy's workers run (migrate.transport.precopy_nice): beside
     a decoding replica, what the link still moves for them. `mbps`: the sender paced at that many
-    MB/s (a replication's byte rate), not as fast as it goes."""
+    MB/s (a replication's byte rate), not as fast as it goes. `distinct`: every byte from (and into)
+    memory of its own, paged in before the copy (up to DISTINCT_MAX each end), as a migration's
+    round reads its chunks out of memory, not one 4 MiB buffer over and over that stays in the
+    cache (what the plain probe sends: the link's best case)."""
     import socket
 
     from relayout.migrate.transport import background_thread
@@ -240,19 +248,22 @@ def link_copy(nbytes: int = 512 << 20, sender_cpus: set[int] | None = None, nice
     res: dict[str, float | int] = {}
     with socket.create_server(("127.0.0.1", 0)) as srv:
         port = srv.getsockname()[1]
-        p = subprocess.Popen([sys.executable, "-c", _SENDER, str(nbytes), str(port), str(nice), str(seconds), str(mbps)],
+        p = subprocess.Popen([sys.executable, "-c", _SENDER, str(nbytes), str(port), str(nice), str(seconds), str(mbps), "1" if distinct else "0"],
                              stdout=subprocess.PIPE, text=True,
                              preexec_fn=(lambda: os.sched_setaffinity(0, sender_cpus)) if sender_cpus else None)
 
         def receive() -> None:
             if nice:  # on a thread of its own: a thread's priority cannot be raised back
                 background_thread(nice)
+            dst = bytearray(min(nbytes, DISTINCT_MAX) if distinct else 4 << 20)
+            if distinct:
+                dst[::4096] = b"\1" * len(dst[::4096])  # paged in before the clock starts
             conn, _ = srv.accept()
             with conn:
-                view = memoryview(bytearray(4 << 20))
+                whole = memoryview(dst)
                 got, t0, c0 = 0, time.perf_counter(), time.thread_time()
                 while got < nbytes:
-                    k = conn.recv_into(view)
+                    k = conn.recv_into(whole[got % len(dst):][: 4 << 20])
                     if k == 0:
                         break
                     got += k

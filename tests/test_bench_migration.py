@@ -41,6 +41,7 @@ def test_quick_bench_reports_documented_keys():
     # CPU per byte (issue 29): the path's over the cold round, a bare copy of the same bytes, side by side
     for r in res["contexts"].values():
         assert r["bare_copy_gbps"] > 0 and r["bare_cpu_s_per_gb"] > 0 and r["cpu_s_per_gb"] is not None
+        assert r["bare_distinct_gbps"] > 0 and r["bare_distinct_cpu_s_per_gb"] > 0
         assert r["cold_round_gbps"] == r["cold_transport_gbps"] > 0
         # the data path's time and CPU are the replicas' own account of the round, without the cut's wait
         tm = r["cold"]["final_round_timing"]
@@ -51,6 +52,7 @@ def test_quick_bench_reports_documented_keys():
         assert r["cpu_s_per_gb"] == round((tm["source_cpu_s"] + tm["target_cpu_s"]) / (r["cold_bytes"] / 1e9), 3)
         assert r["round_window_cpu_s_per_gb"] > 0
     assert res["cpu_vs_bare"] is None or res["cpu_vs_bare"] > 0
+    assert res["cpu_vs_bare_distinct"] == round(res["cpu_s_per_gb"] / res["bare_distinct_cpu_s_per_gb"], 3)
     # the source's decoding during that copy, against just before it: a rate ratio, measured
     bare = [r["loaded_link_decode_ratio"] for r in res["contexts"].values()]
     assert all(b is not None and 0 < b < 100 for b in bare), bare
