@@ -240,8 +240,7 @@ def run_context(src: str, dst: str, L: int, *, warm: int, after: int, timeout: f
     # the yardstick of the cold round: the same bytes over a bare socket, at normal priority, nothing
     # else running (both ends' CPU: the least any path can spend per byte on this machine)
     bare = link_copy(cold["bytes"], c.source_cpus, 0) if cold["bytes"] else None
-    # and the same bytes from and into memory of their own (a round's chunks are as many distinct
-    # bytes; the plain probe resends one 4 MiB buffer that stays in the cache)
+    # and from and into memory of their own, as a round's chunks are (the above stays in the cache)
     bare_distinct = link_copy(cold["bytes"], c.source_cpus, 0, distinct=True) if cold["bytes"] else None
     cold_gb = cold["bytes"] / 1e9
     # the cold round's data path: from the sessions held on the source (its wait for the decode step
@@ -272,8 +271,7 @@ def run_context(src: str, dst: str, L: int, *, warm: int, after: int, timeout: f
         "precopy_bytes": moved,
         "transport_gbps": round(moved / secs / 1e9, 3) if secs > 0 else None,
         # the cold move's one round (sessions paused, nothing else running): what the path moves alone
-        "cold_transport_gbps": round(cold_gb / cold_s, 3) if cold_s > 0 else None,
-        "cold_round_gbps": round(cold_gb / cold_s, 3) if cold_s > 0 else None,
+        **dict.fromkeys(("cold_transport_gbps", "cold_round_gbps"), round(cold_gb / cold_s, 3) if cold_s > 0 else None),
         "cold_cut_ms": cut_ms,  # the source's wait for a step boundary, then the cut (not in the two above)
         # the whole round, that wait included, as the migrator timed it
         "cold_round_with_cut_gbps": round(cold_gb / cold["final_round_ms"] * 1000, 3) if cold["final_round_ms"] else None,
@@ -285,8 +283,8 @@ def run_context(src: str, dst: str, L: int, *, warm: int, after: int, timeout: f
         if cold.get("final_round_cpu_s") is not None and cold_gb > 0 else None,
         "bare_copy_gbps": round(bare.gbps, 3) if bare else None,
         "bare_cpu_s_per_gb": round(bare.cpu_s_per_gb(cold["bytes"]) or 0, 3) if bare else None,
-        "bare_distinct_gbps": round(bare_distinct.gbps, 3) if bare_distinct else None,
-        "bare_distinct_cpu_s_per_gb": round(bare_distinct.cpu_s_per_gb(cold["bytes"]) or 0, 3) if bare_distinct else None,
+        **({"bare_distinct_gbps": round(bd.gbps, 3), "bare_distinct_cpu_s_per_gb": round(bd.cpu_s_per_gb(cold["bytes"]) or 0, 3)}
+           if (bd := bare_distinct) else {"bare_distinct_gbps": None, "bare_distinct_cpu_s_per_gb": None}),
         "bare_copy_decode_ratio": live["loaded_link_decode_ratio"],  # the bare copy at pre-copy's rate and nice
         "live_rounds": len(live["rounds"]),
         "live_bytes": live["bytes"],
@@ -377,8 +375,8 @@ def _run(model: str | None, contexts: list[int] | None, quick: bool, device: str
     bare = [r["loaded_link_decode_ratio"] for r in results.values() if r["loaded_link_decode_ratio"]]
     cpu = [r["cpu_s_per_gb"] for r in results.values() if r["cpu_s_per_gb"] is not None]
     bare_cpu = [r["bare_cpu_s_per_gb"] for r in results.values() if r["bare_cpu_s_per_gb"]]
-    distinct_cpu = [r["bare_distinct_cpu_s_per_gb"] for r in results.values() if r["bare_distinct_cpu_s_per_gb"]]
-    distinct_gbps = [r["bare_distinct_gbps"] for r in results.values() if r["bare_distinct_gbps"]]
+    distinct_cpu, distinct_gbps = ([r[k] for r in results.values() if r[k]] for k in ("bare_distinct_cpu_s_per_gb",
+                                                                                        "bare_distinct_gbps"))
     cold_round = max(cold_gbps) if cold_gbps else None
     out = {
         "link_gbps": round(link, 3),
@@ -400,11 +398,9 @@ def _run(model: str | None, contexts: list[int] | None, quick: bool, device: str
         "cpu_s_per_gb": med(cpu),
         "bare_cpu_s_per_gb": med(bare_cpu),
         "cpu_vs_bare": round(med(cpu) / med(bare_cpu), 3) if cpu and bare_cpu else None,
-        # the bare copy of as many distinct bytes (from and into memory of their own, paged in): the
-        # same work as a round's minus framing, hashing and the pool copies (medians over contexts)
-        "bare_distinct_cpu_s_per_gb": med(distinct_cpu),
+        # against the bare copy of as many distinct bytes (a round's work less framing, hashing, pool copies)
+        "bare_distinct_cpu_s_per_gb": med(distinct_cpu), "bare_distinct_gbps": med(distinct_gbps),
         "cpu_vs_bare_distinct": round(med(cpu) / med(distinct_cpu), 3) if cpu and distinct_cpu else None,
-        "bare_distinct_gbps": med(distinct_gbps),
         "cold_round_vs_bare_distinct": round(cold_round / med(distinct_gbps), 3) if cold_round and distinct_gbps else None,
         "bare_copy_decode_ratio": round(statistics.median(bare), 3) if bare else None,
         "contexts": results,
@@ -449,9 +445,6 @@ def print_table(res: dict, console) -> None:
     ratio = res["decode_during_precopy_ratio"]
     console.print(f"decode during pre-copy: {ratio if ratio is not None else 'n/a'} of normal tokens/s; during "
                   f"the bare copy at pre-copy's priority: {res['loaded_link_decode_ratio']}")
-    console.print(f"a cold round: {res['cold_round_gbps']} GB/s, {res['cpu_s_per_gb']} CPU s/GB; a bare copy "
-                  f"{res['link_gbps']} GB/s, {res['bare_cpu_s_per_gb']} CPU s/GB (cache-resident buffers: "
-                  f"{res['cpu_vs_bare']}x), of distinct bytes {res['bare_distinct_gbps']} GB/s, "
-                  f"{res['bare_distinct_cpu_s_per_gb']} CPU s/GB ({res['cpu_vs_bare_distinct']}x)")
+    console.print(f"cold round {res['cold_round_gbps']} GB/s, CPU s/GB {res['cpu_s_per_gb']}, bare {res['bare_cpu_s_per_gb']}, distinct bare {res['bare_distinct_cpu_s_per_gb']}")  # noqa: E501
     for goal, ok in res["goals"].items():
         console.print(f"  {goal}: {'met' if ok else 'NOT met'}")
