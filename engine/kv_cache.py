@@ -355,6 +355,16 @@ class KVCache:
                 for j, sc in enumerate((self.k_scale[layer], self.v_scale[layer])):
                     copy_into(sdst[j, a - tok_lo : b - tok_lo], sc.view(-1, sc.shape[2])[rows])
 
+    def row_views(self, blocks: list[int], layer: int, tok_lo: int, tok_hi: int) -> list[memoryview] | None:
+        """K, V of one layer, tokens [tok_lo, tok_hi), as views of the pool's own rows in a chunk's
+        stored order (K's runs of consecutive blocks, then V's): no copy. None where numpy cannot
+        view the pool (another device, fp8 with scales)."""
+        rows = None if self.quantised else self._pool_rows(layer)
+        if rows is None:
+            return None
+        runs = [r for _, _, r in self._row_runs(blocks, tok_lo, tok_hi)]
+        return [memoryview(rows[j][r]) for j in (0, 1) for r in runs]
+
     def import_from(self, blocks: list[int], layer: int, tok_lo: int, kv: torch.Tensor, head_lo: int = 0,
                     scale: torch.Tensor | None = None, hasher: Hasher | None = None) -> None:
         """Inverse of export_into for local heads [head_lo, head_lo + kv.shape[1]): kv is

@@ -119,7 +119,12 @@ def import_range(engine: LLMEngine, store: Store, manifest: Manifest, sid: str, 
     if scaled and (pools is None or len(pools) != 1):  # check_compatible refuses this before any block is reserved
         raise RestoreError("fp8 KV moves only into a replica whose KV pool is local host memory (one rank, CPU)")
     views, hashed = [], []
+    placed = getattr(store, "placed", None) or {}  # chunks already written into these blocks (engine.kv_stream)
+    bs = pools[0][0].block_size if pools else 0
     for e in entries:
+        key = (sid, e.layer, e.head_lo, e.head_hi, e.tok_lo, e.tok_hi)
+        if bs and placed.get(key) == (e.chunk.hash, group, tuple(blocks[e.tok_lo // bs : -(-e.tok_hi // bs)])):
+            continue
         data, scale = store.get_chunk(e.chunk.hash), None
         if store.unverified(e.chunk.hash):
             job = None if scaled else _hashed_job(pools, e, data, a, b, c.head_dim, engine.dtype, manifest.format_version)

@@ -33,6 +33,7 @@ from relayout.storage.chunks import (
     seal_kv_chunk,
 )
 from relayout.storage.manifest import KVGeometry, Manifest, ModelRef
+from relayout.storage.pieces import in_place_chunk
 
 CHUNK_TOKENS = 256  # a multiple of the KV block size
 
@@ -59,6 +60,9 @@ class DeferredKV:
     hi: int
     engine: LLMEngine
     preemptions: int
+    # the sessions are held until the round ends (a final round): chunks are the pool's rows as
+    # they lie, hashed, not copied (storage.pieces); a change before they are sent fails their hash
+    in_place: bool = False
 
     def check(self) -> None:
         if self.engine.scheduler.num_preemptions != self.preemptions:
@@ -68,7 +72,8 @@ class DeferredKV:
         """The chunks (as take_snapshot lays them out), one CHUNK_TOKENS range of every layer at a
         time: each copied (and hashed) on all cores, then checked still valid, then handed on."""
         for a, b in _chunk_ranges(self.lo, self.hi):
-            chunks = [c for pool, heads in self.pools for c in _export_chunks(pool, heads, self.blocks, a, b)]
+            chunks = [c for pool, heads in self.pools
+                      for c in _export_chunks(pool, heads, self.blocks, a, b, self.in_place)]
             self.check()
             yield chunks
 
@@ -136,9 +141,18 @@ def _chunk_ranges(lo: int, hi: int) -> list[tuple[int, int]]:
     return out
 
 
-def _export_chunks(pool: KVCache, heads: tuple[int, int], blocks: list[int], lo: int, hi: int) -> list[tuple]:
+def _export_chunks(pool: KVCache, heads: tuple[int, int], blocks: list[int], lo: int, hi: int,
+                   in_place: bool = False) -> list[tuple]:
     k0 = pool.k[0]
     h, d = k0.shape[2], k0.shape[3]
+    if in_place:  # held sessions: each chunk is the pool's own rows, hashed where they lie (no copy)
+        spans = [(layer, a, b, pool.row_views(blocks, layer, a, b)) for a, b in _chunk_ranges(lo, hi)
+                 for layer in range(len(pool.k))]
+        if all(v is not None for *_, v in spans):
+            made = parallel_map(lambda c: in_place_chunk((2, h, c[2] - c[1], d), k0.dtype, c[3]), spans,
+                                len(pool.k) * 2 * h * d * (hi - lo) * k0.element_size())
+            if all(t is not None for t in made):
+                return [(c[0], heads[0], heads[1], c[1], c[2], t) for c, t in zip(spans, made, strict=True)]
     nbytes = len(pool.k) * 2 * h * d * (hi - lo) * k0.element_size()  # small (a replication round): inline
     if pool.quantised:  # (..., values, scales), both token-major like the pool and the stored chunk
         chunks: list[tuple] = [
@@ -205,13 +219,15 @@ def _live(engine: LLMEngine, session_ids: list[str] | None) -> list[SessionState
 
 
 def take_snapshot(engine: LLMEngine, session_ids: list[str] | None = None, tok_from: dict[str, int] | None = None,
-                  tok_cap: int | None = None, defer_copy: bool = False) -> list[SessionSnapshot]:
+                  tok_cap: int | None = None, defer_copy: bool = False, in_place: bool = False
+                  ) -> list[SessionSnapshot]:
     """Consistent cut of sessions at this step boundary (call between two steps).
 
     `tok_from` skips KV a receiver already has (pre-copy rounds): only tokens from that
     index on are copied. `tok_cap` copies at most that many tokens per session, so a
     pre-copy round holds the engine thread (and every other session's decoding) only for
-    a bounded copy; later rounds send the rest."""
+    a bounded copy; later rounds send the rest. `in_place` (with `defer_copy`, sessions held until
+    their chunks are sent): the chunks are the pool's rows themselves (DeferredKV.in_place)."""
     snaps = []
     live = _live(engine, session_ids)
     hosts = {g: engine.executor.host_pools(g) for g in {s.dp_group for s in live}}
@@ -227,7 +243,8 @@ def take_snapshot(engine: LLMEngine, session_ids: list[str] | None = None, tok_f
         if n > lo and table is not None:
             blocks = table.blocks[: blocks_needed(n)]
             if host is not None and defer_copy:
-                snap.deferred = DeferredKV(host, list(blocks), lo, n, engine, engine.scheduler.num_preemptions)
+                snap.deferred = DeferredKV(host, list(blocks), lo, n, engine, engine.scheduler.num_preemptions,
+                                           in_place)
             elif host is not None:  # straight into chunk buffers: the one copy of this KV
                 snap.chunks = [c for pool, heads in host for c in _export_chunks(pool, heads, blocks, lo, n)]
             else:
@@ -261,7 +278,9 @@ def _put_chunks(writer: CheckpointWriter, sid: str, chunks: list[tuple]) -> None
 
     if type(writer).put_kv is CheckpointWriter.put_kv:  # thread-safe: chunks hash and store in parallel
         # sealed chunks stored as they are need no hashing, only GIL-bound bookkeeping: inline is faster (11-15 vs 14-21 ms / 512 MiB)
-        parallel_map(put, chunks, sum(0 if writer.codec == "none" and is_sealed(c[5]) else c[5].nbytes for c in chunks))
+        # (an in-place chunk, a meta tensor, was hashed where it lies: the same)
+        parallel_map(put, chunks, sum(0 if writer.codec == "none" and (c[5].is_meta or is_sealed(c[5])) else c[5].nbytes
+                                      for c in chunks))
     else:  # a subclass gets them in order, one at a time
         for c in chunks:
             put(c)

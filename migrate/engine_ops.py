@@ -5,21 +5,25 @@ AsyncEngine.call on a serving replica; a direct call where the caller owns the e
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from relayout.engine.async_engine import AsyncEngine
 from relayout.engine.engine import LLMEngine
+from relayout.engine.kv_stream import chunk_sink, reserve_ahead
 from relayout.engine.placer import SessionPlacer, check_compatible, kv_conversion, restore
 from relayout.engine.receive import abort_incoming, commit_incoming, receive_round
 from relayout.engine.session import SessionState
 from relayout.engine.snapshot import CHUNK_TOKENS, geometry, model_ref, take_snapshot
+from relayout.migrate.received import chunk_placer
 from relayout.migrate.transfers import Incoming, SourceRound
 from relayout.storage.checkpoint import CheckpointReader
 from relayout.storage.errors import CorruptCheckpoint
 from relayout.storage.manifest import Manifest, ModelRef
 from relayout.storage.settings import settings
+from relayout.storage.stream import Place
 
 EngineCall = Callable[[Callable[[LLMEngine], Any]], Awaitable[Any]]
 
@@ -33,11 +37,30 @@ class EngineThreadOps:
                  defer_copy: bool = False):
         self.call, self.note_migrated, self.defer_copy = call, note_migrated, defer_copy
         self.cut_engine_s = 0.0  # time the engine thread spent in cuts (the decode it held up), all together
+        self.engine: LLMEngine | None = None  # set on a serving replica: a round's chunks go into its pools as they arrive
         self._model: tuple[LLMEngine, ModelRef] | None = None  # an engine's model never changes: built once
 
     @classmethod
     def of(cls, aengine: AsyncEngine, defer_copy: bool = False) -> EngineThreadOps:
-        return cls(aengine.call, aengine.note_migrated, defer_copy)
+        ops = cls(aengine.call, aengine.note_migrated, defer_copy)
+        ops.engine = aengine.engine
+        return ops
+
+    def placer(self, t: Incoming) -> Place | None:
+        """A round's `place` (storage.stream): chunks of sessions `t` holds blocks for go straight into
+        the pools (engine.kv_stream, on the link's thread); the first chunk of one it holds none for
+        has the engine thread reserve them, unless the transfer was dropped meanwhile."""
+        eng = self.engine
+        if eng is None:
+            return None
+        loop = asyncio.get_running_loop()
+
+        async def ahead(sid: str, n: int) -> None:
+            with contextlib.suppress(Exception):  # no engine: the manifest's import says why
+                await self.call(lambda e: None if t.closed else reserve_ahead(e, t.blocks, sid, n))
+
+        return chunk_placer(t.blocks, lambda ref, entry: chunk_sink(eng, t.blocks, t.store.placed, ref, entry),
+                            lambda sid, n: asyncio.run_coroutine_threadsafe(ahead(sid, n), loop) and None)
 
     async def take_round(self, sessions: list[str] | None, pause: bool, sent: dict[str, int],
                   max_tokens: int | None) -> SourceRound:
@@ -54,7 +77,9 @@ class EngineThreadOps:
                     # one that finished since the last round has nothing left to move
                     paused = [sid for sid in sessions if not e.sessions[sid].is_finished]
                 e.pause(paused)
-            snaps = take_snapshot(e, paused if pause else sessions, sent, max_tokens, self.defer_copy)
+            # held sessions' KV cannot change before it is sent: a final round's chunks are sent from the pool
+            snaps = take_snapshot(e, paused if pause else sessions, sent, max_tokens, self.defer_copy,
+                                  in_place=pause and self.defer_copy)
             if self._model is None or self._model[0] is not e:
                 self._model = (e, model_ref(e))
             out = SourceRound(paused, snaps, self._model[1], e.layout.to_dict(), geometry(e))

@@ -68,10 +68,11 @@ def link_address(port: int) -> dict:
     """What `GET LINK_PATH` answers: the link's port, or RELAYOUT_LINK_ADVERTISE's HOST:PORT where
     sources reach it through a forwarded port (NAT, a Kubernetes Service, a test's proxy)."""
     adv = settings().link_advertise  # HOST:PORT, checked by its declaration
+    # entries: this target writes chunk frames that name their entry into its pool as they arrive
     if not adv:
-        return {"port": port}
+        return {"port": port, "entries": True}
     host, _, p = adv.rpartition(":")
-    return {"host": host.strip("[]"), "port": int(p)}
+    return {"host": host.strip("[]"), "port": int(p), "entries": True}
 
 
 def idle_timeout() -> float:
@@ -246,11 +247,12 @@ class TcpTransport:
 
     def __init__(self, token: str | None, fallback, push_failed: type[Exception]):
         self.token, self.fallback, self.failed = token, fallback, push_failed
-        # target URL -> its link's (host, port), as its last round found it: a round, the final one
-        # above all (it is part of the stall), need not ask again; any failure forgets it
-        self.links: dict[str, tuple[str, int]] = {}
+        # target URL -> its link's (host, port) and whether it places chunks as they arrive, as its last
+        # round found it: a round, the final one above all (part of the stall), need not ask again; any
+        # failure forgets it
+        self.links: dict[str, tuple[str, int, bool]] = {}
 
-    async def _address(self, target: str) -> tuple[str, int] | None:
+    async def _address(self, target: str) -> tuple[str, int, bool] | None:
         """The target's link (None: it has none, it is older than the link: push over HTTP)."""
         if target in self.links:
             return self.links[target]
@@ -267,8 +269,8 @@ class TcpTransport:
         port, host = addr.get("port"), addr.get("host") or urlsplit(target).hostname or "127.0.0.1"
         if not isinstance(port, int) or not isinstance(host, str):
             raise self.failed("target link: no port in the answer", False)
-        self.links[target] = (host, port)
-        return host, port
+        self.links[target] = (host, port, addr.get("entries") is True)
+        return self.links[target]
 
     async def push(self, target: str, transfer: str, frames, *, final: bool, source: str | None,
                    timeout_s: float) -> dict:
@@ -287,8 +289,11 @@ class TcpTransport:
                 if addr is None:  # a target older than the link: HTTP it is
                     return await self.fallback.push(target, transfer, frames, final=final, source=source,
                                                     timeout_s=timeout_s)
+                options = getattr(frames, "options", None)
+                if options is not None:  # chunk frames name their entries for a target that places them
+                    options.entries = addr[2]
                 try:
-                    status, body = await in_thread(self._push, *addr, hello, blocking(), timeout_s, stop,
+                    status, body = await in_thread(self._push, *addr[:2], hello, blocking(), timeout_s, stop,
                                                    background=background)
                     break
                 except _NotConnected:  # (nothing of the round was produced yet)
@@ -298,6 +303,8 @@ class TcpTransport:
                     # the target restarted since (another port): ask it again
                 except _OtherVersion:  # (nothing of the round was produced yet) a target of another link version
                     self.links.pop(target, None)
+                    if options is not None:
+                        options.entries = False
                     return await self.fallback.push(target, transfer, frames, final=final, source=source,
                                                     timeout_s=timeout_s)
                 except BaseException:

@@ -4,10 +4,22 @@ CheckpointWriter (with all its checks) writes a round exactly as it writes a che
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 
-from relayout.storage.manifest import ChunkRef
+from relayout.storage.manifest import ChunkRef, KVEntry
+from relayout.storage.pieces import ChunkPieces
 from relayout.storage.store_base import Store, check_hash
-from relayout.storage.stream import MAGIC_CHUNK, encode_raw_manifest_frame, frame_head
+from relayout.storage.stream import MAGIC_CHUNK, chunk_frame_header, encode_raw_manifest_frame, frame_head
+
+
+@dataclass
+class FrameOptions:
+    """How a round's frames are written, decided by whoever sends them before the first is made.
+    `entries`: each chunk frame names its entry (storage.stream.chunk_frame_header), so a target
+    that places chunks writes each into its pool as it arrives (the frame link, to a target that
+    says it does: migrate.frame_link)."""
+
+    entries: bool = False
 
 
 class FrameSink(Store):
@@ -17,9 +29,13 @@ class FrameSink(Store):
     would copy every byte), so `take` returns byte pieces (bytes, memoryviews) whose concatenation is the frames."""
 
     identity = "frame-sink"
+    takes_pieces = True  # an in-place chunk (storage.pieces) goes out as its pieces, never joined
 
-    def __init__(self, sent: set[str]):
+    def __init__(self, sent: set[str], options: FrameOptions | None = None):
         self.sent = sent
+        self.held = set(sent)  # what the target holds from before this round
+        self.options = options or FrameOptions()
+        self.kv_tokens: dict[str, int] = {}  # session -> its KV tokens in this round (named in entries)
         self._lock = threading.Lock()  # the writer puts chunks from several threads
         self._frames: list[bytes | memoryview] = []
 
@@ -38,8 +54,28 @@ class FrameSink(Store):
         if len(data) != ref.size:
             raise ValueError(f"chunk {h}: {len(data)} bytes but ref says {ref.size}")
         head = frame_head(MAGIC_CHUNK, ref.model_dump(), len(data))
+        body = data.views if isinstance(data, ChunkPieces) else (memoryview(data),)
         with self._lock:
-            self._frames += (head, memoryview(data))  # bytes-like for every server and transport
+            self._frames += (head, *body)  # bytes-like for every server and transport
+
+    def put_kv_chunk(self, entry: KVEntry, data: bytes | ChunkPieces, dtype: str) -> None:
+        """CheckpointWriter.put_kv's chunk, with the entry it was written for: framed with that entry
+        (FrameOptions.entries), where a target places it, so every entry's chunk is sent even if
+        another entry of this round has the same bytes (a placed chunk's bytes are not kept)."""
+        ref = entry.chunk
+        if not self.options.entries:
+            return self.put_chunk(ref.hash, data, hashed=True, ref=ref)  # type: ignore[arg-type]
+        if ref.hash in self.held:
+            return
+        if len(data) != ref.size:
+            raise ValueError(f"chunk {ref.hash}: {len(data)} bytes but ref says {ref.size}")
+        where = {**entry.model_dump(exclude={"chunk"}), "kv_tokens": self.kv_tokens.get(entry.session_id),
+                 "dtype": dtype}
+        head = frame_head(MAGIC_CHUNK, chunk_frame_header(ref, where), len(data))
+        body = data.views if isinstance(data, ChunkPieces) else (memoryview(data),)
+        with self._lock:
+            self.sent.add(ref.hash)
+            self._frames += (head, *body)
 
     def put_manifest(self, checkpoint_id: str, data: bytes) -> None:
         # the writer just built and validated these bytes: no need to parse them again

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
+from relayout.engine.kv_stream import Placed
 from relayout.migrate.protocol import RoundCut
 from relayout.migrate.transport import in_thread
 from relayout.storage.chunks import chunk_hash, keep_freed_memory
@@ -13,7 +14,7 @@ from relayout.storage.errors import ChunkMissing
 from relayout.storage.manifest import ChunkRef, Manifest
 from relayout.storage.store_base import check_hash
 from relayout.storage.stores import MemoryStore
-from relayout.storage.stream import LimitExceeded, StreamReceiver
+from relayout.storage.stream import LimitExceeded, PayloadSink, Place, StreamReceiver
 
 ReadInto = Callable[[memoryview], int]  # fills part of a buffer from the link, says how much (a RoundCut at its end)
 
@@ -67,6 +68,27 @@ async def _verify_kept(recv: StreamReceiver) -> None:
         await in_thread(recv.store.verify_pending)
 
 
+def chunk_placer(blocks: dict, sink: Callable[[ChunkRef, dict], PayloadSink | None],
+                 reserve: Callable[[str, int], None]) -> Place:
+    """StreamReceiver's `place` for a transfer whose reservations are `blocks`: a chunk of a session
+    with blocks reserved goes to `sink`; the first chunk of one without has `reserve(session, its KV
+    tokens)` asked for (once, not awaited: the engine thread reserves them meanwhile) and is staged."""
+    asked: set[str] = set()
+
+    def place(ref: ChunkRef, entry: dict) -> PayloadSink | None:
+        sid, n = entry.get("session_id"), entry.get("kv_tokens")
+        if not isinstance(sid, str):
+            return None
+        if sid not in blocks:
+            if sid not in asked and type(n) is int and n > 0:
+                asked.add(sid)
+                reserve(sid, n)
+            return None
+        return sink(ref, entry)
+
+    return place
+
+
 class ReceivedChunks(MemoryStore):
     """A MemoryStore that lets go of a chunk's bytes once every token it carries is imported into
     the pool (`forget_imported`), keeping its hash: the transfer still holds that chunk (a later
@@ -81,6 +103,7 @@ class ReceivedChunks(MemoryStore):
         # received, not hashed yet (StreamReceiver(verify=False)): the import hashes each as it copies
         # it (engine.kv_import), so its bytes are read once; a cut round's are hashed on the cut
         self._pending: set[str] = set()
+        self.placed: Placed = {}  # chunks written into the pool as they arrived (engine.kv_stream)
 
     def has_chunk(self, h: str) -> bool:
         return super().has_chunk(h) or check_hash(h) in self._imported
@@ -137,6 +160,8 @@ class ReceivedChunks(MemoryStore):
         done, needed = set(), set()
         for e in manifest.kv_entries:
             (done if e.tok_hi <= upto.get(e.session_id, 0) else needed).add(e.chunk.hash)
+        for key in [k for k in self.placed if k[5] <= upto.get(k[0], 0)]:  # imported: not looked up again
+            del self.placed[key]
         for h in done - needed:
             self._imported.add(h)
             self._delete_chunk(h)

@@ -39,6 +39,7 @@ from relayout.engine.web import (
 )
 from relayout.migrate.engine_ops import engine_ops_for
 from relayout.migrate.frame_link import LINK_PATH, FrameLinkServer, TcpTransport, link_address
+from relayout.migrate.frame_sink import FrameOptions
 from relayout.migrate.mooncake_transport import MooncakeTransport, install_mooncake_routes
 from relayout.migrate.mooncake_transport import unavailable as mooncake_unavailable
 from relayout.migrate.transfers import (
@@ -247,14 +248,16 @@ def install_replica_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
         chosen = transports[body.transport] if body.transport else transport
         if isinstance(chosen, MooncakeTransport) and body.target is not None and (why := mooncake_unavailable()):
             raise HTTPError(400, f"transport mooncake is not available on this replica: {why}")
+        options = FrameOptions()  # the transport chooses them before the first frame is made
         frames = await table.export(body.transfer, body.sessions, body.pause, body.codec, body.max_tokens, body.have,
-                                    confirm_on_delivery=body.target is not None)
+                                    confirm_on_delivery=body.target is not None, options=options)
         if body.target is None:
             return StreamingResponse(frames, media_type="application/x-relayout-frames")
         # push: only this transfer's frames, only to the import route of a URL an authenticated caller gave
         counter = [0]
         send = chosen.push(body.target, body.transfer, pump(frames, None if body.pause else precopy_mbps(),
-                                                               counter=counter, background=not body.pause),
+                                                               counter=counter, background=not body.pause,
+                                                               options=options),
                               final=body.pause, source=body.source, timeout_s=body.timeout_s)
         return StreamingResponse(progress_stream(table.push(body.transfer, send), counter,
                                                  min(1.0, body.timeout_s / 4), table.not_moved(body.transfer)),

@@ -1,19 +1,18 @@
-"""The replica's half of the live-migration protocol (docs/protocol.md): every transfer this
-replica takes part in, as source (outgoing) or target (incoming), its lease, the two-phase
-commit and the sweeper that decides alone once the migrator is gone.
-
-No HTTP here: `TransferTable` is driven by migrate.replica_routes (or a test), reaches the engine
-through `EngineOps` and the source through `AskSource`: every transition runs in one process.
+"""The replica's half of the live-migration protocol (docs/protocol.md): every transfer this replica takes
+part in, as source (outgoing) or target (incoming), its lease, the two-phase commit and the sweeper that
+decides alone once the migrator is gone. No HTTP here: `TransferTable` is driven by migrate.replica_routes
+(or a test), reaches the engine through `EngineOps` and the source through `AskSource`.
 
 Its states, their moves and its refusals are migrate.protocol's. Leases: a transfer idle for `ttl` seconds
-is ended by the sweeper. The source resumes what it paused (a late release is refused from then on);
-the target frees reservations of a transfer still receiving, and for one whose final round placed
-sessions (in doubt) waits one more ttl, then asks the source how it ended: released (or unknown:
-the source restarted) -> commit, aborted/expired -> drop; no answer for 10 ttl -> drop."""
+is ended by the sweeper. The source resumes what it paused (a late release is refused from then on); the
+target frees reservations of a transfer still receiving, and for one whose final round placed sessions
+(in doubt) waits one more ttl, then asks the source how it ended: released (or unknown: the source
+restarted) -> commit, aborted/expired -> drop; no answer for 10 ttl -> drop."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -21,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from relayout.engine.snapshot import SessionSnapshot, write_snapshot_steps
-from relayout.migrate.frame_sink import FrameSink
+from relayout.migrate.frame_sink import FrameOptions, FrameSink
 from relayout.migrate.procs import TreeCpu
 from relayout.migrate.protocol import (  # noqa: F401 - the refusals are re-exported: the routes map each to a status
     FINISHED_ON_SOURCE,
@@ -122,6 +121,7 @@ class Incoming:
     staged: int = 0  # bytes received, all rounds together
     final: bool = False  # the final round placed the sessions: held until commit
     first_doubt: float | None = None
+    closed: bool = False  # dropped: the engine thread reserves nothing more for it (reserve_ahead)
 
     @property
     def state(self) -> IncomingState:
@@ -185,7 +185,7 @@ class TransferTable:
     # ---- source ---------------------------------------------------------------------------------------
     async def export(self, tid: str, sessions: list[str] | None, pause: bool = False, codec: str = "none",
                      max_tokens: int | None = None, have: list[str] | None = None,
-                     confirm_on_delivery: bool = False) -> Iterator[bytes]:
+                     confirm_on_delivery: bool = False, options: FrameOptions | None = None) -> Iterator[bytes]:
         """SourceRound one round (the final one with `pause`) and return its frames, to be streamed to the
         target. `have`: a retry of a cut round — the chunks the target acknowledges holding.
         `confirm_on_delivery` (push): the round counts as sent once `push` delivered it, not once framed."""
@@ -222,14 +222,15 @@ class TransferTable:
         carried = {snap.state.session_id for snap in cut.snaps}
         o.not_moved = {**{sid: FINISHED_ON_SOURCE for sid in sessions or []
                           if sid not in carried}, **cut.not_moved}
-        return self._frames(o, cut, sent, codec, pause, epoch, confirm_on_delivery)
+        return self._frames(o, cut, sent, codec, pause, epoch, confirm_on_delivery, options)
 
     def _frames(self, o: Outgoing, cut: SourceRound, sent: dict[str, int], codec: str, final: bool, epoch: int,
-                confirm_on_delivery: bool) -> Iterator[bytes]:
+                confirm_on_delivery: bool, options: FrameOptions | None = None) -> Iterator[bytes]:
         rnd = o.rounds
         try:
             # its own copy: a cut round's producer may still run when its retry starts (merged by mark_sent)
-            sink = FrameSink(set(o.target_holds))
+            sink = FrameSink(set(o.target_holds), options)
+            sink.kv_tokens = {snap.state.session_id: snap.num_kv_tokens for snap in cut.snaps}
             # a delta: each session's KV from where the rounds the target holds end (kv_from), so the
             # final round's manifest, on the stall's path, grows with what changed, not with the
             # context (16k tokens listed whole: ~15 ms more to build, check and parse here). A
@@ -319,7 +320,9 @@ class TransferTable:
         receipt) and the reservations, so the migrator can resume from the acknowledged chunks, and
         the lease frees everything if it never comes back; any other failure drops the transfer."""
         i = self.open_import(tid, source, declared)
-        recv = StreamReceiver(i.store, max_frame_bytes=self.frame_limit, verify=False)  # hashed as imported
+        # hashed as imported; over the frame link, chunks of reserved sessions go straight into the pool
+        place = self.ops.placer(i) if callable(pieces) and hasattr(self.ops, "placer") else None
+        recv = StreamReceiver(i.store, max_frame_bytes=self.frame_limit, verify=False, place=place)
         t0, cpu0 = time.perf_counter(), self.cpu()
         try:
             try:
@@ -330,7 +333,8 @@ class TransferTable:
             t1 = time.perf_counter()
             res = await self.ops.receive(i, manifest, final)
             res["timing"] = {"receive_ms": round((t1 - t0) * 1000, 2), "import_ms": round((time.perf_counter() - t1) * 1000, 2),
-                             "cpu_s": round(self.cpu() - cpu0, 4)}  # from its first byte to its KV in the pool
+                             "cpu_s": round(self.cpu() - cpu0, 4), "chunks": recv.chunks_received,
+                             "placed_chunks": recv.chunks_placed}  # from its first byte to its KV in the pool
             i.store.forget_imported(manifest, i.upto, recv.bytes_received)
         except RoundCut:
             if final:
@@ -371,10 +375,9 @@ class TransferTable:
         if i is None:
             return
         self._remember(self.in_done, tid, check_transition(i.state, state))
-        try:
+        i.closed = True
+        with contextlib.suppress(Exception):  # a dead engine holds nothing any more
             await self.ops.abort(i)
-        except Exception:  # noqa: BLE001 - a dead engine holds nothing any more
-            pass
 
     # ---- either side ------------------------------------------------------------------------------
     async def abort(self, tid: str) -> None:
@@ -436,11 +439,9 @@ class TransferTable:
 
     # ---- helpers ---------------------------------------------------------------------------------------
     async def _resume(self, ids: list[str]) -> None:
-        if ids:
-            try:
+        with contextlib.suppress(Exception):  # a dead engine has nothing left to resume
+            if ids:
                 await self.ops.resume(ids)
-            except Exception:  # noqa: BLE001 - a dead engine has nothing left to resume
-                pass
 
     @staticmethod
     def _remember(done: OrderedDict, tid: str, state: OutgoingState | IncomingState) -> None:

@@ -152,8 +152,9 @@ class RoundFrames:
     pre-copy round): whichever thread produces them is a pre-copy worker (`background_thread`)."""
 
     def __init__(self, frames: Iterator[bytes], mbps: float | None = None, depth: int = PUMP_DEPTH,
-                 counter: list[int] | None = None, background: bool = False):
+                 counter: list[int] | None = None, background: bool = False, options: object = None):
         self.frames, self.mbps, self.depth, self.background = frames, mbps, depth, background
+        self.options = options  # the frames' migrate.frame_sink.FrameOptions, which a transport may set before they start
         self.counter = counter if counter is not None else [0]
         self._aiter: AsyncIterator[bytes] | None = None
 
@@ -252,8 +253,8 @@ def _produced_ahead(rf: RoundFrames, max_bytes: int) -> Iterator[bytes]:
 
 
 def pump(frames: Iterator[bytes], mbps: float | None = None, depth: int = PUMP_DEPTH,
-         counter: list[int] | None = None, background: bool = False) -> RoundFrames:
-    return RoundFrames(frames, mbps, depth, counter, background)
+         counter: list[int] | None = None, background: bool = False, options: object = None) -> RoundFrames:
+    return RoundFrames(frames, mbps, depth, counter, background, options)
 
 
 async def _pumped(rf: RoundFrames) -> AsyncIterator[bytes]:

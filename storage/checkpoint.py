@@ -18,6 +18,7 @@ import torch
 from relayout.storage.chunks import dtype_name, kv_scaled_view, kv_view, pack_kv, parallel_map
 from relayout.storage.errors import CorruptCheckpoint, ModelMismatch
 from relayout.storage.manifest import KVEntry, KVGeometry, Manifest, ModelRef, SessionEntry, coverage_gap
+from relayout.storage.pieces import ChunkPieces, pack_in_place
 from relayout.storage.store_base import Store, check_id
 
 ProgressFn = Callable[[int], None]  # called with the cumulative bytes written
@@ -86,7 +87,11 @@ class CheckpointWriter:
                 f"[2, {want[1]}, {want[2]}, head_dim] for heads [{head_lo},{head_hi}) tokens [{tok_lo},{tok_hi})"
             )
         self._check_open()
-        data, ref = pack_kv(tensor, self.codec, scale)  # outside the lock: the expensive part
+        # outside the lock: the expensive part (an in-place chunk was hashed where it lies)
+        got = pack_in_place(tensor, self.codec) if scale is None else None
+        data, ref = got if got is not None else pack_kv(tensor, self.codec, scale)
+        if isinstance(data, ChunkPieces) and not getattr(self.store, "takes_pieces", False):
+            data = data.joined()  # a store that keeps bytes gets them in one buffer
         entry = KVEntry(
             session_id=session_id, layer=layer, head_lo=head_lo, head_hi=head_hi,
             tok_lo=tok_lo, tok_hi=tok_hi, chunk=ref,
@@ -102,7 +107,11 @@ class CheckpointWriter:
                 )
             self.store.pin(ref.hash)  # before put: a concurrent delete must not drop a shared chunk
             self._pinned.append(ref.hash)
-        self.store.put_chunk(ref.hash, data, hashed=True, ref=ref)  # pack_kv just hashed these bytes
+        put_entry = getattr(self.store, "put_kv_chunk", None)  # a store that frames chunks with their entries
+        if put_entry is not None:
+            put_entry(entry, data, dtype_name(tensor.dtype))
+        else:
+            self.store.put_chunk(ref.hash, data, hashed=True, ref=ref)  # pack_kv just hashed these bytes
         with self._lock:
             self._entries.append(entry)
             self.bytes_written += ref.size

@@ -17,7 +17,7 @@ import json
 import struct
 from collections.abc import Callable, Container, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import ValidationError
 from relayout.storage.chunks import new_buffer, verify_chunk
@@ -49,6 +49,23 @@ class Frame:
     header: dict[str, Any]
     payload: bytes  # a bytearray for chunk frames (the buffer it was received into)
     ref: ChunkRef | None = field(default=None)  # set for chunk frames
+    placed: bool = False  # a chunk whose payload went into a PayloadSink (payload is empty)
+
+
+class PayloadSink(Protocol):
+    """Where a chunk frame's payload goes instead of a buffer of its own, as it arrives (a KV pool's
+    rows: engine.kv_stream). The sink hashes what it is given; `finish` refuses bytes that do not
+    hash to the chunk's reference (CorruptCheckpoint), and until then nothing may use them."""
+
+    def want(self) -> memoryview: ...  # where the payload's next bytes go (not empty while any remain)
+
+    def got(self, n: int) -> None: ...  # `n` bytes were written at the start of the last `want()`
+
+    def finish(self) -> None: ...  # every payload byte arrived
+
+
+# (the chunk's reference, its frame's "entry": where its bytes belong) -> a sink for them, or None
+Place = Callable[[ChunkRef, dict[str, Any]], PayloadSink | None]
 
 
 FRAME_PREFIX_BYTES = _PREFIX.size + _HLEN.size  # magic + body length + header length
@@ -92,6 +109,16 @@ def _encode(magic: bytes, header: dict[str, Any], payload: bytes) -> bytes:
     return frame_head(magic, header, len(payload)) + payload
 
 
+def chunk_frame_header(ref: ChunkRef, entry: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A CHUNK frame's header: its reference, and optionally its `entry` (what KV it is: session,
+    layer, heads, tokens, the session's KV tokens, dtype), so that a receiver may write its payload
+    where it belongs as it arrives. A receiver that does not place chunks ignores the entry."""
+    h = ref.model_dump()
+    if entry is not None:
+        h["entry"] = entry
+    return h
+
+
 def encode_chunk_frame(ref: ChunkRef, data: bytes) -> bytes:
     if len(data) != ref.size:
         raise ValueError(f"chunk {ref.hash}: {len(data)} bytes but ref says {ref.size}")
@@ -116,12 +143,16 @@ class FrameDecoder:
     """Incremental frame parser; ``feed`` returns the frames completed by each piece.
 
     Each byte is copied once: a frame's prefix and header gather in a small buffer, its payload
-    goes straight into a buffer of the declared size (allocated once the prefix has been checked)."""
+    goes straight into a buffer of the declared size (allocated once the prefix has been checked),
+    or, for a chunk that `place` finds a sink for, straight where it belongs (PayloadSink)."""
 
-    def __init__(self, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
+    def __init__(self, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, place: Place | None = None) -> None:
         self.max_frame_bytes = max_frame_bytes
+        self.place = place
         self._buf = bytearray()  # the current frame's prefix + header
         self._payload: bytearray | None = None  # set once the header is complete
+        self._sink: PayloadSink | None = None  # ...or this takes the payload
+        self._ref: ChunkRef | None = None  # a placed chunk's reference
         self._got = 0
         self._magic = b""
         self._hlen = self._plen = 0
@@ -132,7 +163,7 @@ class FrameDecoder:
     @property
     def at_boundary(self) -> bool:
         """True when no partial frame is buffered (a clean place for the stream to end)."""
-        return not self._buf and self._payload is None
+        return not self._buf and self._payload is None and self._sink is None
 
     def feed(self, data: bytes | bytearray | memoryview) -> list[Frame]:
         if self._error is not None:
@@ -141,11 +172,24 @@ class FrameDecoder:
         frames: list[Frame] = []
         try:
             while True:
+                if self._sink is not None:
+                    while mv and self._sink is not None:
+                        view = self._sink.want()
+                        n = min(len(view), len(mv), self._plen - self._got)
+                        view[:n] = mv[:n]
+                        mv = mv[n:]
+                        frames += self._sunk(n)
+                    if self._sink is not None:
+                        return frames
+                    continue
                 if self._payload is None:
                     mv = self._head(mv)
-                    if self._payload is None:
+                    if self._payload is None and self._sink is None:
                         return frames
+                    if self._sink is not None:
+                        continue
                 payload = self._payload
+                assert payload is not None
                 if self._got < len(payload):
                     if not mv:
                         return frames
@@ -159,7 +203,7 @@ class FrameDecoder:
                 frames.append(self._build(_KINDS[self._magic], self._hraw, payload))
         except CorruptCheckpoint as exc:
             self._error = exc
-            self._buf, self._payload = bytearray(), None
+            self._buf, self._payload, self._sink = bytearray(), None, None
             raise
 
     def want(self) -> memoryview:
@@ -169,6 +213,8 @@ class FrameDecoder:
         of it, then call `got(n)`. Never more than the current frame's declared bytes."""
         if self._error is not None:
             raise self._error
+        if self._sink is not None:
+            return self._sink.want()[: self._plen - self._got]
         if self._payload is not None:
             return memoryview(self._payload)[self._got :]
         marks = (4, _PREFIX.size, FRAME_PREFIX_BYTES)
@@ -179,6 +225,12 @@ class FrameDecoder:
 
     def got(self, n: int) -> list[Frame]:
         """`n` bytes were written into the view `want()` returned: the frames they complete."""
+        try:
+            if self._sink is not None:
+                return self._sunk(n)
+        except CorruptCheckpoint as exc:
+            self._error, self._sink = exc, None
+            raise
         if self._payload is None:
             return self.feed(memoryview(self._scratch)[:n])
         self._got += n
@@ -191,9 +243,22 @@ class FrameDecoder:
             self._error = exc
             raise
 
+    def _sunk(self, n: int) -> list[Frame]:
+        """`n` more payload bytes are in the sink: the placed chunk's frame once they are all there."""
+        sink = self._sink
+        assert sink is not None and self._ref is not None
+        sink.got(n)
+        self._got += n
+        if self._got < self._plen:
+            return []
+        self._sink = None
+        sink.finish()  # the hash, before anyone is told the chunk arrived
+        return [Frame(kind="chunk", header=self._ref.model_dump(), payload=b"", ref=self._ref, placed=True)]
+
     def _head(self, mv: memoryview) -> memoryview:
         """Take from `mv` the bytes of the current frame's prefix and header (checking each field as
-        soon as it is complete); once complete, allocate its payload buffer. Returns the rest of `mv`."""
+        soon as it is complete); once complete, allocate its payload buffer (or find its sink).
+        Returns the rest of `mv`."""
         buf = self._buf
         while mv:
             # the magic, then the body length are checked as soon as they arrive, before the rest is awaited
@@ -212,15 +277,23 @@ class FrameDecoder:
                 self._magic, self._hlen, self._plen = parse_frame_prefix(buf, _KINDS, self.max_frame_bytes)
             if len(buf) >= FRAME_PREFIX_BYTES and len(buf) == FRAME_PREFIX_BYTES + self._hlen:
                 self._hraw = bytes(buf[FRAME_PREFIX_BYTES:])
-                self._payload, self._got = new_buffer(self._plen), 0  # every byte is written before use
-                self._buf = bytearray()
+                self._buf, self._got = bytearray(), 0
+                if self.place is not None and self._magic == MAGIC_CHUNK and self._plen:
+                    header = parse_frame_header("chunk", self._hraw)
+                    entry = header.pop("entry", None)
+                    self._ref = _chunk_ref(header, self._plen)
+                    if isinstance(entry, dict):
+                        self._sink = self.place(self._ref, entry)
+                if self._sink is None:
+                    self._payload = new_buffer(self._plen)  # every byte is written before use
                 return mv
         return mv
 
     def close(self) -> None:
         """Declare end of input; a partial frame left over is a truncated stream."""
         if not self.at_boundary:
-            n = len(self._buf) + (FRAME_PREFIX_BYTES + len(self._hraw) + self._got if self._payload is not None else 0)
+            held = self._payload is not None or self._sink is not None
+            n = len(self._buf) + (FRAME_PREFIX_BYTES + len(self._hraw) + self._got if held else 0)
             raise CorruptCheckpoint(f"stream truncated inside a frame ({n} bytes buffered)")
 
     @staticmethod
@@ -228,12 +301,8 @@ class FrameDecoder:
         header = parse_frame_header(kind, hraw)
         ref = None
         if kind == "chunk":
-            try:
-                ref = ChunkRef.model_validate(header)
-            except ValidationError as exc:
-                raise CorruptCheckpoint(f"chunk frame header is not a valid chunk reference: {exc.error_count()} errors") from None
-            if ref.size != len(payload):
-                raise CorruptCheckpoint(f"chunk {ref.hash}: frame carries {len(payload)} bytes, header says {ref.size}")
+            header.pop("entry", None)  # where it belongs: only a placing receiver reads it
+            ref = _chunk_ref(header, len(payload))
             # a chunk's payload stays the buffer it was received into: stores keep it without a copy
             return Frame(kind=kind, header=header, payload=payload, ref=ref)  # type: ignore[arg-type]
         elif kind == "manifest" and len(payload) > MAX_MANIFEST_BYTES:
@@ -241,22 +310,35 @@ class FrameDecoder:
         return Frame(kind=kind, header=header, payload=bytes(payload), ref=ref)
 
 
+def _chunk_ref(header: dict[str, Any], payload_len: int) -> ChunkRef:
+    try:
+        ref = ChunkRef.model_validate(header)
+    except ValidationError as exc:
+        raise CorruptCheckpoint(f"chunk frame header is not a valid chunk reference: {exc.error_count()} errors") from None
+    if ref.size != payload_len:
+        raise CorruptCheckpoint(f"chunk {ref.hash}: frame carries {payload_len} bytes, header says {ref.size}")
+    return ref
+
+
 class StreamReceiver:
     """Feeds a framed stream into a Store; returns the Manifest once it is committed.
 
     Every chunk is hash-checked on receipt (once: the store is told so, and keeps the buffer it
     was received into); the manifest is committed only after every chunk it references is
-    present (received now, or already held from a pre-copy round). `verify=False`: chunks are
+    present (received now, or already held from a pre-copy round). `place`: chunks it finds a sink
+    for (FrameDecoder) are not stored: their sink holds them, hash-checked. `verify=False`: chunks are
     only size-checked here and the store takes them as unverified (`put_unverified`): their
     reader hashes them as it copies them (a live round's import: the bytes are read once).
     """
 
-    def __init__(self, store: Store, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, verify: bool = True) -> None:
+    def __init__(self, store: Store, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, verify: bool = True,
+                 place: Place | None = None) -> None:
         self.store, self.verify = store, verify
-        self.decoder = FrameDecoder(max_frame_bytes)
+        self.decoder = FrameDecoder(max_frame_bytes, place)
         self.manifest: Manifest | None = None
         self.bytes_received = 0
         self.chunks_received = 0
+        self.chunks_placed = 0  # of which written where they belong as they arrived (`place`)
         self._received: set[str] = set()
         self._pinned: list[str] = []
 
@@ -309,6 +391,11 @@ class StreamReceiver:
         if frame.kind == "chunk":
             if frame.ref is None:  # the decoder always sets it; keep the invariant explicit
                 raise CorruptCheckpoint("chunk frame without a chunk reference")
+            if frame.placed:  # its bytes are where they belong, hash-checked by their sink
+                self._received.add(frame.ref.hash)
+                self.chunks_received += 1
+                self.chunks_placed += 1
+                return
             verify_chunk(frame.payload, frame.ref, hashed=not self.verify)  # the hash, or (unverified) the size
             self.store.pin(frame.ref.hash)
             self._pinned.append(frame.ref.hash)

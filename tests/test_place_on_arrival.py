@@ -1,0 +1,195 @@
+"""A live round's data path without copies it does not need (issue 29): a final round's chunks are
+the source pool's own rows, hashed where they lie (storage.pieces), and a target writes each chunk
+frame that names its entry into the blocks reserved for its session as it arrives, hash-checked
+piece by piece (engine.kv_stream); the round's import then skips exactly those chunks."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+import torch
+from relayout.engine.engine import LLMEngine
+from relayout.engine.kv_cache import KVCache
+from relayout.engine.kv_stream import chunk_sink
+from relayout.engine.session import SamplingParams
+from relayout.migrate.engine_ops import EngineThreadOps
+from relayout.migrate.frame_sink import FrameOptions
+from relayout.migrate.transfers import TransferTable
+from relayout.storage.chunks import chunk_hash, new_kv_chunk, pack_kv
+from relayout.storage.errors import CorruptCheckpoint
+from relayout.storage.manifest import ChunkRef
+from relayout.storage.pieces import in_place_chunk, pack_in_place
+from relayout.storage.stores import MemoryStore
+from relayout.storage.stream import MAGIC_CHUNK, StreamReceiver, chunk_frame_header, frame_head
+
+L, H, D, BS = 2, 4, 8, 16
+CPU = torch.device("cpu")
+
+
+def _pool(heads: int = H, blocks: int = 12, fill: bool = False) -> KVCache:
+    p = KVCache(L, blocks, heads, D, torch.float32, CPU, block_size=BS)
+    if fill:
+        g = torch.Generator().manual_seed(3)
+        for t in p.k + p.v:
+            t.copy_(torch.randn(t.shape, generator=g))
+    return p
+
+
+def test_an_in_place_chunk_is_byte_for_byte_the_copied_chunk():
+    src, blocks = _pool(fill=True), [3, 4, 7, 8, 9]  # two runs of consecutive blocks
+    views = src.row_views(blocks, 1, 5, 70)
+    t = in_place_chunk((2, H, 65, D), torch.float32, views)
+    assert t is not None and t.is_meta
+    pieces, ref = pack_in_place(t, "none")
+    out = new_kv_chunk((2, H, 65, D), torch.float32)
+    src.export_into(blocks, 1, 5, 70, out)
+    data, want = pack_kv(out)
+    assert ref == want and bytes(pieces.joined()) == bytes(data) and chunk_hash(bytes(data)) == ref.hash
+    zdata, zref = pack_in_place(t, "zstd")  # another codec: the joined bytes, encoded
+    assert zref.codec == "zstd" and zref.raw_size == ref.size and len(zdata) == zref.size
+
+
+def _frames(src: KVCache, blocks: list[int], n: int, chunk: int = 32, entries: bool = True) -> tuple[bytes, list]:
+    """One session's KV (tokens [0, n) of every layer) as chunk frames, as a final round sends them."""
+    out, refs = bytearray(), []
+    for a in range(0, n, chunk):
+        b = min(n, a + chunk)
+        for layer in range(L):
+            pieces, ref = pack_in_place(in_place_chunk((2, H, b - a, D), torch.float32,
+                                                       src.row_views(blocks, layer, a, b)), "none")
+            entry = {"session_id": "s", "layer": layer, "head_lo": 0, "head_hi": H, "tok_lo": a, "tok_hi": b,
+                     "kv_tokens": n, "dtype": "float32"}
+            out += frame_head(MAGIC_CHUNK, chunk_frame_header(ref, entry if entries else None), ref.size)
+            out += pieces.joined()
+            refs.append((entry, ref))
+    return bytes(out), refs
+
+
+class _Engine:  # what chunk_sink reads of an engine: its config and its host pools
+    def __init__(self, pools):
+        self.cfg = type("cfg", (), {"num_layers": L, "num_kv_heads": H, "head_dim": D})
+        self.executor = type("ex", (), {"host_pools": staticmethod(lambda g, every_copy=False: pools)})
+
+
+def _reader(data: bytes, seed: int, pause_s: float = 0.0):
+    """read_into over `data` in pieces of random sizes (as a socket returns them), each after `pause_s`."""
+    at, rng = [0], random.Random(seed)
+
+    def read_into(view: memoryview) -> int:
+        time.sleep(pause_s)
+        n = min(len(view), len(data) - at[0], rng.choice([1, 7, 100, 4096, 1 << 20]))
+        view[:n] = data[at[0] : at[0] + n]
+        at[0] += n
+        return n
+
+    return read_into
+
+
+@pytest.mark.parametrize("split", [(4,), (2, 2), (1, 3)])  # one pool (read straight in) or TP shares (copied)
+def test_chunks_naming_their_entry_go_straight_into_the_reserved_blocks_of_every_pool(split):
+    src, src_blocks, n = _pool(fill=True), [0, 1, 2, 5, 6], 70
+    pools, lo = [], 0
+    for w in split:
+        pools.append((_pool(w), (lo, lo + w)))
+        lo += w
+    reserved, placed = {"s": (0, [9, 10, 2, 3, 4])}, {}
+    data, refs = _frames(src, src_blocks, n)
+    recv = StreamReceiver(MemoryStore(), verify=False,
+                          place=lambda ref, e: chunk_sink(_Engine(pools), reserved, placed, ref, e))
+    for seed in range(2):  # twice: random piece sizes, the same result
+        recv = StreamReceiver(MemoryStore(), verify=False,
+                              place=lambda ref, e: chunk_sink(_Engine(pools), reserved, placed, ref, e))
+        with pytest.raises(CorruptCheckpoint, match="before its manifest"):  # no manifest frame: not committed
+            recv.receive_from(_reader(data, seed))
+        assert recv.chunks_received == len(refs) and not recv.store.chunk_hashes()  # none staged
+    assert set(placed) == {(e["session_id"], e["layer"], 0, H, e["tok_lo"], e["tok_hi"]) for e, _ in refs}
+    for layer in range(L):
+        want = src.export_tokens(src_blocks, 0, n)[layer]  # [2, heads, tokens, d]
+        for pool, (p_lo, p_hi) in pools:
+            got = pool.export_tokens(reserved["s"][1], 0, n)[layer]
+            assert torch.equal(got, want[:, p_lo:p_hi])
+
+
+def test_a_placed_chunk_whose_bytes_changed_on_the_way_is_refused():
+    src, blocks, n = _pool(fill=True), [0, 1, 2, 3, 4], 64
+    pools = [(_pool(2), (0, 2)), (_pool(2), (2, 4))]
+    data, _ = _frames(src, blocks, n)
+    bad = bytearray(data)
+    bad[-10] ^= 0x10  # in the last chunk's V rows
+    placed: dict = {}
+    recv = StreamReceiver(MemoryStore(), verify=False,
+                          place=lambda ref, e: chunk_sink(_Engine(pools), {"s": (0, list(blocks))}, placed, ref, e))
+    with pytest.raises(CorruptCheckpoint, match="hash mismatch"):
+        recv.receive_from(_reader(bytes(bad), 1))
+    assert len(placed) == 2 * L - 1  # every chunk but the changed one
+
+
+def test_a_receiver_that_does_not_place_chunks_takes_frames_with_entries_as_plain_chunks():
+    src, blocks, n = _pool(fill=True), [0, 1, 2, 3, 4], 64
+    data, refs = _frames(src, blocks, n)
+    store = MemoryStore()
+    recv = StreamReceiver(store)  # verifies every chunk on receipt
+    recv.feed(data)
+    assert sorted(store.chunk_hashes()) == sorted({r.hash for _, r in refs})
+
+
+def test_chunk_sink_stages_what_it_cannot_place():
+    pools = [(_pool(), (0, H))]
+    eng = _Engine(pools)
+    ref = ChunkRef(hash="0" * 32, size=2 * H * 32 * D * 4 + 128, raw_size=2 * H * 32 * D * 4 + 128, codec="none")
+    entry = {"session_id": "s", "layer": 0, "head_lo": 0, "head_hi": H, "tok_lo": 0, "tok_hi": 32, "kv_tokens": 32,
+             "dtype": "float32"}
+    assert chunk_sink(eng, {}, {}, ref, entry) is None  # no blocks reserved for the session (yet)
+    assert chunk_sink(eng, {"s": (0, [0])}, {}, ref, entry) is None  # too few blocks for its tokens
+    assert chunk_sink(eng, {"s": (0, [0, 1])}, {}, ref, {**entry, "dtype": "bfloat16"}) is None  # converted when staged
+    assert chunk_sink(eng, {"s": (0, [0, 1])}, {}, ref, {**entry, "layer": 9}) is None
+    assert chunk_sink(eng, {"s": (0, [0, 1])}, {}, ref, {**entry, "tok_lo": "0"}) is None
+    assert chunk_sink(eng, {"s": (0, [0, 1])}, {}, ref.model_copy(update={"codec": "zstd"}), entry) is None
+
+
+def test_a_final_round_sent_in_place_and_placed_on_arrival_continues_the_session_exactly():
+    """Two engines, the protocol's two halves: the source's final round (sessions held) is framed from
+    its pool with entries; the target places the chunks as they arrive (its blocks reserved ahead,
+    on the first chunk) and the session continues with exactly the undisturbed tokens."""
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    prompt = [5, 6, 7, 8] * 40
+    ref_engine = LLMEngine("builtin:tiny", None, kv_cache_bytes=4 << 20)
+    want = ref_engine.generate([prompt], params)[0]
+    ref_engine.shutdown()
+    src = LLMEngine("builtin:tiny", None, kv_cache_bytes=4 << 20)
+    dst = LLMEngine("builtin:tiny", None, kv_cache_bytes=4 << 20)
+    sid = src.add_session(prompt, params).session_id
+    for _ in range(4):
+        src.step()
+
+    async def call_src(fn):
+        return fn(src)
+
+    async def call_dst(fn):
+        return fn(dst)
+
+    async def go():
+        s = TransferTable(EngineThreadOps(call_src, defer_copy=True), autosweep=False)
+        dops = EngineThreadOps(call_dst)
+        dops.engine = dst
+        d = TransferTable(dops, autosweep=False)
+        frames = b"".join(bytes(f) for f in await s.export("t1", [sid], pause=True, options=FrameOptions(entries=True)))
+        res = await d.import_round("t1", _reader(frames, 5, 0.002), final=True)
+        # the first chunk is staged while the blocks are reserved; the ones after it go straight in
+        assert res["sessions"] == [sid] and 0 < res["timing"]["placed_chunks"] < res["timing"]["chunks"]
+        await s.release([sid], "t1")
+        await d.commit("t1")
+
+    try:
+        asyncio.run(go())
+        done = src.sessions[sid].output_token_ids if sid in src.sessions else []
+        while not dst.sessions[sid].is_finished:
+            dst.step()
+        st = dst.sessions[sid]
+        assert st.output_token_ids == want, (done, st.output_token_ids, want)
+    finally:
+        for e in (src, dst):
+            e.shutdown()
