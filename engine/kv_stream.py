@@ -109,9 +109,10 @@ class PoolRowSink:
                 self.dests.append((pool, (kr.view(np.uint8), vr.view(np.uint8)),
                                    slice((lo - heads[0]) * head_dim * it, (hi - heads[0]) * head_dim * it),
                                    slice((lo - p_lo) * head_dim * it, (hi - p_lo) * head_dim * it)))
-        whole = len(self.dests) == 1 and self.dests[0][2] == slice(0, self.row) and self.dests[0][3].stop == \
-            self.dests[0][1][0].shape[1]
-        self.direct = self.dests[0] if whole else None  # one pool, all of its row: read straight into it
+        # one pool, the chunk's rows exactly its rows (the same heads): read straight into it
+        whole = len(self.dests) == 1 and self.dests[0][2] == self.dests[0][3] == slice(0, self.row) and \
+            self.dests[0][1][0].shape[1] == self.row
+        self.direct = self.dests[0] if whole else None
         rows = max(1, PIECE_BYTES // self.row)
         self.bounce = None if whole else np.empty((min(rows, self.tokens), self.row), np.uint8)
         self.seg = -1  # -1: the safetensors prefix; 0: K's rows (token-major); 1: V's

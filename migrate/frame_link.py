@@ -49,6 +49,8 @@ MAX_REPLY_BYTES = 1 << 20
 MAX_CONNECTIONS = 16  # link connections served at once (each a thread); more are closed unanswered
 HELLO_TIMEOUT_S = 30.0
 GO_ON = 100  # the target accepted the hello: send the round
+SEND_BATCH_BYTES = 1 << 20  # pieces gathered into one sendmsg
+MAX_IOV = 512  # pieces per sendmsg (Linux takes up to 1024)
 _LEN = struct.Struct(">I")
 _REPLY = struct.Struct(">II")
 
@@ -88,6 +90,33 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
             raise ConnectionError("the peer closed the link")
         got += k
     return bytes(buf)
+
+
+def _batches(pieces: Iterator[bytes], max_bytes: int = SEND_BATCH_BYTES) -> Iterator[list[memoryview]]:
+    """The pieces in groups of about `max_bytes`, each group one `sendmsg`: a frame's small head and
+    header pieces travel with the payload after them instead of as a syscall (and a packet) each."""
+    batch: list[memoryview] = []
+    n = 0
+    for p in pieces:
+        v = memoryview(p).cast("B")
+        batch.append(v)
+        n += v.nbytes
+        if n >= max_bytes or len(batch) >= MAX_IOV:
+            yield batch
+            batch, n = [], 0
+    if batch:
+        yield batch
+
+
+def _send_all(sock: socket.socket, views: list[memoryview]) -> None:
+    """sendmsg until every byte of `views` is sent (sendmsg may send part of them)."""
+    while views:
+        sent = sock.sendmsg(views)
+        while views and sent >= views[0].nbytes:
+            sent -= views[0].nbytes
+            views = views[1:]
+        if sent:
+            views[0] = views[0][sent:]
 
 
 def _reply_bytes(status: int, body: object) -> bytes:
@@ -338,13 +367,13 @@ class TcpTransport:
                 status, body = _read_reply(sock)
                 if status != GO_ON:
                     return status, body
-                for piece in pieces:
+                for batch in _batches(pieces):
                     if stop.is_set():
                         raise ConnectionError("the round was cancelled")
                     # the target answers early only to refuse the round: its answer wins
                     if select.select([sock], [], [], 0)[0]:
                         break
-                    sock.sendall(piece)
+                    _send_all(sock, batch)
                 return _read_reply(sock)
         except (self.failed, _OtherVersion, _NotConnected):
             raise

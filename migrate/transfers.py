@@ -320,9 +320,8 @@ class TransferTable:
         receipt) and the reservations, so the migrator can resume from the acknowledged chunks, and
         the lease frees everything if it never comes back; any other failure drops the transfer."""
         i = self.open_import(tid, source, declared)
-        # hashed as imported; over the frame link, chunks of reserved sessions go straight into the pool
-        place = self.ops.placer(i) if callable(pieces) and hasattr(self.ops, "placer") else None
-        recv = StreamReceiver(i.store, max_frame_bytes=self.frame_limit, verify=False, place=place)
+        place = self.ops.placer(i) if callable(pieces) and hasattr(self.ops, "placer") else None  # (engine.kv_stream)
+        recv = StreamReceiver(i.store, max_frame_bytes=self.frame_limit, verify=False, place=place)  # hashed as imported or placed
         t0, cpu0 = time.perf_counter(), self.cpu()
         try:
             try:
@@ -333,8 +332,8 @@ class TransferTable:
             t1 = time.perf_counter()
             res = await self.ops.receive(i, manifest, final)
             res["timing"] = {"receive_ms": round((t1 - t0) * 1000, 2), "import_ms": round((time.perf_counter() - t1) * 1000, 2),
-                             "cpu_s": round(self.cpu() - cpu0, 4), "chunks": recv.chunks_received,
-                             "placed_chunks": recv.chunks_placed}  # from its first byte to its KV in the pool
+                             # from its first byte to its KV in the pool; chunks placed there as they arrived
+                             "cpu_s": round(self.cpu() - cpu0, 4), "chunks": recv.chunks_received, "placed_chunks": recv.chunks_placed}
             i.store.forget_imported(manifest, i.upto, recv.bytes_received)
         except RoundCut:
             if final:

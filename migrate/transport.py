@@ -133,7 +133,8 @@ async def in_thread(fn: Callable[..., T], *args: object, background: bool = Fals
                 background_thread()
             res = fn(*args)
         except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
-            exc = e
+            # (a future cannot hold a StopIteration: it would never be settled, its awaiter hung)
+            exc = RuntimeError(f"{fn!r} raised StopIteration") if isinstance(e, StopIteration) else e
         try:
             loop.call_soon_threadsafe(settle, res, exc)
         except RuntimeError:

@@ -253,7 +253,7 @@ def test_the_link_address_is_asked_once_and_asked_again_when_it_moved():
     target = f"http://127.0.0.1:{http.server_address[1]}"
     t = TcpTransport(None, fallback=None, push_failed=RuntimeError)
     dead = free_port()  # where the link was before the target restarted: nobody listens
-    t.links[target] = ("127.0.0.1", dead)
+    t.links[target] = ("127.0.0.1", dead, False)
 
     async def push(tid: str) -> dict:
         return await t.push(target, tid, RoundFrames(iter([b"abc", b"def"])), final=False, source=None, timeout_s=10)
@@ -261,7 +261,7 @@ def test_the_link_address_is_asked_once_and_asked_again_when_it_moved():
     try:
         assert asyncio.run(push("t1")) == {"sessions": []}
         assert len(asked) == 1 and asked[0] == LINK_PATH, "a refused cached address is asked again"
-        assert t.links[target] == ("127.0.0.1", link.getsockname()[1])
+        assert t.links[target][:2] == ("127.0.0.1", link.getsockname()[1])
         assert asyncio.run(push("t2")) == {"sessions": []}
         assert len(asked) == 1, "a known address is not asked again"
         assert rounds == [("t1", b"abcdef"), ("t2", b"abcdef")]

@@ -52,19 +52,35 @@ def test_an_in_place_chunk_is_byte_for_byte_the_copied_chunk():
     assert zref.codec == "zstd" and zref.raw_size == ref.size and len(zdata) == zref.size
 
 
-def _frames(src: KVCache, blocks: list[int], n: int, chunk: int = 32, entries: bool = True) -> tuple[bytes, list]:
-    """One session's KV (tokens [0, n) of every layer) as chunk frames, as a final round sends them."""
+def _src_pools(split: tuple[int, ...]) -> list[tuple[KVCache, tuple[int, int]]]:
+    """A source's pools (a TP source: one per rank, each with its share of the heads), filled."""
+    out, lo = [], 0
+    for k, w in enumerate(split):
+        p = _pool(w, fill=True)
+        for t in p.k + p.v:
+            t.mul_(k + 1)  # each rank's KV its own
+        out.append((p, (lo, lo + w)))
+        lo += w
+    return out
+
+
+def _frames(srcs, blocks: list[int], n: int, chunk: int = 32, entries: bool = True) -> tuple[bytes, list]:
+    """One session's KV (tokens [0, n) of every layer) as chunk frames, as a final round sends them:
+    per chunk range, per source pool (its heads), per layer."""
+    if isinstance(srcs, KVCache):
+        srcs = [(srcs, (0, H))]
     out, refs = bytearray(), []
     for a in range(0, n, chunk):
         b = min(n, a + chunk)
-        for layer in range(L):
-            pieces, ref = pack_in_place(in_place_chunk((2, H, b - a, D), torch.float32,
-                                                       src.row_views(blocks, layer, a, b)), "none")
-            entry = {"session_id": "s", "layer": layer, "head_lo": 0, "head_hi": H, "tok_lo": a, "tok_hi": b,
-                     "kv_tokens": n, "dtype": "float32"}
-            out += frame_head(MAGIC_CHUNK, chunk_frame_header(ref, entry if entries else None), ref.size)
-            out += pieces.joined()
-            refs.append((entry, ref))
+        for src, (lo, hi) in srcs:
+            for layer in range(L):
+                pieces, ref = pack_in_place(in_place_chunk((2, hi - lo, b - a, D), torch.float32,
+                                                           src.row_views(blocks, layer, a, b)), "none")
+                entry = {"session_id": "s", "layer": layer, "head_lo": lo, "head_hi": hi, "tok_lo": a, "tok_hi": b,
+                         "kv_tokens": n, "dtype": "float32"}
+                out += frame_head(MAGIC_CHUNK, chunk_frame_header(ref, entry if entries else None), ref.size)
+                out += pieces.joined()
+                refs.append((entry, ref))
     return bytes(out), refs
 
 
@@ -88,26 +104,27 @@ def _reader(data: bytes, seed: int, pause_s: float = 0.0):
     return read_into
 
 
-@pytest.mark.parametrize("split", [(4,), (2, 2), (1, 3)])  # one pool (read straight in) or TP shares (copied)
-def test_chunks_naming_their_entry_go_straight_into_the_reserved_blocks_of_every_pool(split):
-    src, src_blocks, n = _pool(fill=True), [0, 1, 2, 5, 6], 70
+@pytest.mark.parametrize("src_split", [(4,), (2, 2)])  # a source of one rank, or two TP ranks
+@pytest.mark.parametrize("split", [(4,), (2, 2), (1, 3)])  # a target pool holding a chunk's heads exactly
+def test_chunks_naming_their_entry_go_straight_into_the_reserved_blocks_of_every_pool(src_split, split):
+    # (read straight in), more of them, or some of them (through a buffer in the cache)
+    srcs, src_blocks, n = _src_pools(src_split), [0, 1, 2, 5, 6], 70
     pools, lo = [], 0
     for w in split:
         pools.append((_pool(w), (lo, lo + w)))
         lo += w
     reserved, placed = {"s": (0, [9, 10, 2, 3, 4])}, {}
-    data, refs = _frames(src, src_blocks, n)
-    recv = StreamReceiver(MemoryStore(), verify=False,
-                          place=lambda ref, e: chunk_sink(_Engine(pools), reserved, placed, ref, e))
+    data, refs = _frames(srcs, src_blocks, n)
     for seed in range(2):  # twice: random piece sizes, the same result
         recv = StreamReceiver(MemoryStore(), verify=False,
                               place=lambda ref, e: chunk_sink(_Engine(pools), reserved, placed, ref, e))
         with pytest.raises(CorruptCheckpoint, match="before its manifest"):  # no manifest frame: not committed
             recv.receive_from(_reader(data, seed))
-        assert recv.chunks_received == len(refs) and not recv.store.chunk_hashes()  # none staged
-    assert set(placed) == {(e["session_id"], e["layer"], 0, H, e["tok_lo"], e["tok_hi"]) for e, _ in refs}
-    for layer in range(L):
-        want = src.export_tokens(src_blocks, 0, n)[layer]  # [2, heads, tokens, d]
+        assert recv.chunks_received == recv.chunks_placed == len(refs) and not recv.store.chunk_hashes()
+    assert set(placed) == {(e["session_id"], e["layer"], e["head_lo"], e["head_hi"], e["tok_lo"], e["tok_hi"])
+                           for e, _ in refs}
+    for layer in range(L):  # [2, heads, tokens, d], the source's heads side by side
+        want = torch.cat([src.export_tokens(src_blocks, 0, n)[layer] for src, _ in srcs], dim=1)
         for pool, (p_lo, p_hi) in pools:
             got = pool.export_tokens(reserved["s"][1], 0, n)[layer]
             assert torch.equal(got, want[:, p_lo:p_hi])
