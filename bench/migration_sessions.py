@@ -132,7 +132,9 @@ def attach_early(dst: str, sid: str) -> tuple[Callable[[], None], Callable[[], T
                     # without the id lists: a 16k-token session's ids made this poll most of the target's CPU
                     r = client.get(f"{dst}/v1/sessions/{sid}", params={"token_ids": "false"})
                     # (the target also remembers the session's earlier life there, checkpointed or done)
-                    if r.status_code == 200 and r.json().get("state") == "running":
+                    # placed (held paused until the commit) is enough: its stream waits server-side for the
+                    # pre-step's token, where polling on through that step took the target's CPU from it
+                    if r.status_code == 200 and r.json().get("state") in ("running", "paused"):
                         k = r.json()["num_generated_tokens"]
                         box["s"] = TokenStream("GET", f"{dst}/v1/sessions/{sid}/stream?from_token={k}"
                                                "&return_token_ids=true")
