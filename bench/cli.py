@@ -164,6 +164,28 @@ def bench_snapshot(
         print(json.dumps(res), flush=True)
 
 
+@bench_app.command("datapath")
+def bench_datapath(
+    tokens: int = typer.Option(4096, "--tokens", help="KV tokens of the session moved (64 KiB each)"),
+    target_heads: str = typer.Option("4,4", "--target-heads", help="the target's pools' KV heads (of 8), e.g. 8 or 4,4"),
+    reps: int = typer.Option(3, "--reps", help="best of this many rounds (and bare copies)"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object on the last line"),
+) -> None:
+    """A cold round's data path alone (in-place send, placed on arrival) beside a bare copy: CPU per GB each side."""
+    from relayout.bench import datapath as bd
+
+    try:
+        split = [int(x) for x in target_heads.split(",") if x.strip()]
+        res = bd.run(tokens=tokens, split=split, reps=max(1, reps), log=err.print)
+    except ValueError as e:
+        _fail(str(e))
+    Console().print(f"path {res['gbps']} GB/s, CPU s/GB sender {res['sender_cpu_s_per_gb']} + receiver "
+                    f"{res['receiver_cpu_s_per_gb']} = {res['cpu_s_per_gb']}; bare copy {res['bare_gbps']} GB/s, "
+                    f"{res['bare_cpu_s_per_gb']} CPU s/GB ({res['cpu_vs_bare']}x)")
+    if as_json:
+        print(json.dumps(res), flush=True)
+
+
 @bench_app.command("placement")
 def bench_placement(
     as_json: bool = typer.Option(False, "--json", help="print one JSON object on the last line"),

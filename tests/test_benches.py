@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 from relayout.bench import overlap as bench_overlap
 from relayout.bench import snapshot as bench_snapshot
 
@@ -66,3 +67,18 @@ def test_replication_bench_splits_cpus_like_two_hosts() -> None:
     assert split_cpus({4}) == ({4}, {4})
     with pytest.raises(ValueError, match="hosts must be"):
         run(hosts="both")
+
+
+def test_bench_datapath_moves_a_round_into_tp_pools_and_reports_both_sides() -> None:
+    """`bench datapath`: the in-place send and the placed receive of a cold round, beside a bare copy;
+    run() raises if the KV that arrived in the target's pools differs from the source's."""
+    from relayout.bench import datapath
+
+    res = datapath.run(tokens=300, split=[3, 5], reps=1)
+    assert res["placed_chunks"] == res["chunks"] == 2 * datapath.LAYERS  # [0, 256) and [256, 300)
+    assert res["bytes"] > 300 * datapath.LAYERS * datapath.HEADS * datapath.HEAD_DIM * 4 * 2
+    for key in ("sender_cpu_s_per_gb", "receiver_cpu_s_per_gb", "bare_cpu_s_per_gb", "gbps", "bare_gbps"):
+        assert res[key] > 0, key
+    assert abs(res["cpu_s_per_gb"] - res["sender_cpu_s_per_gb"] - res["receiver_cpu_s_per_gb"]) < 0.002
+    with pytest.raises(ValueError, match="split"):
+        datapath.run(tokens=64, split=[4, 3], reps=1)

@@ -21,9 +21,10 @@ KV_MB = 1  # builtin:tiny: 512 B/token → 2048 tokens, so an over-long request 
 
 
 def start_server(*args: str) -> tuple[subprocess.Popen, str]:
-    # a bare disconnect detaches a session for the grace, then aborts it: 1 s here (tests/test_reattach.py
-    # checks the reattach within the grace)
-    proc = procs.replica(env={"OMP_NUM_THREADS": "1", "RELAYOUT_DETACH_GRACE_S": "1"}, args=args, timeout=60)
+    # a bare disconnect detaches a session for the grace, then aborts it: 0.2 s here (tests/test_reattach.py
+    # checks the reattach within the grace); at 1 s a fast machine generated all of
+    # test_disconnect_frees_blocks_and_metrics's 1500 tokens within it, and the session ended by length
+    proc = procs.replica(env={"OMP_NUM_THREADS": "1", "RELAYOUT_DETACH_GRACE_S": "0.2"}, args=args, timeout=60)
     return proc.p, proc.url
 
 
