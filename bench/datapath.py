@@ -101,7 +101,7 @@ def _receive(tokens: int, split: list[int]) -> tuple[dict, dict]:
         with conn:
             placed: dict = {}
             recv = StreamReceiver(MemoryStore(), verify=False,
-                                  place=lambda ref, e: chunk_sink(Engine, {"s": (0, blocks)}, placed, ref, e))
+                                  place=lambda ref, e: chunk_sink(Engine, {"s": (0, blocks)}, {}, placed, ref, e))
             conn.sendall(b"g")
             r0, t0 = resource.getrusage(resource.RUSAGE_THREAD), time.perf_counter()
             recv.receive_from(conn.recv_into)  # to the manifest (its import, an engine's, is not this bench's)

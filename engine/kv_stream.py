@@ -27,7 +27,7 @@ from relayout.engine.placer import SessionPlacer
 from relayout.engine.snapshot import RestoreError
 from relayout.storage.chunks import _ST_DTYPES, _st_prefix, dtype_name, stored_shape
 from relayout.storage.errors import CorruptCheckpoint
-from relayout.storage.manifest import ChunkRef
+from relayout.storage.manifest import ChunkRef, Manifest
 
 # bytes read and hashed at a time; they stay in this core's L2 (2 MiB here) for their copies. 1 MiB
 # against 256 KiB: receiver 0.121-0.137 against 0.138-0.158 CPU s/GB, three pairs of
@@ -38,11 +38,23 @@ HEADROOM_BLOCKS = 2  # as engine.receive's reservations: the tokens the source d
 Placed = dict[tuple[str, int, int, int, int, int], tuple[str, int, tuple[int, ...]]]
 
 
+def check_placed(manifest: Manifest, placed: Placed) -> None:
+    """Every chunk a round placed as it arrived is an entry of its manifest, with the same bytes
+    (hash): a sink checks its bytes against the hash its frame named, and only the manifest says
+    what the round is. Anything else (a chunk no entry names, another entry's bytes) refuses the
+    round before any session is placed; its blocks are the transfer's own, freed with it."""
+    listed = {(e.session_id, e.layer, e.head_lo, e.head_hi, e.tok_lo, e.tok_hi): e.chunk.hash for e in manifest.kv_entries}
+    for key, (h, _, _) in placed.items():
+        if listed.get(key) != h:
+            raise CorruptCheckpoint(f"chunk {h}: placed as session {key[0]} layer {key[1]} heads [{key[2]}, {key[3]}) "
+                                    f"tokens [{key[4]}, {key[5]}), which the round's manifest does not list so")
+
+
 def reserve_ahead(engine: LLMEngine, blocks: dict[str, tuple[int, list[int]]], sid: str, kv_tokens: int) -> None:
     """Engine thread: blocks for `kv_tokens` of session `sid` in a transfer's reservations, before
     its manifest arrives (its import checks and grows them; its end frees them). No room: nothing
     is reserved, and the round's chunks are staged as before."""
-    if sid in blocks:
+    if sid in blocks or not 0 < kv_tokens <= engine.max_model_len:  # (more: the manifest's checks refuse it)
         return
     try:
         SessionPlacer(engine).reserve(blocks, sid, blocks_needed(kv_tokens + 1), HEADROOM_BLOCKS)
@@ -57,20 +69,22 @@ def _entry(entry: dict[str, Any]) -> tuple[str, int, int, int, int, int, str] | 
     except (KeyError, TypeError):
         return None
     ok = isinstance(out[0], str) and isinstance(out[6], str) and all(type(x) is int for x in out[1:6])
-    return out if ok and 0 <= out[2] < out[3] and 0 <= out[4] < out[5] else None
+    return out if ok and out[1] >= 0 and 0 <= out[2] < out[3] and 0 <= out[4] < out[5] else None
 
 
-def chunk_sink(engine: LLMEngine, blocks: dict[str, tuple[int, list[int]]], placed: Placed, ref: ChunkRef,
-               entry: dict[str, Any]) -> PoolRowSink | None:
+def chunk_sink(engine: LLMEngine, blocks: dict[str, tuple[int, list[int]]], upto: dict[str, int], placed: Placed,
+               ref: ChunkRef, entry: dict[str, Any]) -> PoolRowSink | None:
     """A sink for a chunk's payload straight into the blocks `blocks` reserves for its session (any
-    thread: it reads the reservation and the pools, allocates nothing), or None: stage it."""
+    thread: it reads the reservation and the pools, allocates nothing), or None: stage it. Never
+    for rows of tokens already imported (below `upto`): those are verified KV a sink must not touch
+    (a delta round's first chunk, which starts below them, is staged)."""
     e = _entry(entry)
     if e is None or ref.codec != "none":
         return None
     sid, layer, h_lo, h_hi, t_lo, t_hi, dtype = e
     c = engine.cfg
     held = blocks.get(sid)
-    if held is None or layer >= c.num_layers or h_hi > c.num_kv_heads:
+    if held is None or layer >= c.num_layers or h_hi > c.num_kv_heads or t_lo < upto.get(sid, 0):
         return None
     group, blks = held
     pools = engine.executor.host_pools(group, every_copy=True)
@@ -88,6 +102,7 @@ def chunk_sink(engine: LLMEngine, blocks: dict[str, tuple[int, list[int]]], plac
         return None
     b0, b1 = t_lo // bs, (t_hi + bs - 1) // bs
     key = (sid, layer, h_lo, h_hi, t_lo, t_hi)
+    placed.pop(key, None)  # its rows are about to change: only a finished, hash-checked sink records them
     return PoolRowSink(pools, (h_lo, h_hi), layer, blks, t_lo, t_hi, c.head_dim, tdtype, prefix, ref,
                        lambda: placed.__setitem__(key, (ref.hash, group, tuple(blks[b0:b1]))))
 

@@ -12,6 +12,7 @@ from typing import Protocol
 from relayout.engine.engine import LLMEngine
 from relayout.engine.kv_cache import blocks_needed
 from relayout.engine.kv_import import import_range
+from relayout.engine.kv_stream import check_placed
 from relayout.engine.placer import Reserved, SessionPlacer, check_compatible, check_entry
 from relayout.engine.session import SessionStatus
 from relayout.storage.errors import CorruptCheckpoint
@@ -36,6 +37,7 @@ def receive_round(engine: LLMEngine, t: IncomingKV, manifest: Manifest, final: b
     final round place the sessions (paused until the source commits). Refusals free nothing
     the replica had before."""
     check_compatible(engine, manifest)
+    check_placed(manifest, getattr(t.store, "placed", {}))  # chunks written as they arrived: the manifest's own
     placer = SessionPlacer(engine)
     # the checks a restore makes too (ids, vocabulary, context length, KV no longer than the tokens);
     # a session this transfer reserved for is its own, not "already live"

@@ -59,7 +59,8 @@ class EngineThreadOps:
             with contextlib.suppress(Exception):  # no engine: the manifest's import says why
                 await self.call(lambda e: None if t.closed else reserve_ahead(e, t.blocks, sid, n))
 
-        return chunk_placer(t.blocks, lambda ref, entry: chunk_sink(eng, t.blocks, t.store.placed, ref, entry),
+        t.store.placed.clear()  # this round's: a cut round's were never imported, and its resume resends them
+        return chunk_placer(t.blocks, lambda ref, entry: chunk_sink(eng, t.blocks, t.upto, t.store.placed, ref, entry),
                             lambda sid, n: asyncio.run_coroutine_threadsafe(ahead(sid, n), loop) and None)
 
     async def take_round(self, sessions: list[str] | None, pause: bool, sent: dict[str, int],

@@ -66,15 +66,15 @@ def link_mac(token: str | None, challenge: bytes, transfer: str) -> str:
     return hmac.new(token.encode(), challenge + transfer.encode(), hashlib.sha256).hexdigest()
 
 
-def link_address(port: int) -> dict:
+def link_address(port: int, entries: bool = True) -> dict:
     """What `GET LINK_PATH` answers: the link's port, or RELAYOUT_LINK_ADVERTISE's HOST:PORT where
     sources reach it through a forwarded port (NAT, a Kubernetes Service, a test's proxy)."""
     adv = settings().link_advertise  # HOST:PORT, checked by its declaration
     # entries: this target writes chunk frames that name their entry into its pool as they arrive
     if not adv:
-        return {"port": port, "entries": True}
+        return {"port": port, "entries": entries}
     host, _, p = adv.rpartition(":")
-    return {"host": host.strip("[]"), "port": int(p), "entries": True}
+    return {"host": host.strip("[]"), "port": int(p), "entries": entries}
 
 
 def idle_timeout() -> float:
@@ -315,12 +315,12 @@ class TcpTransport:
             while True:  # twice at most: a kept address nobody listens at any more is asked again
                 cached = target in self.links
                 addr = await self._address(target)
+                options = getattr(frames, "options", None)
+                if options is not None:  # chunk frames name their entries only for a target that places them
+                    options.entries = bool(addr and addr[2])
                 if addr is None:  # a target older than the link: HTTP it is
                     return await self.fallback.push(target, transfer, frames, final=final, source=source,
                                                     timeout_s=timeout_s)
-                options = getattr(frames, "options", None)
-                if options is not None:  # chunk frames name their entries for a target that places them
-                    options.entries = addr[2]
                 try:
                     status, body = await in_thread(self._push, *addr[:2], hello, blocking(), timeout_s, stop,
                                                    background=background)
@@ -343,6 +343,7 @@ class TcpTransport:
             stop.set()  # cancelled (the transfer ended): the sending thread stops at its next piece
             await frames.aclose()
         if status >= 400:
+            self.links.pop(target, None)  # (a target rolled back to another build at the same address: ask again)
             msg = body.get("error", {}).get("message", "") if isinstance(body, dict) else ""
             raise self.failed(f"target import: HTTP {status}: {msg}", False)
         if not isinstance(body, dict):

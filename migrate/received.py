@@ -24,6 +24,7 @@ class RoundLease(Protocol):
 
     staged: int  # bytes received by all its rounds
     last: float  # its lease: the clock time of the last sign of life
+    closed: bool  # dropped: a round still arriving stops at its next read
 
 
 async def receive_round_bytes(i: RoundLease, recv: StreamReceiver, pieces: AsyncIterator[bytes] | ReadInto, limit: int,
@@ -37,6 +38,8 @@ async def receive_round_bytes(i: RoundLease, recv: StreamReceiver, pieces: Async
         read = pieces
 
         def read_into(view: memoryview) -> int:
+            if i.closed:  # (its blocks stay reserved until this round ends: migrate.transfers.drop_incoming)
+                raise RoundCut()
             n = read(view)
             i.staged += n
             i.last = clock()  # a round still arriving is not an idle transfer

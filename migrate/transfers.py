@@ -16,10 +16,8 @@ import contextlib
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from dataclasses import dataclass, field
-from typing import Protocol
 
-from relayout.engine.snapshot import SessionSnapshot, write_snapshot_steps
+from relayout.engine.snapshot import write_snapshot_steps
 from relayout.migrate.frame_sink import FrameOptions, FrameSink
 from relayout.migrate.procs import TreeCpu
 from relayout.migrate.protocol import (  # noqa: F401 - the refusals are re-exported: the routes map each to a status
@@ -36,9 +34,15 @@ from relayout.migrate.protocol import (  # noqa: F401 - the refusals are re-expo
     UnknownTransfer,
     check_transition,
 )
-from relayout.migrate.received import ReadInto, ReceivedChunks, receive_round_bytes
+from relayout.migrate.received import ReadInto, receive_round_bytes
+from relayout.migrate.transfer_records import (  # noqa: F401 - re-exported: the protocol's records are the table's
+    EngineOps,
+    Incoming,
+    Outgoing,
+    SentRound,
+    SourceRound,
+)
 from relayout.storage.checkpoint import CheckpointWriter
-from relayout.storage.manifest import KVGeometry, Manifest, ModelRef
 from relayout.storage.settings import settings
 from relayout.storage.stream import LimitExceeded, StreamReceiver, encode_abort_frame
 
@@ -51,100 +55,6 @@ Clock = Callable[[], float]
 def transfer_ttl() -> float:
     """Seconds a live transfer may sit idle before the replica decides it alone (its migrator is gone)."""
     return settings().transfer_ttl_s
-
-
-# ---- the records --------------------------------------------------------------------------------
-@dataclass
-class SourceRound:
-    """A round taken on the source's engine thread: sessions it paused (final round) and their snapshots."""
-
-    paused: list[str]
-    snaps: list[SessionSnapshot]
-    model: ModelRef
-    layout: dict
-    geometry: KVGeometry
-    not_moved: dict[str, str] = field(default_factory=dict)  # session -> why it stays on the source
-
-
-@dataclass
-class SentRound:
-    """What one framed round sent: KV tokens per session (its manifest lists each from where the
-    last round sent ended: a delta, SessionEntry.kv_from)."""
-
-    epoch: int
-    upto: dict[str, int]
-
-
-@dataclass
-class Outgoing:
-    """Source: one outgoing transfer — what earlier rounds sent, and its lease."""
-
-    transfer_id: str
-    last: float  # clock time of the last sign of life (a round started or produced bytes)
-    sent_upto: dict[str, int] = field(default_factory=dict)  # session -> KV tokens sent
-    # chunks whose bytes the target holds (acknowledged by a resumed round), not sent again; the
-    # target drops a round's bytes once imported, so chunks of completed rounds are not among them
-    target_holds: set[str] = field(default_factory=set)
-    rounds: int = 0
-    paused: list[str] = field(default_factory=list)  # held by the final round, until release or resume
-    final: bool = False  # the final round was cut (it may have held no session: all had finished)
-    pushing: asyncio.Future | None = None  # the round being sent to the target (push mode), if any
-    epoch: int = 0  # bumped by every export: a round framed under an older epoch is stale
-    framed: SentRound | None = None  # push mode: the round framed, counted as sent once delivered
-    not_moved: dict[str, str] = field(default_factory=dict)  # last round: asked for, not in it, and why
-    timing: dict[str, float] = field(default_factory=dict)  # last round: its wait for the cut, its CPU since
-
-    @property
-    def state(self) -> OutgoingState:  # protocol_states: active -> paused (final round cut) -> ended
-        return OutgoingState.PAUSED if self.final else OutgoingState.ACTIVE
-
-    def mark_sent(self, r: SentRound | None) -> None:
-        if r is self.framed:
-            self.framed = None
-        if r is not None and r.epoch == self.epoch:  # not overtaken by a retry (whose cut covers this one's)
-            self.target_holds = set()
-            self.sent_upto.update(r.upto)
-
-
-@dataclass
-class Incoming:
-    """Target: one incoming transfer — staged chunks, reserved blocks, placed sessions, its lease
-    (the KV part is engine.receive.IncomingKV)."""
-
-    transfer_id: str
-    last: float
-    source: str | None = None  # whom to ask how the transfer ended, if its migrator disappears
-    store: ReceivedChunks = field(default_factory=ReceivedChunks)
-    blocks: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
-    upto: dict[str, int] = field(default_factory=dict)
-    placed: list[str] = field(default_factory=list)
-    staged: int = 0  # bytes received, all rounds together
-    final: bool = False  # the final round placed the sessions: held until commit
-    first_doubt: float | None = None
-    closed: bool = False  # dropped: the engine thread reserves nothing more for it (reserve_ahead)
-
-    @property
-    def state(self) -> IncomingState:
-        return IncomingState.PLACED if self.final else IncomingState.RECEIVING
-
-
-class EngineOps(Protocol):
-    """What the protocol does on the replica's engine thread (migrate.engine_ops: the real one)."""
-
-    async def take_round(self, sessions: list[str] | None, pause: bool, sent: dict[str, int],
-                  max_tokens: int | None) -> SourceRound:
-        """Snapshot the sessions (all live ones: None) from `sent` on; with `pause`, hold them first.
-        KeyError for a session that is not here."""
-
-    async def resume(self, session_ids: list[str]) -> None: ...
-
-    async def release(self, session_ids: list[str], migrated_to: str | None) -> None: ...
-
-    async def receive(self, t: Incoming, manifest: Manifest, final: bool) -> dict: ...
-
-    async def commit(self, t: Incoming) -> list[str]: ...
-
-    async def abort(self, t: Incoming) -> None: ...
 
 
 # ---- the table ----------------------------------------------------------------------------------
@@ -323,12 +233,15 @@ class TransferTable:
         place = self.ops.placer(i) if callable(pieces) and hasattr(self.ops, "placer") else None  # (engine.kv_stream)
         recv = StreamReceiver(i.store, max_frame_bytes=self.frame_limit, verify=False, place=place)  # hashed as imported or placed
         t0, cpu0 = time.perf_counter(), self.cpu()
+        i.receiving += 1
         try:
             try:
                 manifest = await receive_round_bytes(i, recv, pieces, self.import_limit, self.clock, background=not final)
             except LimitExceeded:
                 raise ImportTooLarge(f"transfer {tid} sent more than this replica's import limit of "
                                      f"{self.import_limit} bytes") from None
+            if i.closed:  # dropped (aborted, expired) while its bytes arrived: nothing more is done for it
+                raise TransferConflict(f"transfer {tid} ended while its round arrived")
             t1 = time.perf_counter()
             res = await self.ops.receive(i, manifest, final)
             res["timing"] = {"receive_ms": round((t1 - t0) * 1000, 2), "import_ms": round((time.perf_counter() - t1) * 1000, 2),
@@ -344,6 +257,11 @@ class TransferTable:
             # a garbled or refused round: nothing stays reserved for it
             await asyncio.shield(self.drop_incoming(tid, IncomingState.ABORTED))
             raise
+        finally:
+            i.receiving -= 1
+            if i.closed and not i.receiving:  # dropped while this round wrote into its blocks: free them now
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(self.ops.abort(i))
         i.last = self.clock()
         if final:
             i.final = True
@@ -365,6 +283,7 @@ class TransferTable:
 
     async def _commit_now(self, tid: str) -> list[str]:
         i = self.incoming.pop(tid)
+        i.closed = True  # (nothing more is reserved for it: engine.kv_stream.reserve_ahead)
         self._remember(self.in_done, tid, check_transition(i.state, IncomingState.COMMITTED))
         return await self.ops.commit(i)
 
@@ -375,6 +294,8 @@ class TransferTable:
             return
         self._remember(self.in_done, tid, check_transition(i.state, state))
         i.closed = True
+        if i.receiving:  # a round's bytes may still go into its blocks (engine.kv_stream): it frees them as it ends
+            return
         with contextlib.suppress(Exception):  # a dead engine holds nothing any more
             await self.ops.abort(i)
 

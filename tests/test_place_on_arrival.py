@@ -20,7 +20,6 @@ from relayout.migrate.frame_sink import FrameOptions
 from relayout.migrate.transfers import TransferTable
 from relayout.storage.chunks import chunk_hash, new_kv_chunk, pack_kv
 from relayout.storage.errors import CorruptCheckpoint
-from relayout.storage.manifest import ChunkRef
 from relayout.storage.pieces import in_place_chunk, pack_in_place
 from relayout.storage.stores import MemoryStore
 from relayout.storage.stream import MAGIC_CHUNK, StreamReceiver, chunk_frame_header, frame_head
@@ -117,7 +116,7 @@ def test_chunks_naming_their_entry_go_straight_into_the_reserved_blocks_of_every
     data, refs = _frames(srcs, src_blocks, n)
     for seed in range(2):  # twice: random piece sizes, the same result
         recv = StreamReceiver(MemoryStore(), verify=False,
-                              place=lambda ref, e: chunk_sink(_Engine(pools), reserved, placed, ref, e))
+                              place=lambda ref, e: chunk_sink(_Engine(pools), reserved, {}, placed, ref, e))
         with pytest.raises(CorruptCheckpoint, match="before its manifest"):  # no manifest frame: not committed
             recv.receive_from(_reader(data, seed))
         assert recv.chunks_received == recv.chunks_placed == len(refs) and not recv.store.chunk_hashes()
@@ -138,7 +137,7 @@ def test_a_placed_chunk_whose_bytes_changed_on_the_way_is_refused():
     bad[-10] ^= 0x10  # in the last chunk's V rows
     placed: dict = {}
     recv = StreamReceiver(MemoryStore(), verify=False,
-                          place=lambda ref, e: chunk_sink(_Engine(pools), {"s": (0, list(blocks))}, placed, ref, e))
+                          place=lambda ref, e: chunk_sink(_Engine(pools), {"s": (0, list(blocks))}, {}, placed, ref, e))
     with pytest.raises(CorruptCheckpoint, match="hash mismatch"):
         recv.receive_from(_reader(bytes(bad), 1))
     assert len(placed) == 2 * L - 1  # every chunk but the changed one
@@ -156,15 +155,18 @@ def test_a_receiver_that_does_not_place_chunks_takes_frames_with_entries_as_plai
 def test_chunk_sink_stages_what_it_cannot_place():
     pools = [(_pool(), (0, H))]
     eng = _Engine(pools)
-    ref = ChunkRef(hash="0" * 32, size=2 * H * 32 * D * 4 + 128, raw_size=2 * H * 32 * D * 4 + 128, codec="none")
-    entry = {"session_id": "s", "layer": 0, "head_lo": 0, "head_hi": H, "tok_lo": 0, "tok_hi": 32, "kv_tokens": 32,
-             "dtype": "float32"}
-    assert chunk_sink(eng, {}, {}, ref, entry) is None  # no blocks reserved for the session (yet)
-    assert chunk_sink(eng, {"s": (0, [0])}, {}, ref, entry) is None  # too few blocks for its tokens
-    assert chunk_sink(eng, {"s": (0, [0, 1])}, {}, ref, {**entry, "dtype": "bfloat16"}) is None  # converted when staged
-    assert chunk_sink(eng, {"s": (0, [0, 1])}, {}, ref, {**entry, "layer": 9}) is None
-    assert chunk_sink(eng, {"s": (0, [0, 1])}, {}, ref, {**entry, "tok_lo": "0"}) is None
-    assert chunk_sink(eng, {"s": (0, [0, 1])}, {}, ref.model_copy(update={"codec": "zstd"}), entry) is None
+    _, [(entry, ref), *_] = _frames(_pool(fill=True), [0, 1, 2, 3], 32)  # layer 0, tokens [0, 32): a real chunk
+    held = {"s": (0, [0, 1])}
+    assert chunk_sink(eng, held, {}, {}, ref, entry) is not None  # (the control: this one is placed)
+    assert chunk_sink(eng, {}, {}, {}, ref, entry) is None  # no blocks reserved for the session (yet)
+    assert chunk_sink(eng, {"s": (0, [0])}, {}, {}, ref, entry) is None  # too few blocks for its tokens
+    assert chunk_sink(eng, held, {}, {}, ref, {**entry, "dtype": "bfloat16"}) is None  # converted when staged
+    assert chunk_sink(eng, held, {}, {}, ref, {**entry, "layer": 9}) is None
+    assert chunk_sink(eng, held, {}, {}, ref, {**entry, "layer": -1}) is None
+    assert chunk_sink(eng, held, {}, {}, ref, {**entry, "tok_lo": "0"}) is None
+    assert chunk_sink(eng, held, {}, {}, ref.model_copy(update={"codec": "zstd"}), entry) is None
+    # rows of tokens already imported (verified in an earlier round) are never written on arrival
+    assert chunk_sink(eng, held, {"s": 16}, {}, ref, entry) is None
 
 
 def test_a_final_round_sent_in_place_and_placed_on_arrival_continues_the_session_exactly():
@@ -207,6 +209,81 @@ def test_a_final_round_sent_in_place_and_placed_on_arrival_continues_the_session
             dst.step()
         st = dst.sessions[sid]
         assert st.output_token_ids == want, (done, st.output_token_ids, want)
+    finally:
+        for e in (src, dst):
+            e.shutdown()
+
+
+def test_a_placed_chunk_the_manifest_does_not_list_so_refuses_the_round():
+    """A sink checks a chunk's bytes against the hash its frame names; only the manifest says what the
+    round is: a placed chunk it does not list (or lists with other bytes) refuses the round."""
+    from relayout.engine.kv_stream import check_placed
+    from relayout.storage.checkpoint import CheckpointWriter
+    from relayout.storage.manifest import KVGeometry, ModelRef
+
+    w = CheckpointWriter(MemoryStore(), "r1")
+    kv = torch.randn(2, H, 32, D)
+    w.put_kv("s", 0, 0, H, 0, 32, kv)
+    w.add_session("s", {}, 32)
+    m = w.commit(ModelRef(name="m", fingerprint="f" * 16, config={}), {},
+                 KVGeometry(num_layers=1, num_kv_heads=H, head_dim=D, dtype="float32"), {})
+    h = m.kv_entries[0].chunk.hash
+    check_placed(m, {("s", 0, 0, H, 0, 32): (h, 0, (0, 1))})  # exactly the manifest's entry: fine
+    for bad in ({("s", 0, 0, H, 0, 16): (h, 0, (0,))}, {("s", 0, 0, H, 0, 32): ("1" * 32, 0, (0, 1))},
+                {("t", 0, 0, H, 0, 32): (h, 0, (0, 1))}):
+        with pytest.raises(CorruptCheckpoint, match="does not list"):
+            check_placed(m, bad)
+
+
+def test_a_transfer_dropped_while_its_round_arrives_keeps_its_blocks_until_the_round_stops():
+    """An abort (or the lease) drops the transfer while its round's bytes still go into its blocks on
+    the link's thread: the blocks are freed only once that round stops reading (at its next read),
+    never handed to another session while a sink may still write into them."""
+    import threading
+
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    src = LLMEngine("builtin:tiny", None, kv_cache_bytes=4 << 20)
+    dst = LLMEngine("builtin:tiny", None, kv_cache_bytes=4 << 20)
+    sid = src.add_session([5, 6, 7, 8] * 100, params).session_id
+    src.step()
+    gate, reached = threading.Event(), threading.Event()
+
+    async def call_src(fn):
+        return fn(src)
+
+    async def call_dst(fn):
+        return fn(dst)
+
+    async def go():
+        s = TransferTable(EngineThreadOps(call_src, defer_copy=True), autosweep=False)
+        dops = EngineThreadOps(call_dst)
+        dops.engine = dst
+        d = TransferTable(dops, autosweep=False)
+        frames = b"".join(bytes(f) for f in await s.export("t1", [sid], pause=True, options=FrameOptions(entries=True)))
+        inner = _reader(frames, 2, 0.002)
+        half = [0]
+
+        def read_into(view: memoryview) -> int:
+            if half[0] > len(frames) // 2 and not gate.is_set():
+                reached.set()
+                gate.wait(30)  # the link stalls half way, its blocks reserved and partly written
+            n = inner(view)
+            half[0] += n
+            return n
+
+        task = asyncio.ensure_future(d.import_round("t1", read_into, final=True))
+        while not reached.is_set():
+            await asyncio.sleep(0.01)
+        assert dst.kv_blocks_used() > 0  # reserved ahead, on the first chunk
+        await d.abort("t1")
+        assert "t1" not in d.incoming and dst.kv_blocks_used() > 0  # dropped, its blocks still held
+        gate.set()
+        with pytest.raises(Exception):  # noqa: B017 - the round stops at its next read
+            await task
+        assert dst.kv_blocks_used() == 0 and not dst.sessions  # freed once it stopped; nothing placed
+
+    try:
+        asyncio.run(go())
     finally:
         for e in (src, dst):
             e.shutdown()
