@@ -314,9 +314,16 @@ def test_agents_live_migrate_a_vllm_session_to_tp2_under_a_gateway_stream(model_
         assert op["state"] == "succeeded", op
         entry = op["result"]["replicas"][0]
         assert (entry["state"], entry["target_replica"]) == ("drained", src["id"]), op
-        assert entry["sessions_moved"] == [s.sid] and op["result"]["sessions_not_moved"] == [], op
+        assert op["result"]["sessions_not_moved"] == [], op
         s.t.join(60)
-        assert s.ids + _resume(src["url"], s.sid, len(s.ids), H) == reference  # TP2 -> TP1 by a drain
+        if entry["sessions_finished_here"] == [s.sid]:
+            # it ended on B before the drain reached it: on a fast machine the drain's answer took 2.5-2.8 s
+            # in 3 of 7 runs (0.08 s in the others) while vLLM decoded all N tokens. B says so, moved nothing,
+            # and its client got every token
+            assert entry["sessions_moved"] == [] and s.ids == reference, op
+        else:
+            assert entry["sessions_moved"] == [s.sid], op
+            assert s.ids + _resume(src["url"], s.sid, len(s.ids), H) == reference  # TP2 -> TP1 by a drain
         assert httpx.get(f"{a}/v1/replicas", timeout=30).status_code == 401  # the agent's routes authenticate
     finally:
         # the agents' replicas outlive them (an agent restart adopts them): stop those first
