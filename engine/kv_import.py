@@ -15,6 +15,7 @@ from functools import partial
 import torch
 from relayout.engine.engine import LLMEngine
 from relayout.engine.kv_cache import KVCache, copy_into, import_hashed_rows
+from relayout.engine.kv_stream import is_placed
 from relayout.engine.snapshot import RestoreError
 from relayout.storage.checkpoint import CheckpointReader
 from relayout.storage.chunks import (
@@ -122,8 +123,7 @@ def import_range(engine: LLMEngine, store: Store, manifest: Manifest, sid: str, 
     placed = getattr(store, "placed", None) or {}  # chunks already written into these blocks (engine.kv_stream)
     bs = pools[0][0].block_size if pools else 0
     for e in entries:
-        key = (sid, e.layer, e.head_lo, e.head_hi, e.tok_lo, e.tok_hi)
-        if bs and placed.get(key) == (e.chunk.hash, group, tuple(blocks[e.tok_lo // bs : -(-e.tok_hi // bs)])):
+        if bs and is_placed(placed, e, group, blocks, bs):
             continue
         data, scale = store.get_chunk(e.chunk.hash), None
         if store.unverified(e.chunk.hash):

@@ -10,7 +10,8 @@ round (`finish`), so nothing unverified is ever served. `placed` records what we
 round's import (kv_import.import_range) skips exactly those chunks.
 
 The first chunks of a session no reservation holds yet are staged as before, while the engine
-thread reserves its blocks (`reserve_ahead`): the chunks after them are placed.
+thread reserves its blocks (engine.receive.reserve_ahead): the chunks after them are placed; the
+round's manifest then vouches for every chunk placed (engine.receive.check_placed).
 """
 
 from __future__ import annotations
@@ -22,44 +23,31 @@ import numpy as np
 import torch
 import xxhash
 from relayout.engine.engine import LLMEngine
-from relayout.engine.kv_cache import KVCache, blocks_needed
-from relayout.engine.placer import SessionPlacer
-from relayout.engine.snapshot import RestoreError
+from relayout.engine.kv_cache import KVCache
 from relayout.storage.chunks import _ST_DTYPES, _st_prefix, dtype_name, stored_shape
 from relayout.storage.errors import CorruptCheckpoint
-from relayout.storage.manifest import ChunkRef, Manifest
+from relayout.storage.manifest import ChunkRef, KVEntry
 
 # bytes read and hashed at a time; they stay in this core's L2 (2 MiB here) for their copies. 1 MiB
 # against 256 KiB: receiver 0.121-0.137 against 0.138-0.158 CPU s/GB, three pairs of
 # `relayout bench datapath` runs alternating (fewer reads, each larger)
 PIECE_BYTES = 1 << 20
-HEADROOM_BLOCKS = 2  # as engine.receive's reservations: the tokens the source decodes meanwhile
-# (session, layer, head_lo, head_hi, tok_lo, tok_hi) -> (chunk hash, attention-DP group, its blocks)
-Placed = dict[tuple[str, int, int, int, int, int], tuple[str, int, tuple[int, ...]]]
+PlacedKey = tuple[str, int, int, int, int, int]  # session, layer, head_lo, head_hi, tok_lo, tok_hi
+Placed = dict[PlacedKey, tuple[str, int, tuple[int, ...]]]  # -> (chunk hash, attention-DP group, its blocks)
 
 
-def check_placed(manifest: Manifest, placed: Placed) -> None:
-    """Every chunk a round placed as it arrived is an entry of its manifest, with the same bytes
-    (hash): a sink checks its bytes against the hash its frame named, and only the manifest says
-    what the round is. Anything else (a chunk no entry names, another entry's bytes) refuses the
-    round before any session is placed; its blocks are the transfer's own, freed with it."""
-    listed = {(e.session_id, e.layer, e.head_lo, e.head_hi, e.tok_lo, e.tok_hi): e.chunk.hash for e in manifest.kv_entries}
-    for key, (h, _, _) in placed.items():
-        if listed.get(key) != h:
-            raise CorruptCheckpoint(f"chunk {h}: placed as session {key[0]} layer {key[1]} heads [{key[2]}, {key[3]}) "
-                                    f"tokens [{key[4]}, {key[5]}), which the round's manifest does not list so")
+def placed_key(e: KVEntry) -> PlacedKey:
+    return (e.session_id, e.layer, e.head_lo, e.head_hi, e.tok_lo, e.tok_hi)
 
 
-def reserve_ahead(engine: LLMEngine, blocks: dict[str, tuple[int, list[int]]], sid: str, kv_tokens: int) -> None:
-    """Engine thread: blocks for `kv_tokens` of session `sid` in a transfer's reservations, before
-    its manifest arrives (its import checks and grows them; its end frees them). No room: nothing
-    is reserved, and the round's chunks are staged as before."""
-    if sid in blocks or not 0 < kv_tokens <= engine.max_model_len:  # (more: the manifest's checks refuse it)
-        return
-    try:
-        SessionPlacer(engine).reserve(blocks, sid, blocks_needed(kv_tokens + 1), HEADROOM_BLOCKS)
-    except RestoreError:
-        pass
+def _span(blocks: list[int], tok_lo: int, tok_hi: int, block_size: int) -> tuple[int, ...]:
+    """The blocks tokens [tok_lo, tok_hi) lie in."""
+    return tuple(blocks[tok_lo // block_size : -(-tok_hi // block_size)])
+
+
+def is_placed(placed: Placed, e: KVEntry, group: int, blocks: list[int], block_size: int) -> bool:
+    """Entry `e`'s chunk, these very bytes, went into these blocks as it arrived: its import is done."""
+    return placed.get(placed_key(e)) == (e.chunk.hash, group, _span(blocks, e.tok_lo, e.tok_hi, block_size))
 
 
 def _entry(entry: dict[str, Any]) -> tuple[str, int, int, int, int, int, str] | None:
@@ -100,11 +88,10 @@ def chunk_sink(engine: LLMEngine, blocks: dict[str, tuple[int, list[int]]], upto
     prefix = _st_prefix(stored_shape(shape), _ST_DTYPES[tdtype], n) if tdtype in _ST_DTYPES else None
     if prefix is None or ref.size != len(prefix) + n:
         return None
-    b0, b1 = t_lo // bs, (t_hi + bs - 1) // bs
     key = (sid, layer, h_lo, h_hi, t_lo, t_hi)
     placed.pop(key, None)  # its rows are about to change: only a finished, hash-checked sink records them
     return PoolRowSink(pools, (h_lo, h_hi), layer, blks, t_lo, t_hi, c.head_dim, tdtype, prefix, ref,
-                       lambda: placed.__setitem__(key, (ref.hash, group, tuple(blks[b0:b1]))))
+                       lambda: placed.__setitem__(key, (ref.hash, group, _span(blks, t_lo, t_hi, bs))))
 
 
 class PoolRowSink:

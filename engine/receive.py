@@ -12,9 +12,10 @@ from typing import Protocol
 from relayout.engine.engine import LLMEngine
 from relayout.engine.kv_cache import blocks_needed
 from relayout.engine.kv_import import import_range
-from relayout.engine.kv_stream import check_placed
+from relayout.engine.kv_stream import Placed, placed_key
 from relayout.engine.placer import Reserved, SessionPlacer, check_compatible, check_entry
 from relayout.engine.session import SessionStatus
+from relayout.engine.snapshot import RestoreError
 from relayout.storage.errors import CorruptCheckpoint
 from relayout.storage.manifest import Manifest
 from relayout.storage.store_base import Store
@@ -70,6 +71,31 @@ def receive_round(engine: LLMEngine, t: IncomingKV, manifest: Manifest, final: b
             t.placed.append(sid)
         engine.prestep(list(states))  # their next token while the commit travels, kept back until it lands
     return {"sessions": sorted(states), "imported_tokens": imported}
+
+
+def reserve_ahead(engine: LLMEngine, blocks: Reserved, sid: str, kv_tokens: int) -> None:
+    """Engine thread: blocks for `kv_tokens` of session `sid` in a transfer's reservations, before
+    its manifest arrives, so that its chunks go straight into them (engine.kv_stream); the round's
+    import checks and grows them, its end frees them. No room: nothing is reserved, and the round's
+    chunks are staged as before."""
+    if sid in blocks or not 0 < kv_tokens <= engine.max_model_len:  # (more: the manifest's checks refuse it)
+        return
+    try:
+        SessionPlacer(engine).reserve(blocks, sid, blocks_needed(kv_tokens + 1), HEADROOM_BLOCKS)
+    except RestoreError:
+        pass
+
+
+def check_placed(manifest: Manifest, placed: Placed) -> None:
+    """Every chunk a round placed as it arrived is an entry of its manifest, with the same bytes
+    (hash): a sink checks its bytes against the hash its frame named, and only the manifest says
+    what the round is. Anything else (a chunk no entry names, another entry's bytes) refuses the
+    round before any session is placed; its blocks are the transfer's own, freed with it."""
+    listed = {placed_key(e): e.chunk.hash for e in manifest.kv_entries}
+    for key, (h, _, _) in placed.items():
+        if listed.get(key) != h:
+            raise CorruptCheckpoint(f"chunk {h}: placed as session {key[0]} layer {key[1]} heads [{key[2]}, {key[3]}) "
+                                    f"tokens [{key[4]}, {key[5]}), which the round's manifest does not list so")
 
 
 def free_reservations(engine: LLMEngine, t: IncomingKV) -> None:

@@ -12,18 +12,17 @@ from typing import Any
 
 from relayout.engine.async_engine import AsyncEngine
 from relayout.engine.engine import LLMEngine
-from relayout.engine.kv_stream import chunk_sink, reserve_ahead
+from relayout.engine.kv_stream import chunk_sink
 from relayout.engine.placer import SessionPlacer, check_compatible, kv_conversion, restore
-from relayout.engine.receive import abort_incoming, commit_incoming, receive_round
+from relayout.engine.receive import abort_incoming, commit_incoming, receive_round, reserve_ahead
 from relayout.engine.session import SessionState
 from relayout.engine.snapshot import CHUNK_TOKENS, geometry, model_ref, take_snapshot
-from relayout.migrate.received import chunk_placer
 from relayout.migrate.transfers import Incoming, SourceRound
 from relayout.storage.checkpoint import CheckpointReader
 from relayout.storage.errors import CorruptCheckpoint
-from relayout.storage.manifest import Manifest, ModelRef
+from relayout.storage.manifest import ChunkRef, Manifest, ModelRef
 from relayout.storage.settings import settings
-from relayout.storage.stream import Place
+from relayout.storage.stream import PayloadSink, Place
 
 EngineCall = Callable[[Callable[[LLMEngine], Any]], Awaitable[Any]]
 
@@ -47,21 +46,30 @@ class EngineThreadOps:
         return ops
 
     def placer(self, t: Incoming) -> Place | None:
-        """A round's `place` (storage.stream): chunks of sessions `t` holds blocks for go straight into
-        the pools (engine.kv_stream, on the link's thread); the first chunk of one it holds none for
-        has the engine thread reserve them, unless the transfer was dropped meanwhile."""
+        """A round's `place` (storage.stream), on the link's thread: a chunk of a session `t` holds
+        blocks for goes straight into the pools (engine.kv_stream); the first chunk of one it holds
+        none for is staged, and has the engine thread reserve them (once, not awaited; not at all if
+        the transfer was dropped meanwhile)."""
         eng = self.engine
         if eng is None:
             return None
-        loop = asyncio.get_running_loop()
+        loop, asked = asyncio.get_running_loop(), set()
+        t.store.placed.clear()  # this round's: a cut round's were never imported, and its resume resends them
 
         async def ahead(sid: str, n: int) -> None:
             with contextlib.suppress(Exception):  # no engine: the manifest's import says why
                 await self.call(lambda e: None if t.closed else reserve_ahead(e, t.blocks, sid, n))
 
-        t.store.placed.clear()  # this round's: a cut round's were never imported, and its resume resends them
-        return chunk_placer(t.blocks, lambda ref, entry: chunk_sink(eng, t.blocks, t.upto, t.store.placed, ref, entry),
-                            lambda sid, n: asyncio.run_coroutine_threadsafe(ahead(sid, n), loop) and None)
+        def place(ref: ChunkRef, entry: dict) -> PayloadSink | None:
+            sid, n = entry.get("session_id"), entry.get("kv_tokens")
+            if isinstance(sid, str) and sid not in t.blocks:
+                if sid not in asked and type(n) is int and n > 0:
+                    asked.add(sid)
+                    asyncio.run_coroutine_threadsafe(ahead(sid, n), loop)
+                return None
+            return chunk_sink(eng, t.blocks, t.upto, t.store.placed, ref, entry)
+
+        return place
 
     async def take_round(self, sessions: list[str] | None, pause: bool, sent: dict[str, int],
                   max_tokens: int | None) -> SourceRound:

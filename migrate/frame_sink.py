@@ -51,12 +51,7 @@ class FrameSink(Store):
             if h in self.sent:
                 return
             self.sent.add(h)
-        if len(data) != ref.size:
-            raise ValueError(f"chunk {h}: {len(data)} bytes but ref says {ref.size}")
-        head = frame_head(MAGIC_CHUNK, ref.model_dump(), len(data))
-        body = data.views if isinstance(data, ChunkPieces) else (memoryview(data),)
-        with self._lock:
-            self._frames += (head, *body)  # bytes-like for every server and transport
+        self._append(ref, data)
 
     def put_kv_chunk(self, entry: KVEntry, data: bytes | ChunkPieces, dtype: str) -> None:
         """CheckpointWriter.put_kv's chunk, with the entry it was written for: framed with that entry
@@ -65,13 +60,15 @@ class FrameSink(Store):
         ref = entry.chunk
         if not self.options.entries:
             return self.put_chunk(ref.hash, data, hashed=True, ref=ref)  # type: ignore[arg-type]
-        if ref.hash in self.held:
-            return
+        if ref.hash not in self.held:
+            self._append(ref, data, {**entry.model_dump(exclude={"chunk"}), "dtype": dtype,
+                                     "kv_tokens": self.kv_tokens.get(entry.session_id)})
+
+    def _append(self, ref: ChunkRef, data: bytes | ChunkPieces, entry: dict | None = None) -> None:
+        """The chunk's frame, as its head and the chunk's own buffers (bytes-like for every server and transport)."""
         if len(data) != ref.size:
             raise ValueError(f"chunk {ref.hash}: {len(data)} bytes but ref says {ref.size}")
-        where = {**entry.model_dump(exclude={"chunk"}), "kv_tokens": self.kv_tokens.get(entry.session_id),
-                 "dtype": dtype}
-        head = frame_head(MAGIC_CHUNK, chunk_frame_header(ref, where), len(data))
+        head = frame_head(MAGIC_CHUNK, chunk_frame_header(ref, entry), len(data))
         body = data.views if isinstance(data, ChunkPieces) else (memoryview(data),)
         with self._lock:
             self.sent.add(ref.hash)

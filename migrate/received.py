@@ -14,7 +14,7 @@ from relayout.storage.errors import ChunkMissing
 from relayout.storage.manifest import ChunkRef, Manifest
 from relayout.storage.store_base import check_hash
 from relayout.storage.stores import MemoryStore
-from relayout.storage.stream import LimitExceeded, PayloadSink, Place, StreamReceiver
+from relayout.storage.stream import LimitExceeded, StreamReceiver
 
 ReadInto = Callable[[memoryview], int]  # fills part of a buffer from the link, says how much (a RoundCut at its end)
 
@@ -69,27 +69,6 @@ async def _verify_kept(recv: StreamReceiver) -> None:
     import would have (received unverified) now, and drop any that do not match."""
     if isinstance(recv.store, ReceivedChunks):
         await in_thread(recv.store.verify_pending)
-
-
-def chunk_placer(blocks: dict, sink: Callable[[ChunkRef, dict], PayloadSink | None],
-                 reserve: Callable[[str, int], None]) -> Place:
-    """StreamReceiver's `place` for a transfer whose reservations are `blocks`: a chunk of a session
-    with blocks reserved goes to `sink`; the first chunk of one without has `reserve(session, its KV
-    tokens)` asked for (once, not awaited: the engine thread reserves them meanwhile) and is staged."""
-    asked: set[str] = set()
-
-    def place(ref: ChunkRef, entry: dict) -> PayloadSink | None:
-        sid, n = entry.get("session_id"), entry.get("kv_tokens")
-        if not isinstance(sid, str):
-            return None
-        if sid not in blocks:
-            if sid not in asked and type(n) is int and n > 0:
-                asked.add(sid)
-                reserve(sid, n)
-            return None
-        return sink(ref, entry)
-
-    return place
 
 
 class ReceivedChunks(MemoryStore):

@@ -283,7 +283,7 @@ class TransferTable:
 
     async def _commit_now(self, tid: str) -> list[str]:
         i = self.incoming.pop(tid)
-        i.closed = True  # (nothing more is reserved for it: engine.kv_stream.reserve_ahead)
+        i.closed = True  # (nothing more is reserved for it: engine.receive.reserve_ahead)
         self._remember(self.in_done, tid, check_transition(i.state, IncomingState.COMMITTED))
         return await self.ops.commit(i)
 

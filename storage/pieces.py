@@ -32,12 +32,7 @@ class ChunkPieces:
         return self.size
 
     def joined(self) -> bytearray:
-        out = bytearray(self.size)
-        at = 0
-        for v in self.views:
-            out[at : at + v.nbytes] = v
-            at += v.nbytes
-        return out
+        return bytearray().join(self.views)
 
 
 def in_place_chunk(shape: tuple[int, ...], dtype: torch.dtype, payload: list[memoryview]) -> torch.Tensor | None:

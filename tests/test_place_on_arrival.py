@@ -114,19 +114,23 @@ def test_chunks_naming_their_entry_go_straight_into_the_reserved_blocks_of_every
         lo += w
     reserved, placed = {"s": (0, [9, 10, 2, 3, 4])}, {}
     data, refs = _frames(srcs, src_blocks, n)
-    for seed in range(2):  # twice: random piece sizes, the same result
+    for seed in range(2):  # twice, into emptied pools: random piece sizes, the same result
+        for pool, _ in pools:
+            for t in pool.k + pool.v:
+                t.zero_()
+        placed.clear()
         recv = StreamReceiver(MemoryStore(), verify=False,
                               place=lambda ref, e: chunk_sink(_Engine(pools), reserved, {}, placed, ref, e))
         with pytest.raises(CorruptCheckpoint, match="before its manifest"):  # no manifest frame: not committed
             recv.receive_from(_reader(data, seed))
         assert recv.chunks_received == recv.chunks_placed == len(refs) and not recv.store.chunk_hashes()
-    assert set(placed) == {(e["session_id"], e["layer"], e["head_lo"], e["head_hi"], e["tok_lo"], e["tok_hi"])
-                           for e, _ in refs}
-    for layer in range(L):  # [2, heads, tokens, d], the source's heads side by side
-        want = torch.cat([src.export_tokens(src_blocks, 0, n)[layer] for src, _ in srcs], dim=1)
-        for pool, (p_lo, p_hi) in pools:
-            got = pool.export_tokens(reserved["s"][1], 0, n)[layer]
-            assert torch.equal(got, want[:, p_lo:p_hi])
+        assert set(placed) == {(e["session_id"], e["layer"], e["head_lo"], e["head_hi"], e["tok_lo"], e["tok_hi"])
+                               for e, _ in refs}
+        for layer in range(L):  # [2, heads, tokens, d], the source's heads side by side
+            want = torch.cat([src.export_tokens(src_blocks, 0, n)[layer] for src, _ in srcs], dim=1)
+            for pool, (p_lo, p_hi) in pools:
+                got = pool.export_tokens(reserved["s"][1], 0, n)[layer]
+                assert torch.equal(got, want[:, p_lo:p_hi])
 
 
 def test_a_placed_chunk_whose_bytes_changed_on_the_way_is_refused():
@@ -169,6 +173,20 @@ def test_chunk_sink_stages_what_it_cannot_place():
     assert chunk_sink(eng, held, {"s": 16}, {}, ref, entry) is None
 
 
+def _tables(src: LLMEngine, dst: LLMEngine) -> tuple[TransferTable, TransferTable]:
+    """The protocol's two halves in this process: the source's (rounds cut out of its pool, a final
+    one in place) and the target's (placing chunks into its pools as they arrive)."""
+    def call(engine: LLMEngine):
+        async def run(fn):
+            return fn(engine)
+        return run
+
+    dops = EngineThreadOps(call(dst))
+    dops.engine = dst
+    return (TransferTable(EngineThreadOps(call(src), defer_copy=True), autosweep=False),
+            TransferTable(dops, autosweep=False))
+
+
 def test_a_final_round_sent_in_place_and_placed_on_arrival_continues_the_session_exactly():
     """Two engines, the protocol's two halves: the source's final round (sessions held) is framed from
     its pool with entries; the target places the chunks as they arrive (its blocks reserved ahead,
@@ -184,17 +202,8 @@ def test_a_final_round_sent_in_place_and_placed_on_arrival_continues_the_session
     for _ in range(4):
         src.step()
 
-    async def call_src(fn):
-        return fn(src)
-
-    async def call_dst(fn):
-        return fn(dst)
-
     async def go():
-        s = TransferTable(EngineThreadOps(call_src, defer_copy=True), autosweep=False)
-        dops = EngineThreadOps(call_dst)
-        dops.engine = dst
-        d = TransferTable(dops, autosweep=False)
+        s, d = _tables(src, dst)
         frames = b"".join(bytes(f) for f in await s.export("t1", [sid], pause=True, options=FrameOptions(entries=True)))
         res = await d.import_round("t1", _reader(frames, 5, 0.002), final=True)
         # the first chunk is staged while the blocks are reserved; the ones after it go straight in
@@ -217,7 +226,7 @@ def test_a_final_round_sent_in_place_and_placed_on_arrival_continues_the_session
 def test_a_placed_chunk_the_manifest_does_not_list_so_refuses_the_round():
     """A sink checks a chunk's bytes against the hash its frame names; only the manifest says what the
     round is: a placed chunk it does not list (or lists with other bytes) refuses the round."""
-    from relayout.engine.kv_stream import check_placed
+    from relayout.engine.receive import check_placed
     from relayout.storage.checkpoint import CheckpointWriter
     from relayout.storage.manifest import KVGeometry, ModelRef
 
@@ -248,17 +257,8 @@ def test_a_transfer_dropped_while_its_round_arrives_keeps_its_blocks_until_the_r
     src.step()
     gate, reached = threading.Event(), threading.Event()
 
-    async def call_src(fn):
-        return fn(src)
-
-    async def call_dst(fn):
-        return fn(dst)
-
     async def go():
-        s = TransferTable(EngineThreadOps(call_src, defer_copy=True), autosweep=False)
-        dops = EngineThreadOps(call_dst)
-        dops.engine = dst
-        d = TransferTable(dops, autosweep=False)
+        s, d = _tables(src, dst)
         frames = b"".join(bytes(f) for f in await s.export("t1", [sid], pause=True, options=FrameOptions(entries=True)))
         inner = _reader(frames, 2, 0.002)
         half = [0]
