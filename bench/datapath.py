@@ -39,7 +39,7 @@ def _send(port: int, tokens: int, out: mp.Queue) -> None:
     """The source: one session's KV of `tokens` as a final round's frames, sent with the frame link's batches."""
     import resource
 
-    from relayout.engine.snapshot import _chunk_ranges, _export_chunks, _put_chunks
+    from relayout.engine.snapshot import _in_place_chunks, _put_chunks
     from relayout.migrate.frame_link import _batches, _send_all
     from relayout.migrate.frame_sink import FrameOptions, FrameSink
     from relayout.storage.checkpoint import CheckpointWriter
@@ -54,8 +54,8 @@ def _send(port: int, tokens: int, out: mp.Queue) -> None:
             sink = FrameSink(set(), FrameOptions(entries=True))
             sink.kv_tokens = {"s": tokens}
             w = CheckpointWriter(sink, "datapath")
-            for a, b in _chunk_ranges(0, tokens):
-                _put_chunks(w, "s", _export_chunks(src, (0, HEADS), blocks, a, b, in_place=True))
+            for c in _in_place_chunks(src, (0, HEADS), blocks, 0, tokens):  # as a final round: one at a time
+                _put_chunks(w, "s", [c])
                 yield from sink.take()
             w.add_session("s", {}, tokens)
             w.commit(ModelRef(name="datapath", fingerprint="0" * 16, config={}), {},

@@ -70,10 +70,18 @@ class DeferredKV:
 
     def batches(self) -> Iterator[list[tuple]]:
         """The chunks (as take_snapshot lays them out), one CHUNK_TOKENS range of every layer at a
-        time: each copied (and hashed) on all cores, then checked still valid, then handed on."""
+        time: each copied (and hashed) on all cores, then checked still valid, then handed on. In
+        place, one chunk at a time: hashed just before it is sent, which then reads it from this
+        core's cache (a sender's CPU per GB as a bare copy's, against ~1.3x for a pass over 32 MiB
+        hashed ahead on another thread)."""
         for a, b in _chunk_ranges(self.lo, self.hi):
-            chunks = [c for pool, heads in self.pools
-                      for c in _export_chunks(pool, heads, self.blocks, a, b, self.in_place)]
+            if self.in_place:
+                for pool, heads in self.pools:
+                    for c in _in_place_chunks(pool, heads, self.blocks, a, b):
+                        self.check()
+                        yield [c]
+                continue
+            chunks = [c for pool, heads in self.pools for c in _export_chunks(pool, heads, self.blocks, a, b)]
             self.check()
             yield chunks
 
@@ -141,20 +149,26 @@ def _chunk_ranges(lo: int, hi: int) -> list[tuple[int, int]]:
     return out
 
 
-def _export_chunks(pool: KVCache, heads: tuple[int, int], blocks: list[int], lo: int, hi: int,
-                   in_place: bool = False) -> list[tuple]:
+def _in_place_chunks(pool: KVCache, heads: tuple[int, int], blocks: list[int], lo: int, hi: int) -> Iterator[tuple]:
+    """Held sessions' chunks of tokens [lo, hi) as the pool's own rows, each hashed where they lie
+    (no copy) as it is taken (on this thread: handing slices to the chunk pool's threads cost more
+    CPU than xxh3 itself, 0.14-0.155 CPU-s per GB sent against 0.186-0.198); the chunks copied
+    instead where the pool cannot be viewed so."""
     k0 = pool.k[0]
     h, d = k0.shape[2], k0.shape[3]
-    if in_place:  # held sessions: each chunk is the pool's own rows, hashed where they lie (no copy)
-        spans = [(layer, a, b, pool.row_views(blocks, layer, a, b)) for a, b in _chunk_ranges(lo, hi)
-                 for layer in range(len(pool.k))]
-        if all(v is not None for *_, v in spans):
-            # hashed on this thread: xxh3 reads ~30 GB/s, and handing slices to the chunk pool's threads
-            # cost more CPU than the hashing (a cold 4k round, measured outside the replicas: 0.14-0.155
-            # CPU-s per GB sent inline against 0.186-0.198 through parallel_map)
-            made = [in_place_chunk((2, h, c[2] - c[1], d), k0.dtype, c[3]) for c in spans]
-            if all(t is not None for t in made):
-                return [(c[0], heads[0], heads[1], c[1], c[2], t) for c, t in zip(spans, made, strict=True)]
+    for a, b in _chunk_ranges(lo, hi):
+        for layer in range(len(pool.k)):
+            rows = pool.row_views(blocks, layer, a, b)
+            made = None if rows is None else in_place_chunk((2, h, b - a, d), k0.dtype, rows)
+            if made is None:  # (another device, dtype, or a quantised pool: the same for every layer)
+                yield from (c for c in _export_chunks(pool, heads, blocks, a, b) if c[0] >= layer)
+                break
+            yield (layer, heads[0], heads[1], a, b, made)
+
+
+def _export_chunks(pool: KVCache, heads: tuple[int, int], blocks: list[int], lo: int, hi: int) -> list[tuple]:
+    k0 = pool.k[0]
+    h, d = k0.shape[2], k0.shape[3]
     nbytes = len(pool.k) * 2 * h * d * (hi - lo) * k0.element_size()  # small (a replication round): inline
     if pool.quantised:  # (..., values, scales), both token-major like the pool and the stored chunk
         chunks: list[tuple] = [

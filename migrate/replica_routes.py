@@ -257,7 +257,7 @@ def install_replica_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
         counter = [0]
         send = chosen.push(body.target, body.transfer, pump(frames, None if body.pause else precopy_mbps(),
                                                                counter=counter, background=not body.pause,
-                                                               options=options),
+                                                               options=options, inline=table.in_place(body.transfer)),
                               final=body.pause, source=body.source, timeout_s=body.timeout_s)
         return StreamingResponse(progress_stream(table.push(body.transfer, send), counter,
                                                  min(1.0, body.timeout_s / 4), table.not_moved(body.transfer)),

@@ -25,6 +25,11 @@ class SourceRound:
     geometry: KVGeometry
     not_moved: dict[str, str] = field(default_factory=dict)  # session -> why it stays on the source
 
+    @property
+    def in_place(self) -> bool:
+        """Every session's KV goes out as the pool's own rows (engine.snapshot.DeferredKV.in_place)."""
+        return all(s.deferred is not None and s.deferred.in_place for s in self.snaps)
+
 
 @dataclass
 class SentRound:
@@ -52,6 +57,7 @@ class Outgoing:
     epoch: int = 0  # bumped by every export: a round framed under an older epoch is stale
     framed: SentRound | None = None  # push mode: the round framed, counted as sent once delivered
     not_moved: dict[str, str] = field(default_factory=dict)  # last round: asked for, not in it, and why
+    in_place: bool = False  # last round: its chunks are the pool's own rows (SourceRound.in_place)
     timing: dict[str, float] = field(default_factory=dict)  # last round: its wait for the cut, its CPU since
 
     @property

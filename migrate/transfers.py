@@ -78,6 +78,9 @@ class TransferTable:
     def not_moved(self, tid: str) -> dict[str, str]:  # source: sessions the last round lacks, with why
         return dict(o.not_moved) if (o := self.outgoing.get(tid)) else {}
 
+    def in_place(self, tid: str) -> bool:  # source: the last round's chunks are the pool's own rows
+        return bool((o := self.outgoing.get(tid)) and o.in_place)
+
     def migrating_out(self) -> str | None:  # the outgoing transfer in flight, if any (at most one)
         return next(iter(self.outgoing), None)
 
@@ -128,7 +131,7 @@ class TransferTable:
         if self.outgoing.get(tid) is not o:  # expired or aborted meanwhile: give them back
             await self._resume(cut.paused)
             raise TransferConflict(f"transfer {tid} ended while its round was cut")
-        o.paused, o.final, o.rounds = cut.paused, o.final or pause, o.rounds + 1
+        o.paused, o.final, o.rounds, o.in_place = cut.paused, o.final or pause, o.rounds + 1, cut.in_place
         carried = {snap.state.session_id for snap in cut.snaps}
         o.not_moved = {**{sid: FINISHED_ON_SOURCE for sid in sessions or []
                           if sid not in carried}, **cut.not_moved}

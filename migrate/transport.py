@@ -153,8 +153,10 @@ class RoundFrames:
     pre-copy round): whichever thread produces them is a pre-copy worker (`background_thread`)."""
 
     def __init__(self, frames: Iterator[bytes], mbps: float | None = None, depth: int = PUMP_DEPTH,
-                 counter: list[int] | None = None, background: bool = False, options: object = None):
+                 counter: list[int] | None = None, background: bool = False, options: object = None,
+                 inline: bool = False):
         self.frames, self.mbps, self.depth, self.background = frames, mbps, depth, background
+        self.inline = inline  # cheap to produce: see blocking()
         self.options = options  # the frames' migrate.frame_sink.FrameOptions, which a transport may set before they start
         self.counter = counter if counter is not None else [0]
         self._aiter: AsyncIterator[bytes] | None = None
@@ -163,10 +165,12 @@ class RoundFrames:
         """The frames for a thread that sends each as it comes. A final round's are produced on a
         thread of their own up to AHEAD_BYTES ahead (the sessions are paused: its copies and the
         sending share the cores, and the round is the stall); a pre-copy round's are produced by
-        the sending thread itself, one pre-copy worker beside the decoding, not two."""
+        the sending thread itself, one pre-copy worker beside the decoding, not two; and so are
+        `inline` ones (a final round's chunks in place: producing one is hashing it, just before it
+        is sent, whose copy into the socket then reads it from this core's cache)."""
         t0, sent = time.perf_counter(), 0
         try:
-            for f in (self.frames if self.background else _produced_ahead(self, AHEAD_BYTES)):
+            for f in (self.frames if self.background or self.inline else _produced_ahead(self, AHEAD_BYTES)):
                 yield f
                 sent += len(f)
                 self.counter[0] = sent
@@ -254,8 +258,9 @@ def _produced_ahead(rf: RoundFrames, max_bytes: int) -> Iterator[bytes]:
 
 
 def pump(frames: Iterator[bytes], mbps: float | None = None, depth: int = PUMP_DEPTH,
-         counter: list[int] | None = None, background: bool = False, options: object = None) -> RoundFrames:
-    return RoundFrames(frames, mbps, depth, counter, background, options)
+         counter: list[int] | None = None, background: bool = False, options: object = None,
+         inline: bool = False) -> RoundFrames:
+    return RoundFrames(frames, mbps, depth, counter, background, options, inline)
 
 
 async def _pumped(rf: RoundFrames) -> AsyncIterator[bytes]:

@@ -287,3 +287,55 @@ def test_a_transfer_dropped_while_its_round_arrives_keeps_its_blocks_until_the_r
     finally:
         for e in (src, dst):
             e.shutdown()
+
+
+def test_a_final_rounds_in_place_chunks_are_made_one_at_a_time_by_the_sending_thread(monkeypatch):
+    """Making an in-place chunk is hashing it: the sending thread does it just before it sends that
+    chunk (which then reads it from its cache), one chunk at a time, with no producer thread ahead
+    of it; a pre-copy round's chunks are copies and are not marked so."""
+    import threading
+
+    import relayout.engine.snapshot as snapshot
+    from relayout.migrate.transport import RoundFrames
+
+    made = [0]
+    real = snapshot.in_place_chunk
+
+    def counted(*a, **k):
+        made[0] += 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(snapshot, "in_place_chunk", counted)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    src = LLMEngine("builtin:tiny", None, kv_cache_bytes=4 << 20)
+    dst = LLMEngine("builtin:tiny", None, kv_cache_bytes=4 << 20)
+    sid = src.add_session([5, 6, 7, 8] * 100, params).session_id
+    src.step()
+    s, _ = _tables(src, dst)
+
+    async def export(pause: bool):
+        return await s.export("t1", [sid], pause=pause, options=FrameOptions(entries=True))
+
+    try:
+        b"".join(bytes(f) for f in asyncio.run(export(False)))
+        assert not s.in_place("t1") and made[0] == 0
+        for _ in range(3):
+            src.step()
+        frames = asyncio.run(export(True))
+        assert s.in_place("t1")
+        out, producers, chunks = [], set(), 0
+        for f in RoundFrames(frames, inline=True).blocking():
+            out.append(bytes(f))
+            chunks += bytes(f[:4]) == MAGIC_CHUNK
+            assert made[0] <= chunks  # no chunk is made (hashed) before the ones ahead of it are sent
+            producers |= {t.name for t in threading.enumerate() if t.name == "frame-producer"}
+        assert not producers
+        recv = StreamReceiver(MemoryStore())
+        for f in out:
+            recv.feed(f)
+        m = recv.close()
+        assert [e.session_id for e in m.sessions] == [sid]
+        assert made[0] == chunks == len(m.kv_entries) == src.cfg.num_layers  # the 3 new tokens, every layer
+    finally:
+        for e in (src, dst):
+            e.shutdown()
