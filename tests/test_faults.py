@@ -41,8 +41,9 @@ from tests.helpers.proxy import Proxy
 TTL = 2.0  # RELAYOUT_TRANSFER_TTL_S of every replica here: how long a transfer may sit idle
 PROMPTS = [f"fault {i}: " + "the quick brown fox " * (8 + 3 * i) for i in range(3)]
 # long enough that the sessions are still running when a retried or delayed round completes on a
-# loaded 2-core machine (a session that finishes first has nothing left to move, and the test sees none)
-BODIES = [dict(prompt=p, max_tokens=192, ignore_eos=True, **({"temperature": 0.8, "seed": 7 + i} if i % 2 else
+# loaded 2-core machine (a session that finishes first has nothing left to move, and the test sees none;
+# 192 tokens stopped being enough once sampling stopped costing ~0.3 ms a token)
+BODIES = [dict(prompt=p, max_tokens=384, ignore_eos=True, **({"temperature": 0.8, "seed": 7 + i} if i % 2 else
                                                             {"temperature": 0.0}))
           for i, p in enumerate(PROMPTS)]
 

@@ -246,7 +246,9 @@ def test_stream_whose_replica_dies_is_held_until_a_restore_brings_the_session_ba
 # ---- one replica of its own: detach grace, and the reattach bound ---------------------------------
 @pytest.fixture(scope="module")
 def solo():
-    rep = procs.replica(env={"RELAYOUT_DETACH_GRACE_S": "3", "RELAYOUT_TOKEN": None}, timeout=60)
+    # a 2 s grace: long after the 1 s a test waits to see a detached session still running, and too short
+    # for a 4000-token session to finish first (at 3 s and 3000 tokens, one ended by length on a fast machine)
+    rep = procs.replica(env={"RELAYOUT_DETACH_GRACE_S": "2", "RELAYOUT_TOKEN": None}, timeout=60)
     gw = procs.gateway("--replica", rep.url, "--port", "0", env={"RELAYOUT_REATTACH_WAIT_S": "3",
                                                                  "RELAYOUT_TOKEN": None}, timeout=60)
     try:
@@ -269,13 +271,13 @@ def test_bare_disconnect_detaches_for_the_grace_then_aborts(solo):
     rest.close()
     assert rest.done and rd.ids + rest.ids == reference(rep.url, q)
     # nobody reattaches: aborted after the grace, its blocks freed
-    rd = Reader("POST", f"{rep.url}/v1/completions", json={**request(41, 3000), "stream": True}).read(until_tokens=5)
+    rd = Reader("POST", f"{rep.url}/v1/completions", json={**request(41, 4000), "stream": True}).read(until_tokens=5)
     rd.close()
     time.sleep(1.0)
     assert httpx.get(f"{rep.url}/v1/sessions/{rd.sid}").json()["state"] == "running"
     s = wait_for(lambda: (lambda s: s if s["state"] == "finished" else None)(
         httpx.get(f"{rep.url}/v1/sessions/{rd.sid}").json()), 15, "abort after the grace")
-    assert s["finish_reason"] == "abort" and len(s["token_ids"]) < 3000
+    assert s["finish_reason"] == "abort" and len(s["token_ids"]) < 4000
     assert wait_for(lambda: httpx.get(f"{rep.url}/v1/replica").json()["kv_blocks_used"] == 0, 10, "blocks freed")
 
 
