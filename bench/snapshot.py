@@ -104,6 +104,7 @@ def _fill(eng: LLMEngine, sessions: int, tokens: int, prefill: int) -> tuple[lis
         st = sn.state
         st.session_id, st.prompt_token_ids = f"snap-{i}", (st.prompt_token_ids * reps)[:tokens]
         st.num_computed = sn.num_kv_tokens = tokens
+        sn.state = st
         sn.kv = [(lo, hi, t.repeat(1, 1, 1, reps, 1)[:, :, :, :tokens].contiguous()) for lo, hi, t in sn.kv]
     write_snapshot(snaps, w)
     w.commit(model_ref(eng), eng.layout.to_dict(), geometry(eng), {})

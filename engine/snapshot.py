@@ -12,7 +12,6 @@ Restoring them is engine/placer.py's.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import secrets
 import time
@@ -100,11 +99,20 @@ class SessionSnapshot:
     def __init__(self, state: SessionState, num_kv_tokens: int,
                  kv: list[tuple[int, int, torch.Tensor]] | None = None,
                  chunks: list[tuple] | None = None, deferred: DeferredKV | None = None) -> None:
-        self.state = state
+        self.state = state  # at the cut, as the plain data a manifest carries (a copy: the session goes on)
         self.num_kv_tokens = num_kv_tokens
         self._kv = list(kv or [])
         self.chunks = chunks
         self.deferred = deferred  # the KV, not copied yet (take_snapshot's defer_copy)
+
+    @property
+    def state(self) -> SessionState:
+        """The state at the cut (a new object each time: set it back to change the snapshot's)."""
+        return SessionState.from_dict(self.state_dict)
+
+    @state.setter
+    def state(self, st: SessionState) -> None:
+        self.state_dict, self.session_id = st.to_dict(), st.session_id
 
     def materialize(self) -> None:
         """Copy deferred KV now (into `chunks`)."""
@@ -190,37 +198,6 @@ def _export_chunks(pool: KVCache, heads: tuple[int, int], blocks: list[int], lo:
     return chunks
 
 
-# SessionState's fields declared list[int] (the token ids): copying those element by element
-# through deepcopy/asdict costs milliseconds per session at a few thousand tokens
-_INT_LIST_FIELDS = tuple(f.name for f in dataclasses.fields(SessionState) if f.type in ("list[int]", list[int]))
-
-
-def _int_lists(st: SessionState) -> dict[str, list[int]]:
-    """The state's int-list fields (by declaration: scanning each token's type on every round's
-    cut, on the engine thread, cost more than the copy), each if it holds a list."""
-    return {name: v for name in _INT_LIST_FIELDS if type(v := getattr(st, name)) is list}
-
-
-def _copy_state(st: SessionState) -> SessionState:
-    """copy.deepcopy(st), with its int lists copied whole."""
-    return copy.deepcopy(st, {id(v): list(v) for v in _int_lists(st).values()})
-
-
-def _state_dict(st: SessionState) -> dict:
-    """st.to_dict(), with its int lists copied whole instead of through asdict."""
-    lists = _int_lists(st)
-    light = copy.copy(st)
-    for name in lists:
-        setattr(light, name, [])
-    d = light.to_dict()
-    for name, v in lists.items():
-        if d.get(name) == []:  # as asdict renders a list of ints: an equal list
-            d[name] = list(v)
-        else:  # to_dict renders this field some other way: let it
-            return st.to_dict()
-    return d
-
-
 def _live(engine: LLMEngine, session_ids: list[str] | None) -> list[SessionState]:
     if session_ids is None:
         return [s for s in engine.sessions.values() if not s.is_finished]
@@ -254,7 +231,7 @@ def take_snapshot(engine: LLMEngine, session_ids: list[str] | None = None, tok_f
         host = hosts[s.dp_group]
         lo = (tok_from or {}).get(s.session_id, 0)
         n = s.num_computed if tok_cap is None else min(s.num_computed, lo + tok_cap)
-        snap = SessionSnapshot(_copy_state(s), n)
+        snap = SessionSnapshot(s, n)
         table = engine.scheduler.tables.get(s.session_id)
         if n > lo and table is not None:
             blocks = table.blocks[: blocks_needed(n)]
@@ -307,7 +284,7 @@ def write_snapshot_steps(snaps: list[SessionSnapshot], writer: CheckpointWriter,
     """write_snapshot, pausing (yielding) after each batch of chunks a deferred snapshot copied
     and after each session, so a caller can send what the writer's store got so far."""
     for snap in snaps:
-        sid = snap.state.session_id
+        sid = snap.session_id
         if snap.deferred is not None:  # copied here, a chunk range at a time, then the buffers go on
             for chunks in snap.deferred.batches():
                 _put_chunks(writer, sid, chunks)
@@ -321,7 +298,7 @@ def write_snapshot_steps(snaps: list[SessionSnapshot], writer: CheckpointWriter,
                 for a, b in _chunk_ranges(lo0, lo0 + kv.shape[3]):
                     for layer in range(kv.shape[0]):
                         writer.put_kv(sid, layer, head_lo, head_hi, a, b, kv[layer, :, :, a - lo0 : b - lo0])
-        writer.add_session(sid, _state_dict(snap.state), snap.num_kv_tokens, handed_over=True)
+        writer.add_session(sid, snap.state_dict, snap.num_kv_tokens, handed_over=True)
         yield
 
 

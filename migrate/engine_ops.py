@@ -102,8 +102,8 @@ class EngineThreadOps:
         def cut(e: LLMEngine) -> SourceRound:
             snaps = take_snapshot(e, sessions)
             if stop:
-                e.pause([s.state.session_id for s in snaps])
-            return SourceRound([s.state.session_id for s in snaps] if stop else [], snaps, model_ref(e), e.layout.to_dict(),
+                e.pause([s.session_id for s in snaps])
+            return SourceRound([s.session_id for s in snaps] if stop else [], snaps, model_ref(e), e.layout.to_dict(),
                        geometry(e))
 
         return await self.call(cut)

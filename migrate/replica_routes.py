@@ -198,7 +198,7 @@ def install_replica_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
             cut = await ops.take_checkpoint(body.sessions, body.stop)
         except KeyError as e:
             raise HTTPError(404, str(e.args[0])) from None
-        ids = [s.state.session_id for s in cut.snaps]
+        ids = [s.session_id for s in cut.snaps]
 
         def write():
             with CheckpointWriter(store, cid, codec=body.codec) as w:

@@ -154,7 +154,7 @@ class Replicator:
             cut = await self.ops.take_round(None, False, sent, None)
             for snap in cut.snaps:
                 # a session preempted here and still recomputing: its KV on the standby stays valid
-                snap.num_kv_tokens = max(snap.num_kv_tokens, sent.get(snap.state.session_id, 0))
+                snap.num_kv_tokens = max(snap.num_kv_tokens, sent.get(snap.session_id, 0))
             rnd = self.rounds + 1
             manifest, frames = await asyncio.to_thread(self._frames, cut, sent, rnd)
             r = await client.post(f"{self.cfg.standby}/v1/standby/{self.pid}/rounds", content=b"".join(frames),
