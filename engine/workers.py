@@ -362,8 +362,20 @@ class RankExecutor:
         return out
 
     def _fail(self, msg: str) -> None:
+        # a rank killed by a signal takes its peers' collectives down with it, and a peer's report of
+        # that (a gloo read error, its own channel's reset) may come before its exit is seen: the
+        # killed rank is the cause, named first (a short wait on this failure path lets it be seen)
+        alive = [p.sentinel for p in self.procs.values() if p.exitcode is None]
+        if alive:
+            wait(alive, timeout=0.25)
+        ended = set(wait([p.sentinel for p in self.procs.values()], timeout=0))
+        for p in self.procs.values():
+            if p.sentinel in ended:
+                p.join(1.0)  # its exit status (reaped a moment after its sentinel fires)
+        killed = [f"rank {r} died (signal {-p.exitcode})" for r, p in sorted(self.procs.items())
+                  if p.exitcode is not None and p.exitcode < 0 and f"rank {r} died" not in msg]
         self.shutdown(force=True)
-        raise RankFailure(f"replica down: {msg}")
+        raise RankFailure(f"replica down: {'; '.join([*killed, msg])}")
 
     # ---- Executor ----------------------------------------------------------------------------
     def execute(self, batches: list[StepBatch]) -> list[torch.Tensor]:
