@@ -148,3 +148,16 @@ class RankChannel:
             self.sock.close()
         except OSError:
             pass
+
+
+def split_hostport(addr: str) -> tuple[str, int]:
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"expected HOST:PORT, got {addr!r}")
+    return host.strip("[]"), int(port)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -36,7 +36,15 @@ from relayout.engine.executor import HostPool
 from relayout.engine.kv_cache import FP8_KV, KVCache
 from relayout.engine.layout import Layout
 from relayout.engine.parallel import init_groups
-from relayout.engine.rank_channel import ChannelClosed, ChannelError, Encoded, Message, RankChannel, encode
+from relayout.engine.rank_channel import (
+    ChannelClosed,
+    ChannelError,
+    Encoded,
+    Message,
+    RankChannel,
+    encode,
+    split_hostport,
+)
 from relayout.engine.runner import ModelRunner, StepBatch
 from relayout.engine.shared_kv import SharedPool, attach_pool, shared_kv_enabled
 from relayout.engine.weights import model_identity
@@ -66,19 +74,6 @@ class RankPlacement:
     endpoint: str = "127.0.0.1:0"  # where ranks join the driver (port 0: a free one)
     token: str | None = None  # remote ranks must present it (RELAYOUT_TOKEN)
     join_timeout_s: float = field(default_factory=rank_join_timeout_s)
-
-
-def split_hostport(addr: str) -> tuple[str, int]:
-    host, sep, port = addr.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise ValueError(f"expected HOST:PORT, got {addr!r}")
-    return host.strip("[]"), int(port)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 # ---- the rank side ---------------------------------------------------------------------------------
@@ -362,16 +357,11 @@ class RankExecutor:
         return out
 
     def _fail(self, msg: str) -> None:
-        # a rank killed by a signal takes its peers' collectives down with it, and a peer's report of
-        # that (a gloo read error, its own channel's reset) may come before its exit is seen: the
-        # killed rank is the cause, named first (a short wait on this failure path lets it be seen)
-        alive = [p.sentinel for p in self.procs.values() if p.exitcode is None]
-        if alive:
-            wait(alive, timeout=0.25)
-        ended = set(wait([p.sentinel for p in self.procs.values()], timeout=0))
+        # a rank killed by a signal breaks its peers' collectives, and their reports may come before its
+        # exit is seen: on this failure path, wait a moment for exits, and name a killed rank first
+        wait([p.sentinel for p in self.procs.values()], timeout=0.25)
         for p in self.procs.values():
-            if p.sentinel in ended:
-                p.join(1.0)  # its exit status (reaped a moment after its sentinel fires)
+            p.join(1.0 if wait([p.sentinel], timeout=0) else 0)  # reaped a moment after its sentinel fires
         killed = [f"rank {r} died (signal {-p.exitcode})" for r, p in sorted(self.procs.items())
                   if p.exitcode is not None and p.exitcode < 0 and f"rank {r} died" not in msg]
         self.shutdown(force=True)

@@ -46,7 +46,7 @@ def protect_from_start(app: FastAPI, aengine: AsyncEngine, standby: str, own_url
 
 def rank_placement(local_ranks: list[int] | None, rank_endpoint: str | None) -> RankPlacement | None:
     """Where the ranks run when some join from other hosts (None: all here). ValueError for a bad endpoint."""
-    from relayout.engine.workers import split_hostport
+    from relayout.engine.rank_channel import split_hostport
 
     if local_ranks is None and rank_endpoint is None:
         return None

@@ -12,7 +12,7 @@ import threading
 
 import httpx
 import pytest
-from relayout.engine.workers import free_port
+from relayout.engine.rank_channel import free_port
 from relayout.migrate.frame_link import CHALLENGE_BYTES, LINK_MAGIC, LINK_PATH, link_mac
 from relayout.migrate.live import MigrationError, MigrationPlan, migrate_live
 

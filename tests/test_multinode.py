@@ -15,10 +15,10 @@ import httpx
 import pytest
 import torch
 from relayout.engine.engine import LLMEngine
-from relayout.engine.rank_channel import ChannelClosed, ChannelError, RankChannel
+from relayout.engine.rank_channel import ChannelClosed, ChannelError, RankChannel, free_port
 from relayout.engine.web import bearer_headers
 from relayout.engine.weights import resolve_model
-from relayout.engine.workers import RankFailure, RankJoinError, RankPlacement, free_port, rank_main
+from relayout.engine.workers import RankFailure, RankJoinError, RankPlacement, rank_main
 from relayout.migrate import procs
 
 from tests.test_layouts import run
