@@ -11,8 +11,9 @@ from relayout.migrate.live import MigrationPlan, migrate_live
 from tests.helpers.migration import Moved, finish_moved, idle, port_of, reference, replica_pair, streams_on
 from tests.helpers.proxy import Proxy
 
-# long prompts: the KV moved dwarfs the control messages, as in any real migration
-BODIES = [dict(prompt=f"direct {i}: " + "pack my box with five dozen liquor jugs " * (40 + 10 * i), max_tokens=160,
+# long prompts: the KV moved dwarfs the control messages, as in any real migration; long outputs: still
+# decoding when the final round comes on a fast machine (a session that finished first moves nothing)
+BODIES = [dict(prompt=f"direct {i}: " + "pack my box with five dozen liquor jugs " * (40 + 10 * i), max_tokens=320,
                ignore_eos=True, **({"temperature": 0.7, "seed": 11 + i} if i % 2 else {"temperature": 0.0}))
           for i in range(3)]
 

@@ -125,7 +125,9 @@ def test_live_migration_over_the_link(pair):
 
 
 # ---- the fault matrix's network faults, on the frame link (tests/test_faults.py injects them on HTTP) ----
-FAULT_BODIES = [dict(prompt=f"link fault {i}: " + "the quick brown fox " * (8 + 3 * i), max_tokens=192,
+# long enough to be still running when a retried round completes (192 tokens stopped being enough once
+# sampling stopped costing ~0.3 ms a token: every session finished before the final round, none moved)
+FAULT_BODIES = [dict(prompt=f"link fault {i}: " + "the quick brown fox " * (8 + 3 * i), max_tokens=384,
                      ignore_eos=True, **({"temperature": 0.8, "seed": 7 + i} if i % 2 else {"temperature": 0.0}))
                 for i in range(2)]
 
