@@ -360,8 +360,8 @@ class RankExecutor:
         # a rank killed by a signal breaks its peers' collectives, and their reports may come before its
         # exit is seen: on this failure path, wait a moment for exits, and name a killed rank first
         wait([p.sentinel for p in self.procs.values()], timeout=0.25)
-        for p in self.procs.values():
-            p.join(1.0 if wait([p.sentinel], timeout=0) else 0)  # reaped a moment after its sentinel fires
+        for p in (p for p in self.procs.values() if wait([p.sentinel], timeout=0)):
+            p.join(1.0)  # exited: its status is there a moment after its sentinel fires
         killed = [f"rank {r} died (signal {-p.exitcode})" for r, p in sorted(self.procs.items())
                   if p.exitcode is not None and p.exitcode < 0 and f"rank {r} died" not in msg]
         self.shutdown(force=True)
