@@ -128,8 +128,8 @@ def rank(
     LOCAL_RANK (which GPU of this host), MASTER_ADDR/MASTER_PORT (the driver's --rank-endpoint), and
     RELAYOUT_TOKEN when the driver has one. Exits 0 when the driver shuts the replica down."""
     from relayout.engine.rank import RankConfigError, run_rank
+    from relayout.engine.rank_process import RankJoinError
     from relayout.engine.weights import ModelNotFoundError
-    from relayout.engine.workers import RankJoinError
 
     try:
         code = run_rank(model, driver, threads, log=err.print)

@@ -40,8 +40,8 @@ def rank_env(env: Mapping[str, str], driver: str | None) -> tuple[int, int | Non
 def run_rank(model: str, driver: str | None, threads: int | None, log=print) -> int:
     """Join the driver and serve as one rank until it shuts the replica down; the exit code.
     Raises RankConfigError, RankJoinError or ModelNotFoundError (callers turn them into exit codes)."""
+    from relayout.engine.rank_process import rank_main
     from relayout.engine.weights import resolve_model
-    from relayout.engine.workers import rank_main
 
     rank, world, local, driver = rank_env(os.environ, driver)
     model_dir = resolve_model(model)
@@ -50,8 +50,8 @@ def run_rank(model: str, driver: str | None, threads: int | None, log=print) -> 
 
 
 def main(argv: list[str] | None = None) -> None:
+    from relayout.engine.rank_process import RankJoinError
     from relayout.engine.weights import ModelNotFoundError
-    from relayout.engine.workers import RankJoinError
     from relayout.storage.settings import SettingsError, check_settings
 
     try:

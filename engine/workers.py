@@ -7,7 +7,8 @@ frames, no pickle). By default the driver spawns every rank on its own host. Wit
 `RankPlacement` it spawns only its `local_ranks` and waits for the others to join its rank
 endpoint from other hosts, where `relayout rank` starts them under torchrun-style variables
 (RANK, WORLD_SIZE, LOCAL_RANK; MASTER_ADDR:MASTER_PORT = the driver's endpoint). The driver also
-hosts the group's rendezvous store, so one address is all a remote rank needs.
+hosts the group's rendezvous store, so one address is all a remote rank needs. This file is the
+driver's side (`RankExecutor`); what a rank process runs is `rank_process`.
 
 A rank that dies, hangs, breaks its connection or raises takes the whole replica down with a
 `RankFailure` naming it, never a hang. A rank that presents the wrong token is turned away and
@@ -23,7 +24,6 @@ import os
 import socket
 import sys
 import time
-import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.connection import wait
@@ -31,11 +31,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from relayout.engine.config import ModelConfig, parse_dtype
+from relayout.engine.config import ModelConfig
 from relayout.engine.executor import HostPool
-from relayout.engine.kv_cache import FP8_KV, KVCache
+from relayout.engine.kv_cache import KVCache
 from relayout.engine.layout import Layout
-from relayout.engine.parallel import init_groups
 from relayout.engine.rank_channel import (
     ChannelClosed,
     ChannelError,
@@ -45,25 +44,17 @@ from relayout.engine.rank_channel import (
     encode,
     split_hostport,
 )
-from relayout.engine.runner import ModelRunner, StepBatch
+from relayout.engine.rank_process import RankJoinError, rank_join_timeout_s, rank_main
+from relayout.engine.runner import StepBatch
 from relayout.engine.shared_kv import SharedPool, attach_pool, shared_kv_enabled
 from relayout.engine.weights import model_identity
-from relayout.storage.chunks import one_malloc_arena
 from relayout.storage.settings import settings
-
-
-def rank_join_timeout_s() -> float:  # RELAYOUT_RANK_JOIN_TIMEOUT_S
-    return settings().rank_join_timeout_s
 
 HELLO_TIMEOUT_S = 15.0  # a connection that says nothing this long is not one of our ranks
 
 
 class RankFailure(RuntimeError):
     pass
-
-
-class RankJoinError(RuntimeError):
-    """Raised in a rank process the driver turned away (or could not be reached)."""
 
 
 @dataclass
@@ -74,110 +65,6 @@ class RankPlacement:
     endpoint: str = "127.0.0.1:0"  # where ranks join the driver (port 0: a free one)
     token: str | None = None  # remote ranks must present it (RELAYOUT_TOKEN)
     join_timeout_s: float = field(default_factory=rank_join_timeout_s)
-
-
-# ---- the rank side ---------------------------------------------------------------------------------
-def _connect(driver: str, deadline: float) -> socket.socket:
-    host, port = split_hostport(driver)
-    while True:  # a remote rank may be started before its driver
-        try:
-            return socket.create_connection((host, port), timeout=10)
-        except OSError as e:
-            if time.monotonic() > deadline:
-                raise RankJoinError(f"cannot reach the driver at {driver}: {e}") from None
-            time.sleep(0.5)
-
-
-def rank_main(rank: int, driver: str, model_dir: str, token: str | None = None, threads: int | None = None,
-              local_index: int | None = None, world_size: int | None = None) -> int:
-    """One rank: join the driver at `driver` (HOST:PORT), then run its commands until told to stop
-    or the driver goes away (0), or until a command fails (1, reported to the driver). Raises
-    RankJoinError when turned away."""
-    one_malloc_arena()  # as its driver does (migrate.serve): freed buffers stay for the next round
-    if threads:
-        torch.set_num_threads(threads)
-    sock = _connect(driver, time.monotonic() + rank_join_timeout_s())
-    sock.settimeout(None)
-    ch = RankChannel(sock)
-    try:
-        ch.send("hello", {"rank": rank, "token": token or "", "host": socket.gethostname(), "world_size": world_size,
-                          "model": model_identity(Path(model_dir))})
-        try:
-            msg = ch.recv(timeout=rank_join_timeout_s())
-        except (ChannelClosed, TimeoutError) as e:
-            raise RankJoinError(f"the driver at {driver} did not answer rank {rank}'s hello: {e}") from None
-        if msg.op == "refuse":
-            raise RankJoinError(f"the driver at {driver} refused rank {rank}: {(msg.meta or {}).get('reason')}")
-        if msg.op != "config" or not isinstance(msg.meta, dict):
-            raise RankJoinError(f"unexpected {msg.op!r} from the driver at {driver}")
-        try:
-            runner, first_tp = _start(rank, msg.meta, split_hostport(driver)[0], Path(model_dir), local_index)
-            ch.send("ready", {"shared_kv": runner.shared_pool.to_dict() if runner.shared_pool else None})
-            _serve(ch, runner, first_tp)
-            return 0
-        except ChannelClosed:
-            return 0  # the driver is gone (or shut the replica down hard): nothing left to serve
-        except Exception:
-            tb = traceback.format_exc(limit=8)
-            print(f"relayout rank {rank} failed:\n{tb}", file=sys.stderr, flush=True)
-            try:
-                ch.send("error", {"error": tb})
-            except ChannelClosed:
-                pass
-            return 1
-    finally:
-        ch.close()
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:
-                pass
-
-
-def _start(rank: int, conf: dict, store_host: str, model_dir: Path, local_index: int | None
-           ) -> tuple[ModelRunner, bool]:
-    layout = Layout.from_dict(conf["layout"])
-    cfg = ModelConfig.from_dir(model_dir)
-    dev = torch.device(conf["device"])
-    if dev.type == "cuda":
-        dev = torch.device("cuda", (rank if local_index is None else local_index) % torch.cuda.device_count())
-        torch.cuda.set_device(dev)
-    timeout = timedelta(seconds=settings().step_timeout_s)
-    store = dist.TCPStore(store_host, int(conf["store_port"]), is_master=False, timeout=timeout)
-    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", store=store, rank=rank,
-                            world_size=layout.world_size, timeout=timeout)
-    ps = init_groups(layout, rank)
-    dtype = parse_dtype(conf["dtype"])
-    kv_dtype = {str(t).removeprefix("torch."): t for t in (dtype, FP8_KV)}[conf.get("kv_dtype", conf["dtype"])]
-    runner = ModelRunner(cfg, ps, model_dir, int(conf["num_blocks"]), dev, dtype, kv_dtype,
-                         shared_kv=bool(conf.get("shared_kv")) and local_index is not None)
-    return runner, layout.attn_tp_rank(rank) == 0
-
-
-def _serve(ch: RankChannel, runner: ModelRunner, first_tp: bool) -> None:
-    while True:
-        m = ch.recv()
-        a = m.meta or {}
-        if m.op == "step":
-            out = runner.execute(StepBatch(**a))
-            ch.send("ok", None, [out] if first_tp else [])  # the other TP ranks hold the same logits
-        elif m.op == "export":
-            kv = runner.export_kv(a["blocks"], a["tok_lo"], a["tok_hi"])
-            ch.send("ok", {"kv_range": list(runner.kv_range)}, [kv.transpose(2, 3)])  # token-major on the wire
-        elif m.op == "import":
-            # token-major on the wire ([layers, 2, tokens, heads, head_dim], the pool's order)
-            runner.import_kv(a["blocks"], a["tok_lo"], m.tensors[0].transpose(2, 3), a.get("heads"))
-            ch.send("ok")
-        elif m.op == "reserve":  # gather buffers for a step over this many blocks (a session moving in)
-            runner.kv.reserve_scratch(int(a["blocks"]))
-            ch.send("ok")
-        elif m.op == "stats":
-            ch.send("ok", runner.moe_stats())
-        elif m.op == "stop":
-            ch.send("ok")
-            return
-        else:
-            raise ValueError(f"unknown command {m.op!r}")
 
 
 def _spawned_rank(rank: int, driver: str, model_dir: str, token: str | None, threads: int, local_index: int) -> None:
@@ -357,15 +244,26 @@ class RankExecutor:
         return out
 
     def _fail(self, msg: str) -> None:
-        # a rank killed by a signal breaks its peers' collectives, and their reports may come before its
-        # exit is seen: on this failure path, wait a moment for exits, and name a killed rank first
-        wait([p.sentinel for p in self.procs.values()], timeout=0.25)
-        for p in (p for p in self.procs.values() if wait([p.sentinel], timeout=0)):
-            p.join(1.0)  # exited: its status is there a moment after its sentinel fires
-        killed = [f"rank {r} died (signal {-p.exitcode})" for r, p in sorted(self.procs.items())
-                  if p.exitcode is not None and p.exitcode < 0 and f"rank {r} died" not in msg]
+        # a killed rank breaks its peers' collectives, and their reports may come before its own end is
+        # seen (a local rank's exit status, a remote rank's closed channel): wait a moment, name it first
+        gone: dict[int, str] = {}
+        chans, sentinels = dict(self.chans), {p.sentinel: r for r, p in self.procs.items()}
+        deadline = time.monotonic() + 0.25
+        while (chans or sentinels) and (left := deadline - time.monotonic()) > 0:
+            ready = wait([*chans.values(), *sentinels], timeout=left)
+            for r, ch in [(r, ch) for r, ch in chans.items() if ch in ready]:
+                del chans[r]
+                try:
+                    ch.recv(timeout=0.05)  # what a live rank says now no longer matters: the replica is down
+                except (ChannelClosed, ChannelError, TimeoutError):
+                    gone.setdefault(r, f"rank {r} on {self.hosts.get(r)}: connection lost")
+            for r in [sentinels.pop(s) for s in list(sentinels) if s in ready]:
+                self.procs[r].join(1.0)  # its status is there a moment after its sentinel fires
+                if (code := self.procs[r].exitcode) is not None and code < 0:
+                    gone[r] = f"rank {r} died (signal {-code})"
+        named = [why for r, why in sorted(gone.items()) if f"rank {r} " not in msg]
         self.shutdown(force=True)
-        raise RankFailure(f"replica down: {'; '.join([*killed, msg])}")
+        raise RankFailure(f"replica down: {'; '.join([*named, msg])}")
 
     # ---- Executor ----------------------------------------------------------------------------
     def execute(self, batches: list[StepBatch]) -> list[torch.Tensor]:

@@ -16,9 +16,10 @@ import pytest
 import torch
 from relayout.engine.engine import LLMEngine
 from relayout.engine.rank_channel import ChannelClosed, ChannelError, RankChannel, free_port
+from relayout.engine.rank_process import RankJoinError, rank_main
 from relayout.engine.web import bearer_headers
 from relayout.engine.weights import resolve_model
-from relayout.engine.workers import RankFailure, RankJoinError, RankPlacement, rank_main
+from relayout.engine.workers import RankFailure, RankPlacement
 from relayout.migrate import procs
 
 from tests.test_layouts import run
