@@ -58,6 +58,9 @@ def _complete(url: str, prompt: list[int], n: int) -> tuple[list[int], float]:
     return r.json()["choices"][0]["token_ids"], time.perf_counter() - t0
 
 
+MIN_GAPS = 8  # inter-token gaps a window needs for its median to say something
+
+
 def measure_context(src: str, dst: str, ctx: int, kv_per_token: int, seed: int = 0) -> dict:
     from relayout.migrate.live import MigrationPlan, migrate_live
 
@@ -90,7 +93,10 @@ def measure_context(src: str, dst: str, ctx: int, kv_per_token: int, seed: int =
     final_at = phases.get("stop-and-copy", t1)
     before = [t for t in s.times if t < t0]
     during = [t for t in s.times if t0 <= t < final_at]
-    g_before, g_during = median_gap_ms(before), median_gap_ms(during)
+    # a median of a few gaps is noise (a stream's tokens come in bursts): 0.19, 332 and 0.59 in one run
+    # whose pre-copy rounds lasted ~40 ms; fewer than MIN_GAPS in a window reports null
+    g_before = median_gap_ms(before) if len(before) > MIN_GAPS else None
+    g_during = median_gap_ms(during) if len(during) > MIN_GAPS else None
     cut_tokens = ctx + len([t for t in s.times if t < final_at])
     return {
         "moved": moved, "not_moved": res.not_moved, "exact": s.tokens + rest == ref,

@@ -21,6 +21,8 @@ import queue
 import re
 import socketserver
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +40,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("relayout.vllm_connector")
 COMMAND_TIMEOUT_S = 30.0  # a command waits this long for the engine's next step
+COMMAND_POLL_S = 0.05  # how often a waiting command looks whether its request ended
 _LAYER_RE = re.compile(r"layers\.(\d+)\.")
 
 
@@ -76,6 +79,7 @@ class SchedulerSide:
         self.tp = vllm_config.parallel_config.tensor_parallel_size
         self.sessions: dict[str, Request] = {}
         self.commands: queue.Queue[_Command] = queue.Queue()
+        self._answering = threading.Lock()  # a command is answered once: by a step, or by its waiting caller
         self.loads: dict[str, LoadSpec] = {}  # request id -> KV to load in its first step
         self.kv_cache_manager = None
         sock = extra.get("control_socket")
@@ -108,15 +112,35 @@ class SchedulerSide:
             return {"ok": False, "error": f"unknown command {msg.get('op')!r}"}
         cmd = _Command(msg)
         self.commands.put(cmd)
-        if not cmd.done.wait(COMMAND_TIMEOUT_S):
-            return {"ok": False, "error": f"session {msg.get('session')} is not running in vLLM (no step came)"}
+        deadline = time.monotonic() + COMMAND_TIMEOUT_S
+        while not cmd.done.wait(COMMAND_POLL_S):
+            req = self.sessions.get(str(msg.get("session")))
+            if req is None or req.is_finished():
+                # vLLM may idle now, and no step would come to answer (an export waited 30 s when its
+                # session ended at the cut): answered here, as a step would ("no running request")
+                self._answer(cmd, lambda: self._export(msg))
+            elif time.monotonic() > deadline:
+                self._answer(cmd, lambda: ({"ok": False, "error": f"session {msg.get('session')} is not running "
+                                                                  "in vLLM (no step came)"}, None))
         return cmd.answer or {"ok": False, "error": "no answer"}
+
+    def _answer(self, cmd: _Command, answer: Callable[[], tuple[dict, ExportSpec | None]]) -> ExportSpec | None:
+        """Answer `cmd` unless it was answered already (by a step, or by its waiting caller): once."""
+        with self._answering:
+            if cmd.done.is_set():
+                return None
+            try:
+                cmd.answer, spec = answer()
+            except Exception as e:  # noqa: BLE001 - said to the caller, never into vLLM's loop
+                cmd.answer, spec = {"ok": False, "error": f"{type(e).__name__}: {e}"}, None
+            cmd.done.set()
+            return spec
 
     def _export(self, msg: dict) -> tuple[dict, ExportSpec | None]:
         sid = msg["session"]
         req = self.sessions.get(sid)
         if req is None or req.is_finished():
-            return {"ok": False, "error": f"session {sid} has no running request in vLLM"}, None
+            return {"ok": False, "error": f"session {sid} has no running request in vLLM", "finished": True}, None
         from vllm.v1.request import RequestStatus
 
         if req.status != RequestStatus.RUNNING:
@@ -162,13 +186,8 @@ class SchedulerSide:
                 cmd = self.commands.get_nowait()
             except queue.Empty:
                 break
-            try:
-                cmd.answer, spec = self._export(cmd.msg)
-            except Exception as e:  # noqa: BLE001 - said to the caller, never into vLLM's loop
-                cmd.answer, spec = {"ok": False, "error": f"{type(e).__name__}: {e}"}, None
-            if spec is not None:
+            if (spec := self._answer(cmd, lambda c=cmd: self._export(c.msg))) is not None:
                 meta.exports.append(spec)
-            cmd.done.set()
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:

@@ -28,7 +28,12 @@ LOAD_KEY = "relayout_load"  # kv_transfer_params: {"tokens": n, "files": [path, 
 
 
 class ExchangeError(RuntimeError):
-    """The connector refused or could not do what the replica asked (the session is untouched)."""
+    """The connector refused or could not do what the replica asked (the session is untouched).
+    `finished`: vLLM no longer runs the session's request (it ended there), not a failure."""
+
+    def __init__(self, message: str, finished: bool = False):
+        super().__init__(message)
+        self.finished = finished
 
 
 def staging_root() -> Path:
@@ -94,5 +99,5 @@ def control(sock_path: str | Path, msg: dict, timeout: float = 30.0) -> dict:
     except ValueError:
         raise ExchangeError(f"vLLM's relayout connector sent an unreadable answer: {data[:200]!r}") from None
     if not out.get("ok"):
-        raise ExchangeError(out.get("error") or "the connector refused")
+        raise ExchangeError(out.get("error") or "the connector refused", finished=out.get("finished") is True)
     return out

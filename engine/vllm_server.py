@@ -20,7 +20,11 @@ from relayout.engine.layout import Layout, LayoutError
 
 CONNECTOR_MODULE = "relayout.engine.vllm_connector"
 CONNECTOR_CLASS = "RelayoutConnector"
-CPU_NICE = 5  # vLLM's processes run this much nicer than the replica on a CPU machine
+# vLLM's processes run this much nicer than the replica on a CPU machine. Its CPU ranks spin while they
+# wait for work; at nice 5, on 2 cores, they kept the replica's own threads off the CPU for ~2.5 s at a
+# time (a 10 ms engine step took 2.5 s, a client's first token came after vLLM had decoded 1500, and
+# live moves found their session finished); at 19, 20 moves in a row took 0.03-0.22 s
+CPU_NICE = 19
 START_TIMEOUT_S = 600.0  # loading and compiling a model: minutes on a small CPU
 
 

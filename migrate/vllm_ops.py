@@ -79,9 +79,12 @@ class VllmOps:
                 try:
                     kv = await asyncio.to_thread(self.engine.export_tensors, sid, lo, hi)
                 except ExchangeError as e:
-                    # vLLM ended the request meanwhile (it finished there): nothing left to move
+                    # vLLM ended the request meanwhile (it finished there): nothing left to move; any other
+                    # failure is named with its reason, and the session goes on here untouched
                     log.warning("session %s not moved: %s", sid, e)
                     gone.append(sid)
+                    if not e.finished:
+                        why[sid] = f"vLLM could not export its KV, so it keeps running here: {e}"
                     continue
             n = lo + (kv[0][2].shape[3] if kv else 0)
             snaps.append(SessionSnapshot(st, n, kv=kv))
