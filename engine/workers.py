@@ -261,7 +261,9 @@ class RankExecutor:
                 self.procs[r].join(1.0)  # its status is there a moment after its sentinel fires
                 if (code := self.procs[r].exitcode) is not None and code < 0:
                     gone[r] = f"rank {r} died (signal {-code})"
-        named = [why for r, why in sorted(gone.items()) if f"rank {r} " not in msg]
+        # a killed rank is named even when `msg` is its own broken channel; a lost one only when `msg` is not it
+        named = [why for r, why in sorted(gone.items())
+                 if (f"rank {r} died" if "died" in why else f"rank {r} ") not in msg]
         self.shutdown(force=True)
         raise RankFailure(f"replica down: {'; '.join([*named, msg])}")
 
