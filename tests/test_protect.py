@@ -150,14 +150,16 @@ def between_rounds(source: str, standby: str, pid: str, got: Callable[[], int], 
     (`got`: generated tokens, all clients together) more than the standby holds: a kill right after
     a round was acknowledged, or while the clients' streams lag behind the last sync, would leave
     no tail for the promotion to recompute. And the next round is not about to land between this
-    check and the caller's kill: every session is at least 6 tokens short of `every_tokens` past the
-    last sync, and that sync's round was cut less than `every_ms` - 60 ms ago (rounds
-    also go every `every_ms`; a round in flight has not renewed the lease yet, so it counts as not cut)."""
+    check and the caller's kill: every session is at least 6 tokens (a third of `every_tokens`, when
+    more) short of `every_tokens` past the last sync, and that sync's round was cut less than `every_ms`
+    - 60 ms ago (rounds also go every `every_ms`; a round in flight has not renewed the lease yet, so it
+    counts as not cut)."""
     def ahead() -> bool:
         v = httpx.get(f"{source}/v1/protection", timeout=5, headers=headers).json()
         since_cut = v["lease_s"] - v["lease_left_s"]  # the lease runs from the last acknowledged round's cut
+        short = max(6, v["every_tokens"] // 3)
         if (not v["sessions"] or since_cut > v["every_ms"] / 1000 - 0.06
-                or any(not 1 <= s["lag_tokens"] <= v["every_tokens"] - 6 for s in v["sessions"])):
+                or any(not 1 <= s["lag_tokens"] <= v["every_tokens"] - short for s in v["sessions"])):
             return False
         held = httpx.get(f"{standby}/v1/standby/{pid}", timeout=5, headers=headers).json()
         return got() >= sum(s["output_tokens"] for s in held["sessions"]) + 4
@@ -380,7 +382,10 @@ def test_whole_agent_killed_through_the_gateway(node: procs.Proc, standby: procs
     src = running[0] if running else httpx.post(f"{ag.url}/v1/replicas", json={"model": "builtin:tiny"},
                                                 headers=HDR, timeout=120).json()
     src_url = src["url"].rstrip("/")
-    pid = protect(src_url, standby.url, headers=HDR)["protection"]
+    # rounds every 48 tokens, not 16: the kill must land 16 tokens (~30 ms here) before the next round; 6
+    # tokens (~12 ms at 500 tokens/s a session) were less than the checks and the kill took, and a round
+    # acknowledged in between left no tail to recompute
+    pid = protect(src_url, standby.url, headers=HDR, every_tokens=48)["protection"]
     # the agent lists the replica's standby: how a gateway knows where its sessions may come back
     assert wait_for(lambda: agent_replica(ag, src["id"]).get("protected_to"), 10, 0.05)
     gw = procs.gateway("--agent", ag.url, "--port", "0", env={"RELAYOUT_TOKEN": TOKEN}, timeout=60)
