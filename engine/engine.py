@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import secrets
 import threading
 import uuid
@@ -65,8 +66,10 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, vocab_siz
         raise RequestError(f"prompt token ids must be integers in [0, {vocab_size})")
     if params.max_tokens < 1:
         raise RequestError("max_tokens must be at least 1")
-    if params.temperature < 0 or not 0 < params.top_p <= 1:
-        raise RequestError("temperature must be >= 0 and top_p in (0, 1]")
+    # NaN passes `< 0` (and JSON bodies may carry NaN and Infinity): admitted, it failed the engine's next
+    # step for every session of the replica
+    if not (math.isfinite(params.temperature) and params.temperature >= 0) or not 0 < params.top_p <= 1:
+        raise RequestError("temperature must be a finite number >= 0 and top_p in (0, 1]")
     total = len(prompt_token_ids) + params.max_tokens
     if total > max_model_len:
         raise RequestError(

@@ -212,6 +212,19 @@ def test_malformed_json_400(app_client, body):
     refused(app_client.post("/v1/sessions/release", content=body, headers={"content-type": "application/json"}), 400)
 
 
+@pytest.mark.parametrize("value", [b"NaN", b"Infinity", b"-Infinity", b"-0.5"])
+def test_a_temperature_that_is_not_a_finite_number_is_refused_and_the_replica_serves_on(app_client, value):
+    """JSON bodies may carry NaN and Infinity (Python's parser takes them): a NaN temperature was admitted
+    and failed the engine's next step, taking every session of the replica down with it."""
+    c = app_client
+    body = b'{"model": "builtin:tiny", "prompt": "hi", "max_tokens": 4, "temperature": ' + value + b"}"
+    r = c.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "temperature" in r.json()["error"]["message"], r.text
+    ok = c.post("/v1/completions", json={"model": "builtin:tiny", "prompt": "hi", "max_tokens": 4, "temperature": 0.7,
+                                         "seed": 1})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4, ok.text
+
+
 BAD_IDS = ["../x", "..", "a/b", "a\\b", "", "x" * 200, "a\x00b", "-lead", "%2e%2e", "a b"]
 
 
