@@ -8,7 +8,6 @@ import json
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import httpx
 from relayout.engine.layout import Layout, LayoutError
+from relayout.engine.rank_channel import free_port
 
 CONNECTOR_MODULE = "relayout.engine.vllm_connector"
 CONNECTOR_CLASS = "RelayoutConnector"
@@ -133,12 +133,6 @@ def lower_priority(nice: int) -> None:
             f.write(str(nice))
     except OSError:
         pass  # no autogroups here: the per-process nice is what counts
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class VllmServer:

@@ -246,7 +246,7 @@ class RankExecutor:
     def _fail(self, msg: str) -> None:
         # a killed rank breaks its peers' collectives, and their reports may come before its own end is
         # seen (a local rank's exit status, a remote rank's closed channel): wait a moment, name it first
-        gone: dict[int, str] = {}
+        gone: dict[int, tuple[str, str]] = {}  # rank -> (why, what in `msg` already says it)
         chans, sentinels = dict(self.chans), {p.sentinel: r for r, p in self.procs.items()}
         deadline = time.monotonic() + 0.25
         while (chans or sentinels) and (left := deadline - time.monotonic()) > 0:
@@ -256,14 +256,13 @@ class RankExecutor:
                 try:
                     ch.recv(timeout=0.05)  # what a live rank says now no longer matters: the replica is down
                 except (ChannelClosed, ChannelError, TimeoutError):
-                    gone.setdefault(r, f"rank {r} on {self.hosts.get(r)}: connection lost")
+                    gone.setdefault(r, (f"rank {r} on {self.hosts.get(r)}: connection lost", f"rank {r} "))
             for r in [sentinels.pop(s) for s in list(sentinels) if s in ready]:
                 self.procs[r].join(1.0)  # its status is there a moment after its sentinel fires
                 if (code := self.procs[r].exitcode) is not None and code < 0:
-                    gone[r] = f"rank {r} died (signal {-code})"
-        # a killed rank is named even when `msg` is its own broken channel; a lost one only when `msg` is not it
-        named = [why for r, why in sorted(gone.items())
-                 if (f"rank {r} died" if "died" in why else f"rank {r} ") not in msg]
+                    # named even when `msg` is its own broken channel: the signal is the cause
+                    gone[r] = (f"rank {r} died (signal {-code})", f"rank {r} died")
+        named = [why for r, (why, said) in sorted(gone.items()) if said not in msg]
         self.shutdown(force=True)
         raise RankFailure(f"replica down: {'; '.join([*named, msg])}")
 

@@ -1,5 +1,4 @@
 import os
-import socket
 from collections.abc import Iterator
 
 import pytest
@@ -91,9 +90,9 @@ S3_BUCKET = "relayout-test"
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    from relayout.engine.rank_channel import free_port
+
+    return free_port()
 
 
 @pytest.fixture(scope="session")
