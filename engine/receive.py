@@ -44,6 +44,8 @@ def receive_round(engine: LLMEngine, t: IncomingKV, manifest: Manifest, final: b
     # a session this transfer reserved for is its own, not "already live"
     states = {}
     for e in manifest.sessions:
+        if e.state_from:  # only a standby takes such a round, made whole first (Manifest.with_whole_states)
+            raise CorruptCheckpoint(f"session {e.session_id}: its state continues an earlier round's (state_from)")
         if e.kv_from > t.upto.get(e.session_id, 0):  # a delta round must continue exactly what this replica holds
             raise CorruptCheckpoint(f"session {e.session_id}: this round's KV starts at token {e.kv_from}, this "
                                     f"replica holds {t.upto.get(e.session_id, 0)} of it")

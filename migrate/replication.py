@@ -46,10 +46,20 @@ class ProtectConfig:
     codec: str = "none"
 
 
+# the state's lists that only grow while a session lives: a round sends only their new items
+GROWING_LISTS = ("prompt_token_ids", "output_token_ids", "logprobs")
+
+
 @dataclass
 class SyncedSession:
     kv_tokens: int  # KV positions the standby holds
     tokens: int  # prompt + generated tokens at the last sync (their ids travelled with it)
+    lists: dict[str, int] = field(default_factory=dict)  # GROWING_LISTS' lengths in the state it holds
+
+    @classmethod
+    def of(cls, kv_tokens: int, state: dict) -> SyncedSession:
+        lists = {k: len(state[k]) for k in GROWING_LISTS if isinstance(state.get(k), list)}
+        return cls(kv_tokens, len(state["prompt_token_ids"]) + len(state["output_token_ids"]), lists)
 
 
 @dataclass
@@ -156,7 +166,8 @@ class Replicator:
                 # a session preempted here and still recomputing: its KV on the standby stays valid
                 snap.num_kv_tokens = max(snap.num_kv_tokens, sent.get(snap.session_id, 0))
             rnd = self.rounds + 1
-            manifest, frames = await asyncio.to_thread(self._frames, cut, sent, rnd)
+            held = {sid: s.lists for sid, s in self.synced.items()}
+            manifest, frames = await asyncio.to_thread(self._frames, cut, sent, held, rnd)
             r = await client.post(f"{self.cfg.standby}/v1/standby/{self.pid}/rounds", content=b"".join(frames),
                                   params={"source": self.cfg.source_url, "lease_s": str(self.cfg.lease_s)},
                                   headers=bearer_headers(self.token))
@@ -170,22 +181,24 @@ class Replicator:
             self.lease_until = t0 + self.cfg.lease_s
             self.rounds, self.round_bytes = rnd, self.round_bytes + sum(len(f) for f in frames)
             sp.set_attribute("relayout.bytes", sum(len(f) for f in frames))
-            self.synced = {e.session_id: SyncedSession(e.num_kv_tokens, len(e.state["prompt_token_ids"])
-                                                       + len(e.state["output_token_ids"])) for e in manifest.sessions}
+            whole = {snap.session_id: snap.state_dict for snap in cut.snaps}  # (the manifest's lists may be deltas)
+            self.synced = {e.session_id: SyncedSession.of(e.num_kv_tokens, whole[e.session_id]) for e in manifest.sessions}
             if self.state == ProtectionState.FENCED:
                 fenced, self.fenced, self.state = self.fenced, [], ProtectionState.ACTIVE
                 await self.ops.resume(fenced)
 
-    def _frames(self, cut: SourceRound, sent: dict[str, int], rnd: int) -> tuple[Manifest, list[bytes]]:
+    def _frames(self, cut: SourceRound, sent: dict[str, int], held: dict[str, dict[str, int]],
+                rnd: int) -> tuple[Manifest, list[bytes]]:
         """One round's frames: the new chunks, then a delta manifest (any thread): every live
-        session's state, and its KV from what the standby holds on (SessionEntry.kv_from). A
+        session's state, its growing lists from what the standby holds on (SessionEntry.state_from),
+        and its KV from what the standby holds on (SessionEntry.kv_from). A
         cumulative manifest (what a migration's rounds sent before 0.5.0) would list every earlier round's
         chunks again: its size, and the work on both ends, would grow with every round of a
         protection that lasts as long as its sessions. A session missing from the round (finished)
         is dropped by the standby; a new chunk is sent even when an earlier one had the same bytes
         (the standby frees each chunk once imported)."""
         sink = FrameSink(set())
-        w = CheckpointWriter(sink, f"{self.pid}-r{rnd}", codec=self.cfg.codec, kv_from=sent)
+        w = CheckpointWriter(sink, f"{self.pid}-r{rnd}", codec=self.cfg.codec, kv_from=sent, state_from=held)
         write_snapshot(cut.snaps, w, sent)
         m = w.commit(cut.model, cut.layout, cut.geometry, {"protection": self.pid, "round": rnd})
         return m, sink.take()

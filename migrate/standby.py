@@ -24,6 +24,7 @@ from relayout.engine.session import SessionState
 from relayout.engine.tracing import span
 from relayout.migrate.engine_ops import EngineCall
 from relayout.migrate.protocol import AskSource, ProtectionState
+from relayout.storage.errors import CorruptCheckpoint
 from relayout.storage.manifest import ChunkRef, Manifest
 from relayout.storage.stores import MemoryStore
 from relayout.storage.stream import StreamReceiver
@@ -51,6 +52,10 @@ class NotLapsed(ProtectionError):
 
 class Diverged(ProtectionError):
     type = "tokens_diverged"
+
+
+class StateGap(ProtectionError):
+    type = "state_gap"
 
 
 class UnknownProtection(ProtectionError):
@@ -210,6 +215,10 @@ class StandbyTable:
         async with h.lock:
             if h.state != "standby":
                 raise Promoted(f"protection {pid} was promoted while its round arrived")
+            try:  # the states' lists it leaves out are the last round's (a source sends only what is new)
+                manifest = manifest.with_whole_states(h.manifest)
+            except CorruptCheckpoint as e:  # 409: the source sends the whole of every session again
+                raise StateGap(f"protection {pid}: {e}") from None
 
             def take(e: LLMEngine) -> dict:
                 res = receive_round(e, h, manifest, final=False)

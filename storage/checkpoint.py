@@ -39,9 +39,12 @@ class CheckpointWriter:
         codec: str = "none",
         progress: ProgressFn | None = None,
         kv_from: dict[str, int] | None = None,
+        state_from: dict[str, dict[str, int]] | None = None,
     ) -> None:
         """`kv_from` (session -> token): write one delta round of a protection stream, each such
-        session's KV listed from that token on (SessionEntry.kv_from); never a checkpoint."""
+        session's KV listed from that token on (SessionEntry.kv_from); never a checkpoint.
+        `state_from` (session -> list field -> items the receiver holds): its states' lists too, each
+        from that index on where the list is at least that long (SessionEntry.state_from)."""
         self.store = store
         self.checkpoint_id = check_id(checkpoint_id)
         self.codec = codec
@@ -57,6 +60,7 @@ class CheckpointWriter:
         self._scaled = False
         self._closed = False
         self._kv_from = dict(kv_from or {})
+        self._state_from = dict(state_from or {})
 
     def __enter__(self) -> CheckpointWriter:
         return self
@@ -127,6 +131,10 @@ class CheckpointWriter:
         that the caller will not touch again (a snapshot's SessionState.to_dict): checked, not
         copied; the copy through JSON costs as much as the check again (~0.1 ms per 1k tokens, on
         every protection round of every session)."""
+        held = self._state_from.get(session_id) or {}
+        state_from = {k: n for k, n in held.items() if isinstance(state.get(k), list) and len(state[k]) >= n}
+        if state_from:  # a shallow copy: the caller's lists stay whole
+            state = {**state, **{k: state[k][n:] for k, n in state_from.items()}}
         try:  # checked (and normalised) through JSON now, so commit cannot fail (or silently change NaN) later
             data = json.dumps(state, allow_nan=False)
             if not handed_over:
@@ -134,7 +142,7 @@ class CheckpointWriter:
         except (TypeError, ValueError) as exc:
             raise ValueError(f"session {session_id}: state is not plain JSON ({exc})") from None
         entry = SessionEntry(session_id=session_id, state=state, num_kv_tokens=num_kv_tokens,
-                             kv_from=min(num_kv_tokens, self._kv_from.get(session_id, 0)))
+                             kv_from=min(num_kv_tokens, self._kv_from.get(session_id, 0)), state_from=state_from)
         with self._lock:
             self._check_open()
             if session_id in self._sessions:

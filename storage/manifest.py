@@ -99,6 +99,10 @@ class SessionEntry(BaseModel):
     # from this token on, the receiver holds the rest from earlier rounds. Never in a checkpoint:
     # a reader's coverage check counts from token 0, so a delta cannot be restored by mistake.
     kv_from: Count = 0
+    # the same kind of delta for the state: each list of `state` named here is given from this index
+    # on, the receiver holds the items before it from the round before (Manifest.with_whole_states).
+    # A long session's token ids are otherwise serialised, sent and parsed whole on every round.
+    state_from: dict[str, Count] = Field(default_factory=dict, max_length=64)
 
     @model_validator(mode="after")
     def _kv_from_within(self) -> SessionEntry:
@@ -113,6 +117,8 @@ class SessionEntry(BaseModel):
         out = handler(self)
         if not self.kv_from:
             out.pop("kv_from", None)
+        if not self.state_from:
+            out.pop("state_from", None)
         return out
 
 
@@ -213,7 +219,12 @@ class Manifest(BaseModel):
     def coverage_error(self, from_kv_from: bool = False) -> str | None:
         """First gap in KV coverage (every session × layer × head × token), or None. Coverage counts
         from token 0 (a checkpoint), or with `from_kv_from` from each session's kv_from (a stream's
-        round, whose receiver checks it continues what it holds)."""
+        round, whose receiver checks it continues what it holds). A checkpoint's states are whole."""
+        if not from_kv_from:
+            part = next((s for s in self.sessions if s.state_from), None)
+            if part is not None:
+                return (f"session {part.session_id}: its state continues an earlier round's (state_from "
+                        f"{sorted(part.state_from)}): a protection round, not a checkpoint")
         by_key: dict[tuple[str, int], list[KVEntry]] = {}
         for e in self.kv_entries:
             by_key.setdefault((e.session_id, e.layer), []).append(e)
@@ -226,6 +237,29 @@ class Manifest(BaseModel):
                 if gap is not None:
                     return f"session {s.session_id} layer {layer}: {gap}"
         return None
+
+
+    def with_whole_states(self, before: Manifest | None) -> Manifest:
+        """This round's manifest with every session's state whole: each list a session's `state_from`
+        names continues the same list of its state in `before` (the round the receiver holds).
+        CorruptCheckpoint if `before` does not hold what it continues."""
+        if not any(s.state_from for s in self.sessions):
+            return self
+        held = {s.session_id: s.state for s in before.sessions} if before is not None else {}
+        sessions = []
+        for s in self.sessions:
+            if not s.state_from:
+                sessions.append(s)
+                continue
+            old, state = held.get(s.session_id), dict(s.state)
+            for key, n in s.state_from.items():
+                have, new = (old or {}).get(key), state.get(key)
+                if not isinstance(have, list) or len(have) < n or not isinstance(new, list):
+                    raise CorruptCheckpoint(f"session {s.session_id}: its state's {key!r} continues {n} items "
+                                            "this receiver does not hold")
+                state[key] = have[:n] + new
+            sessions.append(s.model_copy(update={"state": state, "state_from": {}}))
+        return self.model_copy(update={"sessions": sessions})
 
 
 def coverage_gap(entries: list[KVEntry], head_lo: int, head_hi: int, num_tokens: int, tok_from: int = 0
