@@ -167,7 +167,10 @@ class Replicator:
                 snap.num_kv_tokens = max(snap.num_kv_tokens, sent.get(snap.session_id, 0))
             rnd = self.rounds + 1
             held = {sid: s.lists for sid, s in self.synced.items()}
-            manifest, frames = await asyncio.to_thread(self._frames, cut, sent, held, rnd)
+            # on the loop, not a worker thread: ~1.2 ms of Python that holds the interpreter either
+            # way, without the hand-offs (bench replication: 0.894-0.911 of unprotected decode, five
+            # runs, against 0.860-0.895 through asyncio.to_thread, alternating)
+            manifest, frames = self._frames(cut, sent, held, rnd)
             r = await client.post(f"{self.cfg.standby}/v1/standby/{self.pid}/rounds", content=b"".join(frames),
                                   params={"source": self.cfg.source_url, "lease_s": str(self.cfg.lease_s)},
                                   headers=bearer_headers(self.token))
@@ -189,7 +192,7 @@ class Replicator:
 
     def _frames(self, cut: SourceRound, sent: dict[str, int], held: dict[str, dict[str, int]],
                 rnd: int) -> tuple[Manifest, list[bytes]]:
-        """One round's frames: the new chunks, then a delta manifest (any thread): every live
+        """One round's frames: the new chunks, then a delta manifest: every live
         session's state, its growing lists from what the standby holds on (SessionEntry.state_from),
         and its KV from what the standby holds on (SessionEntry.kv_from). A
         cumulative manifest (what a migration's rounds sent before 0.5.0) would list every earlier round's
