@@ -53,13 +53,16 @@ GROWING_LISTS = ("prompt_token_ids", "output_token_ids", "logprobs")
 @dataclass
 class SyncedSession:
     kv_tokens: int  # KV positions the standby holds
-    tokens: int  # prompt + generated tokens at the last sync (their ids travelled with it)
-    lists: dict[str, int] = field(default_factory=dict)  # GROWING_LISTS' lengths in the state it holds
+    lists: dict[str, int]  # GROWING_LISTS' lengths in the state it holds
 
     @classmethod
     def of(cls, kv_tokens: int, state: dict) -> SyncedSession:
-        lists = {k: len(state[k]) for k in GROWING_LISTS if isinstance(state.get(k), list)}
-        return cls(kv_tokens, len(state["prompt_token_ids"]) + len(state["output_token_ids"]), lists)
+        return cls(kv_tokens, {k: len(state[k]) for k in GROWING_LISTS if isinstance(state.get(k), list)})
+
+    @property
+    def tokens(self) -> int:
+        """Prompt + generated tokens at the last sync (their ids travelled with it)."""
+        return self.lists.get("prompt_token_ids", 0) + self.lists.get("output_token_ids", 0)
 
 
 @dataclass
@@ -136,10 +139,11 @@ class Replicator:
     def _due(self) -> bool:
         if self.clock() - self.last_round_at >= self.cfg.every_ms / 1000:
             return True
-        for sid, n in self.progress().items():
+        now = self.progress()
+        for sid, n in now.items():
             if n - (self.synced[sid].tokens if sid in self.synced else 0) >= self.cfg.every_tokens:
                 return True
-        return len(self.progress()) < len(self.synced)  # one finished: free its copy soon
+        return len(now) < len(self.synced)  # one finished: free its copy soon
 
     async def _rounds(self) -> None:
         limits = httpx.Timeout(60.0, connect=max(0.2, self.cfg.lease_s / 2))

@@ -238,7 +238,6 @@ class Manifest(BaseModel):
                     return f"session {s.session_id} layer {layer}: {gap}"
         return None
 
-
     def with_whole_states(self, before: Manifest | None) -> Manifest:
         """This round's manifest with every session's state whole: each list a session's `state_from`
         names continues the same list of its state in `before` (the round the receiver holds).

@@ -219,7 +219,8 @@ class FrameDecoder:
             return memoryview(self._payload)[self._got :]
         # the whole prefix in one read (_head still checks its fields one by one): a read of each
         # field cost a chunk three more trips through the reader (~1/15 of a placing receiver's CPU)
-        need = (FRAME_PREFIX_BYTES if len(self._buf) < FRAME_PREFIX_BYTES else FRAME_PREFIX_BYTES + self._hlen) - len(self._buf)
+        end = FRAME_PREFIX_BYTES if len(self._buf) < FRAME_PREFIX_BYTES else FRAME_PREFIX_BYTES + self._hlen
+        need = end - len(self._buf)
         if len(self._scratch) < need:
             self._scratch = bytearray(need)
         return memoryview(self._scratch)[:need]

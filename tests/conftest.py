@@ -3,6 +3,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from relayout.engine.rank_channel import free_port
 
 # Keep 2-core CI machines responsive; every test process is small.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
@@ -89,18 +90,12 @@ def _scale(model):
 S3_BUCKET = "relayout-test"
 
 
-def _free_port() -> int:
-    from relayout.engine.rank_channel import free_port
-
-    return free_port()
-
-
 @pytest.fixture(scope="session")
 def s3_endpoint() -> Iterator[str]:
     """moto's S3 server, reached over real HTTP on loopback."""
     from moto import server as moto_server
 
-    port = _free_port()
+    port = free_port()
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     try:

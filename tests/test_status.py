@@ -12,9 +12,9 @@ import time
 
 import httpx
 import pytest
+from relayout.engine.rank_channel import free_port
 from relayout.migrate import procs
 
-from tests.conftest import _free_port
 from tests.helpers.agents import TOKEN, H, lower_priority, start_agent, stop, wait_op
 from tests.helpers.migration import Stream
 
@@ -102,7 +102,7 @@ def test_status_follows_a_drain(two_agents):
 
 
 def test_status_names_an_unreachable_agent():
-    dead = f"http://127.0.0.1:{_free_port()}"
+    dead = f"http://127.0.0.1:{free_port()}"
     got = status(dead)
     assert got.returncode == 1
     (node,) = json.loads(got.stdout)["nodes"]

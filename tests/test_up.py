@@ -9,14 +9,13 @@ import time
 from pathlib import Path
 
 from openai import OpenAI
+from relayout.engine.rank_channel import free_port
 from relayout.migrate import procs
 from relayout.migrate.procs import alive, process_tree
 
-from tests.conftest import _free_port
-
 
 def test_up_serves_through_gateway_and_stops_on_sigterm(tmp_path: Path):
-    port, agent_port = _free_port(), _free_port()
+    port, agent_port = free_port(), free_port()
     ready = re.compile(r"relayout up ready: gateway (http://\S+), agent (http://\S+)")
     p = procs.start(procs.CLI_MODULE, "up", "--port", str(port), "--agent-port", str(agent_port), "--data-dir",
                     str(tmp_path / "data"), env={"RELAYOUT_TOKEN": None}, ready=ready, timeout=150)

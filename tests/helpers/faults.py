@@ -13,9 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
+from relayout.engine.rank_channel import free_port
 from relayout.migrate.procs import process_tree, replica
 
-from tests.conftest import _free_port
 from tests.helpers.proxy import Proxy
 
 
@@ -29,7 +29,7 @@ def fault_kit(tmp: Path, ttl: float) -> Iterator[dict]:
     env = {"RELAYOUT_TRANSFER_TTL_S": str(ttl), "RELAYOUT_DATA_DIR": str(tmp),
            "RELAYOUT_FILE_ROOTS": os.pathsep.join([str(tmp), str(full)])}
     # moto S3 as its own process (so it can be killed), reached through a proxy that fires the kill
-    moto_port = _free_port()
+    moto_port = free_port()
     moto = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(moto_port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     s3proxy = Proxy(moto_port)
