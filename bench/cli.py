@@ -112,7 +112,7 @@ def bench_replication(
     every_tokens: int = typer.Option(16, "--every-tokens", help="the protection's sync interval in tokens"),
     sessions: int = typer.Option(8, "--sessions", help="concurrent sessions"),
     max_tokens: int = typer.Option(256, "--max-tokens", help="tokens per session in the decode measurement"),
-    reps: int = typer.Option(3, "--reps", help="pairs of runs (unprotected, then protected); the median ratio"),
+    reps: int = typer.Option(5, "--reps", help="pairs of runs (unprotected, then protected); the median ratio"),
     device: str = typer.Option(None, "--device", help="the replicas' device (default: cuda when present)"),
     hosts: str = typer.Option("split", "--hosts", help="split: the source on half the CPUs, the standby and "
                               "clients on the other half (two hosts); shared: all on every CPU"),

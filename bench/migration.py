@@ -163,6 +163,7 @@ def measure_move(c: Ctx, mode: str, with_second: bool) -> dict:
         # source + target CPU over the final round (cut, frame, hash, send, receive, verify, import)
         "final_round_cpu_s": round(cpu["prepared"] - cpu["stop-and-copy"], 3) if len(cpu) == 2 else None,
         "commit_ms": round(res.stall_ms - res.rounds[-1].seconds * 1000, 2),  # release + commit (resume)
+        "commit_timing": res.commit_timing,  # its calls: the target check, the source's release, the commit
         # source hold -> first token there, as the target saw it (final round + commit + one target step)
         "resume_to_first_token_ms": round((t.times[0] - t_done) * 1000, 2),
         # where the client-side stall went: last source token -> source stream closed -> target stream

@@ -90,6 +90,8 @@ class MigrationResult:
     rounds: list[PreCopyRound] = field(default_factory=list)
     bytes_total: int = 0
     stall_ms: float = 0.0  # the sessions' pause: from the source's hold to the target's resume
+    # the pause after the final round, call by call: target_check_ms, release_ms, commit_ms
+    commit_timing: dict[str, float] = field(default_factory=dict)
     retries: int = 0  # pre-copy rounds resumed after a network error
     phase: str = str(Phase.DONE)
 
@@ -311,16 +313,22 @@ def migrate_live(source_url: str, target_url: str, sessions: list[str] | None = 
             phase = "commit"
             # the target must still hold them right before the commit (narrows the window in which
             # a target that died after its acknowledgement would take the sessions with it)
+            t_c = time.perf_counter()
             st = link.target_state("target check")
+            res.commit_timing["target_check_ms"] = round((time.perf_counter() - t_c) * 1000, 2)
             if st.get("incoming") != IncomingState.PLACED or sorted(st.get("placed", [])) != sorted(res.sessions):
                 raise RuntimeError(f"target no longer holds the transfer ({st.get('incoming')})")
             at(Phase.PREPARED)
+            t_c = time.perf_counter()
             check_response(client.post(f"{src}/v1/sessions/release",
                                        json={"sessions": res.sessions, "migrated_to": link.push_to, "transfer": t},
                                        headers=link.headers()), "source release")
             committed = True
+            res.commit_timing["release_ms"] = round((time.perf_counter() - t_c) * 1000, 2)
             at(Phase.COMMITTED)
+            t_c = time.perf_counter()
             link.commit_target()
+            res.commit_timing["commit_ms"] = round((time.perf_counter() - t_c) * 1000, 2)
             res.stall_ms = (time.perf_counter() - t_hold) * 1000
             try:  # tidy-up only: the source already forgot the transfer when it released it
                 client.request("DELETE", f"{src}/v1/sessions/transfers/{t}", headers=link.headers(), timeout=5)

@@ -77,6 +77,9 @@ def test_sixteen_streams_migrate_across_layouts(fleet):
     [t.join(120) for t in ts]
     assert len(res.sessions) >= 8, res  # most sessions were still generating when they moved
     assert res.rounds[-1].final and len(res.rounds) >= 2
+    # the pause after the final round, call by call, within the whole pause
+    assert set(res.commit_timing) == {"target_check_ms", "release_ms", "commit_ms"}, res.commit_timing
+    assert 0 < sum(res.commit_timing.values()) < res.stall_ms
     for i in range(len(REQUESTS)):
         assert not isinstance(got[i], Exception), got[i]
         assert got[i] == ref[i], f"request {i}"
