@@ -162,8 +162,8 @@ def measure_move(c: Ctx, mode: str, with_second: bool) -> dict:
         "final_round_timing": res.rounds[-1].timing,
         # source + target CPU over the final round (cut, frame, hash, send, receive, verify, import)
         "final_round_cpu_s": round(cpu["prepared"] - cpu["stop-and-copy"], 3) if len(cpu) == 2 else None,
-        "commit_ms": round(res.stall_ms - res.rounds[-1].seconds * 1000, 2),  # release + commit (resume)
-        "commit_timing": res.commit_timing,  # its calls: the target check, the source's release, the commit
+        # release + commit (resume), and its calls: the target check, the source's release, the commit
+        "commit_ms": round(res.stall_ms - res.rounds[-1].seconds * 1000, 2), "commit_timing": res.commit_timing,
         # source hold -> first token there, as the target saw it (final round + commit + one target step)
         "resume_to_first_token_ms": round((t.times[0] - t_done) * 1000, 2),
         # where the client-side stall went: last source token -> source stream closed -> target stream
@@ -238,8 +238,7 @@ def run_context(src: str, dst: str, L: int, *, warm: int, after: int, timeout: f
     log(f"context {L}: cold stall {cold['stall_ms']:.1f} ms; undisturbed reference on the target")
     ref = reference(c)
     match = {m: toks == ref[: len(toks)] for m, toks in c.sessions.items()}
-    # the yardstick of the cold round: the same bytes over a bare socket, at normal priority, nothing
-    # else running (both ends' CPU: the least any path can spend per byte on this machine)
+    # the cold round's yardstick: the same bytes over a bare socket, normal priority, nothing else running
     bare = link_copy(cold["bytes"], c.source_cpus, 0) if cold["bytes"] else None
     # and from and into memory of their own, as a round's chunks are (the above stays in the cache)
     bare_distinct = link_copy(cold["bytes"], c.source_cpus, 0, distinct=True) if cold["bytes"] else None

@@ -34,7 +34,7 @@ from relayout.storage.chunks import (
 from relayout.storage.manifest import KVGeometry, Manifest, ModelRef
 from relayout.storage.pieces import in_place_chunk
 
-CHUNK_TOKENS = 256  # a multiple of the KV block size
+CHUNK_TOKENS = 512  # a multiple of the KV block size
 
 
 class RestoreError(ValueError):

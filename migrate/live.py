@@ -39,7 +39,7 @@ PRECOPY_ROUND_BYTES = 256 << 20  # a pre-copy round's KV over all its sessions (
 # as much. Each round waits for a step boundary on the source, so a round that moves almost nothing
 # costs up to a decode step (300 ms at 16k tokens here) for a few tokens' KV
 SMALL_ROUND_BYTES = 4 << 20
-SLICE_GRAIN = 256  # tokens: the chunks' alignment, so a round ends where a chunk does
+SLICE_GRAIN = 512  # tokens: the chunks' alignment (engine.snapshot.CHUNK_TOKENS), so a round ends where a chunk does
 
 
 def round_slice_tokens(round_bytes: int | None, bytes_per_token: int | None, sessions: int) -> int | None:

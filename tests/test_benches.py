@@ -74,9 +74,9 @@ def test_bench_datapath_moves_a_round_into_tp_pools_and_reports_both_sides() -> 
     run() raises if the KV that arrived in the target's pools differs from the source's."""
     from relayout.bench import datapath
 
-    res = datapath.run(tokens=300, split=[3, 5], reps=1)
-    assert res["placed_chunks"] == res["chunks"] == 2 * datapath.LAYERS  # [0, 256) and [256, 300)
-    assert res["bytes"] > 300 * datapath.LAYERS * datapath.HEADS * datapath.HEAD_DIM * 4 * 2
+    res = datapath.run(tokens=600, split=[3, 5], reps=1)
+    assert res["placed_chunks"] == res["chunks"] == 2 * datapath.LAYERS  # [0, 512) and [512, 600)
+    assert res["bytes"] > 600 * datapath.LAYERS * datapath.HEADS * datapath.HEAD_DIM * 4 * 2
     for key in ("sender_cpu_s_per_gb", "receiver_cpu_s_per_gb", "bare_cpu_s_per_gb", "gbps", "bare_gbps"):
         assert res[key] > 0, key
     assert abs(res["cpu_s_per_gb"] - res["sender_cpu_s_per_gb"] - res["receiver_cpu_s_per_gb"]) < 0.002

@@ -9,8 +9,9 @@ import threading
 import httpx
 import pytest
 from openai import OpenAI
+from relayout.engine.snapshot import CHUNK_TOKENS
 from relayout.migrate import procs
-from relayout.migrate.live import MigrationError, MigrationPlan, migrate_live, round_slice_tokens
+from relayout.migrate.live import SLICE_GRAIN, MigrationError, MigrationPlan, migrate_live, round_slice_tokens
 
 
 def launch(*args: str) -> tuple[subprocess.Popen, str]:
@@ -133,7 +134,8 @@ def test_target_short_of_blocks_refused_before_cutover(fleet):
 def test_precopy_rounds_are_sized_in_bytes_over_the_sessions():
     mib = 1 << 20
     assert round_slice_tokens(256 * mib, 64 * 1024, 1) == 4096  # builtin:bench, float32: 64 KiB a token
-    assert round_slice_tokens(256 * mib, 64 * 1024, 3) == 1280  # 1365 tokens each, down to whole chunks
-    assert round_slice_tokens(256 * mib, 64 * 1024, 5000) == 256  # never below one chunk
+    assert round_slice_tokens(256 * mib, 64 * 1024, 3) == 1024  # 1365 tokens each, down to whole chunks
+    assert round_slice_tokens(256 * mib, 64 * 1024, 5000) == CHUNK_TOKENS  # never below one chunk
+    assert SLICE_GRAIN == CHUNK_TOKENS  # a round ends where a chunk does (live.py keeps torch out of its imports)
     assert round_slice_tokens(256 * mib, None, 2) == 1024  # a source that does not say its KV size
     assert round_slice_tokens(None, 64 * 1024, 2) is None  # no budget: the whole remainder per round
