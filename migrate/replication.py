@@ -17,6 +17,7 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from urllib.parse import urlencode
 
 import httpx
 from relayout.engine.engine import LLMEngine
@@ -145,15 +146,22 @@ class Replicator:
                 return True
         return len(now) < len(self.synced)  # one finished: free its copy soon
 
+    def _round_url(self) -> str:
+        # made once: httpx merging `params=` into the URL cost ~0.18 ms of the source's core a round
+        # (a POST 0.58 ms against 0.40 with the URL whole, measured client-side on loopback)
+        query = urlencode({"source": self.cfg.source_url, "lease_s": str(self.cfg.lease_s)})
+        return f"{self.cfg.standby}/v1/standby/{self.pid}/rounds?{query}"
+
     async def _rounds(self) -> None:
         limits = httpx.Timeout(60.0, connect=max(0.2, self.cfg.lease_s / 2))
+        url, headers = self._round_url(), bearer_headers(self.token)
         async with httpx.AsyncClient(verify=tls_context(), timeout=limits) as client:
             while self.state in LIVE_PROTECTION:
                 while not self._due():
                     await asyncio.sleep(WATCH_S / 2)
                 self.last_round_at = self.clock()
                 try:
-                    await self._round(client)
+                    await self._round(client, url, headers)
                     self.last_error = None
                 except asyncio.CancelledError:
                     raise
@@ -161,7 +169,7 @@ class Replicator:
                     self.last_error = f"{type(e).__name__}: {e}"
                     await asyncio.sleep(min(0.2, self.cfg.every_ms / 1000))
 
-    async def _round(self, client: httpx.AsyncClient) -> None:
+    async def _round(self, client: httpx.AsyncClient, url: str, headers: dict[str, str]) -> None:
         with span("protection-round", protection=self.pid, round=self.rounds + 1) as sp:
             t0 = self.clock()  # the lease counts from before the cut: the standby stamps it later
             sent = {sid: s.kv_tokens for sid, s in self.synced.items()}
@@ -175,9 +183,7 @@ class Replicator:
             # way, without the hand-offs (bench replication: 0.894-0.911 of unprotected decode, five
             # runs, against 0.860-0.895 through asyncio.to_thread, alternating)
             manifest, frames = self._frames(cut, sent, held, rnd)
-            r = await client.post(f"{self.cfg.standby}/v1/standby/{self.pid}/rounds", content=b"".join(frames),
-                                  params={"source": self.cfg.source_url, "lease_s": str(self.cfg.lease_s)},
-                                  headers=bearer_headers(self.token))
+            r = await client.post(url, content=b"".join(frames), headers=headers)
             if r.status_code == 409 and _error_type(r) in (PROMOTED, DROPPED):
                 await self._lose()
                 return
