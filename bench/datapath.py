@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 
 Log = Callable[[str], None]
-LAYERS, HEADS, HEAD_DIM, CHUNK = 8, 8, 128, 256  # builtin:bench's KV geometry (float32, 64 KiB per token)
+LAYERS, HEADS, HEAD_DIM = 8, 8, 128  # builtin:bench's KV geometry (float32, 64 KiB per token)
 
 
 def _pool(heads: int, blocks: int, seed: int | None = None):
@@ -121,6 +121,84 @@ def _receive(tokens: int, split: list[int]) -> tuple[dict, dict]:
     return sent, got
 
 
+def _floor_send(port: int, tokens: int, out: mp.Queue) -> None:
+    """The floor's source: the same KV pool's bytes, each chunk's worth hashed (xxh3, as the path's
+    chunks are) and then sent, in the path's 1 MiB sends; no framing, manifest or per-chunk Python."""
+    import resource
+
+    import numpy as np
+    import xxhash
+    from relayout.engine.snapshot import CHUNK_TOKENS
+
+    src = _pool(HEADS, tokens // 16 + 1, seed=7)
+    chunk = 2 * CHUNK_TOKENS * HEADS * HEAD_DIM * 4  # a chunk's bytes (its K and V rows)
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.recv(1)
+        r0, n = resource.getrusage(resource.RUSAGE_SELF), 0
+        for t in src.k + src.v:
+            a = memoryview(t.numpy().view(np.uint8).reshape(-1))
+            for o in range(0, len(a), chunk):
+                piece = a[o : o + chunk]
+                xxhash.xxh3_128(piece).digest()
+                for b in range(0, len(piece), 1 << 20):
+                    s.sendall(piece[b : b + (1 << 20)])
+                n += len(piece)
+        r1 = resource.getrusage(resource.RUSAGE_SELF)
+        s.shutdown(socket.SHUT_WR)
+        s.recv(1)
+    out.put({"bytes": n, "cpu_s": r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime})
+
+
+def floor_copy(tokens: int, split: list[int]) -> dict:
+    """The least work a verified move of these bytes into pools of `split` heads does, as plain
+    Python and numpy: the source hashes and sends them (_floor_send); this end receives them 1 MiB
+    at a time into a buffer that stays in L2, hashes it, and copies each token's row into the pools
+    that hold its heads (the path's PoolRowSink, less framing and bookkeeping)."""
+    import resource
+
+    import numpy as np
+    import xxhash
+
+    row = HEADS * HEAD_DIM * 4
+    rows = (1 << 20) // row
+    # paged in, as a serving replica's pools are (np.zeros would fault each page in during the copy)
+    pools = [np.full(((tokens // 16 + 1) * 16 * 2 * LAYERS, w * HEAD_DIM * 4), 1, np.uint8) for w in split]
+    cols, lo = [], 0
+    for w in split:
+        cols.append(slice(lo * HEAD_DIM * 4, (lo + w) * HEAD_DIM * 4))
+        lo += w
+    bounce = np.empty((rows, row), np.uint8)
+    flat = memoryview(bounce.reshape(-1))
+    q: mp.Queue = mp.get_context("spawn").Queue()
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        proc = mp.get_context("spawn").Process(target=_floor_send, args=(srv.getsockname()[1], tokens, q), daemon=True)
+        proc.start()
+        conn, _ = srv.accept()
+        with conn:
+            conn.sendall(b"g")
+            r0, at, got, end = resource.getrusage(resource.RUSAGE_THREAD), 0, 0, False
+            while not end:
+                filled = 0
+                while filled < len(flat):
+                    k = conn.recv_into(flat[filled:])
+                    if not k:
+                        end = True
+                        break
+                    filled += k
+                n = filled // row
+                xxhash.xxh3_128(flat[:filled]).digest()
+                for pool, c in zip(pools, cols, strict=True):
+                    dst = pool[at % len(pool) :][:n]
+                    np.copyto(dst, bounce[: len(dst), c])
+                at, got = at + n, got + filled
+            r1 = resource.getrusage(resource.RUSAGE_THREAD)
+            conn.sendall(b"d")
+        sent = q.get(timeout=60)
+        proc.join(30)
+    cpu = r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime
+    return {"bytes": got, "sender_cpu_s": sent["cpu_s"], "receiver_cpu_s": cpu}
+
+
 def run(tokens: int = 4096, split: list[int] | None = None, reps: int = 3, log: Log = lambda s: None) -> dict:
     """Best of `reps` rounds of `tokens` of KV (64 KiB each) into pools of `split` heads (default two
     TP ranks of 4), and the bare copy of as many distinct bytes, alternating."""
@@ -129,10 +207,12 @@ def run(tokens: int = 4096, split: list[int] | None = None, reps: int = 3, log: 
     split = split or [HEADS // 2, HEADS // 2]
     if sum(split) != HEADS or min(split) < 1:
         raise ValueError(f"split must be positive head counts adding up to {HEADS}")
-    paths, bares = [], []
+    paths, bares, floors = [], [], []
     for i in range(reps):
         sent, got = _receive(tokens, split)
         bare = link_copy(got["bytes"], distinct=True)
+        fl = floor_copy(tokens, split)
+        floors.append({k: fl[k + "_cpu_s"] / (fl["bytes"] / 1e9) for k in ("sender", "receiver")})
         gb = got["bytes"] / 1e9
         paths.append({"sender_cpu_s_per_gb": sent["cpu_s"] / gb, "receiver_cpu_s_per_gb": got["cpu_s"] / gb,
                       "gbps": gb / max(sent["seconds"], got["seconds"]), "placed_chunks": got["placed_chunks"],
@@ -140,14 +220,22 @@ def run(tokens: int = 4096, split: list[int] | None = None, reps: int = 3, log: 
         bares.append({"cpu_s_per_gb": bare.cpu_s_per_gb(got["bytes"]) or 0.0, "gbps": bare.gbps})
         log(f"rep {i + 1}: path {paths[-1]['gbps']:.2f} GB/s, CPU s/GB sender {paths[-1]['sender_cpu_s_per_gb']:.3f} "
             f"receiver {paths[-1]['receiver_cpu_s_per_gb']:.3f}; bare {bares[-1]['gbps']:.2f} GB/s, "
-            f"{bares[-1]['cpu_s_per_gb']:.3f} CPU s/GB")
+            f"{bares[-1]['cpu_s_per_gb']:.3f} CPU s/GB; floor sender {floors[-1]['sender']:.3f} receiver "
+            f"{floors[-1]['receiver']:.3f}")
     best = min(paths, key=lambda p: p["sender_cpu_s_per_gb"] + p["receiver_cpu_s_per_gb"])
     bare = min(bares, key=lambda b: b["cpu_s_per_gb"])
     cpu = best["sender_cpu_s_per_gb"] + best["receiver_cpu_s_per_gb"]
+    floor = min(floors, key=lambda f: f["sender"] + f["receiver"])
+    floor_cpu = floor["sender"] + floor["receiver"]
     return {"tokens": tokens, "target_heads": split, "bytes": best["bytes"], "chunks": best["chunks"],
             "placed_chunks": best["placed_chunks"], "gbps": round(best["gbps"], 3),
             "sender_cpu_s_per_gb": round(best["sender_cpu_s_per_gb"], 3),
             "receiver_cpu_s_per_gb": round(best["receiver_cpu_s_per_gb"], 3), "cpu_s_per_gb": round(cpu, 3),
             "bare_gbps": round(bare["gbps"], 3), "bare_cpu_s_per_gb": round(bare["cpu_s_per_gb"], 3),
             "cpu_vs_bare": round(cpu / bare["cpu_s_per_gb"], 3) if bare["cpu_s_per_gb"] else None,
-            "reps": {"path": paths, "bare": bares}}
+            # the floor (floor_copy): the bare copy plus the hash at each end and the copy into the pools
+            "floor_sender_cpu_s_per_gb": round(floor["sender"], 3),
+            "floor_receiver_cpu_s_per_gb": round(floor["receiver"], 3), "floor_cpu_s_per_gb": round(floor_cpu, 3),
+            "floor_vs_bare": round(floor_cpu / bare["cpu_s_per_gb"], 3) if bare["cpu_s_per_gb"] else None,
+            "cpu_vs_floor": round(cpu / floor_cpu, 3) if floor_cpu else None,
+            "reps": {"path": paths, "bare": bares, "floor": floors}}

@@ -80,5 +80,8 @@ def test_bench_datapath_moves_a_round_into_tp_pools_and_reports_both_sides() -> 
     for key in ("sender_cpu_s_per_gb", "receiver_cpu_s_per_gb", "bare_cpu_s_per_gb", "gbps", "bare_gbps"):
         assert res[key] > 0, key
     assert abs(res["cpu_s_per_gb"] - res["sender_cpu_s_per_gb"] - res["receiver_cpu_s_per_gb"]) < 0.002
+    # the floor: the same bytes hashed at both ends and copied into the pools, beside the path
+    assert res["floor_sender_cpu_s_per_gb"] > 0 and res["floor_receiver_cpu_s_per_gb"] > 0
+    assert res["cpu_vs_floor"] == pytest.approx(res["cpu_s_per_gb"] / res["floor_cpu_s_per_gb"], rel=0.02)
     with pytest.raises(ValueError, match="split"):
         datapath.run(tokens=64, split=[4, 3], reps=1)
