@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import asdict, dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field, fields, is_dataclass
 from enum import Enum
 from typing import Any
 
@@ -111,5 +111,9 @@ def _plain(v: Any) -> Any:
     if type(v) is dict:
         return {k: _plain(x) for k, x in v.items()}
     if is_dataclass(v) and not isinstance(v, type):
-        return asdict(v)
+        # field by field, as asdict does, without its deepcopy of every leaf (the sampling parameters,
+        # copied at every cut: a protection round's cut of 8 sessions 0.59-0.60 ms against 0.64)
+        return {f.name: _plain(getattr(v, f.name)) for f in fields(v)}
+    if isinstance(v, Enum):
+        return v  # (an enum member is its own copy)
     return copy.deepcopy(v)
