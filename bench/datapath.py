@@ -12,13 +12,32 @@ round's) is what any path must spend. Every received chunk is checked against th
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 Log = Callable[[str], None]
 LAYERS, HEADS, HEAD_DIM = 8, 8, 128  # builtin:bench's KV geometry (float32, 64 KiB per token)
+
+
+@contextlib.contextmanager
+def _connected(send: Callable[[int, int, mp.Queue], None], tokens: int) -> Iterator[tuple[socket.socket, dict]]:
+    """A spawned process running `send(port, tokens, queue)`, connected to this one: the connection,
+    told to start; once the block has read to the end, the sender's figures fill the dict."""
+    q: mp.Queue = mp.get_context("spawn").Queue()
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        proc = mp.get_context("spawn").Process(target=send, args=(srv.getsockname()[1], tokens, q), daemon=True)
+        proc.start()
+        conn, _ = srv.accept()
+        sent: dict = {}
+        with conn:
+            conn.sendall(b"g")
+            yield conn, sent
+            conn.sendall(b"d")
+        sent.update(q.get(timeout=60))
+        proc.join(30)
 
 
 def _pool(heads: int, blocks: int, seed: int | None = None):
@@ -93,22 +112,13 @@ def _receive(tokens: int, split: list[int]) -> tuple[dict, dict]:
         cfg = type("cfg", (), {"num_layers": LAYERS, "num_kv_heads": HEADS, "head_dim": HEAD_DIM})
         executor = type("executor", (), {"host_pools": staticmethod(lambda g, every_copy=False: pools)})
 
-    q: mp.Queue = mp.get_context("spawn").Queue()
-    with socket.create_server(("127.0.0.1", 0)) as srv:
-        proc = mp.get_context("spawn").Process(target=_send, args=(srv.getsockname()[1], tokens, q), daemon=True)
-        proc.start()
-        conn, _ = srv.accept()
-        with conn:
-            placed: dict = {}
-            recv = StreamReceiver(MemoryStore(), verify=False,
-                                  place=lambda ref, e: chunk_sink(Engine, {"s": (0, blocks)}, {}, placed, ref, e))
-            conn.sendall(b"g")
-            r0, t0 = resource.getrusage(resource.RUSAGE_THREAD), time.perf_counter()
-            recv.receive_from(conn.recv_into)  # to the manifest (its import, an engine's, is not this bench's)
-            r1, t1 = resource.getrusage(resource.RUSAGE_THREAD), time.perf_counter()
-            conn.sendall(b"d")
-        sent = q.get(timeout=60)
-        proc.join(30)
+    with _connected(_send, tokens) as (conn, sent):
+        placed: dict = {}
+        recv = StreamReceiver(MemoryStore(), verify=False,
+                              place=lambda ref, e: chunk_sink(Engine, {"s": (0, blocks)}, {}, placed, ref, e))
+        r0, t0 = resource.getrusage(resource.RUSAGE_THREAD), time.perf_counter()
+        recv.receive_from(conn.recv_into)  # to the manifest (its import, an engine's, is not this bench's)
+        r1, t1 = resource.getrusage(resource.RUSAGE_THREAD), time.perf_counter()
     src = _pool(HEADS, len(blocks), seed=7)
     for layer in range(LAYERS):
         want = src.export_tokens(blocks, 0, tokens)[layer]
@@ -169,32 +179,23 @@ def floor_copy(tokens: int, split: list[int]) -> dict:
         lo += w
     bounce = np.empty((rows, row), np.uint8)
     flat = memoryview(bounce.reshape(-1))
-    q: mp.Queue = mp.get_context("spawn").Queue()
-    with socket.create_server(("127.0.0.1", 0)) as srv:
-        proc = mp.get_context("spawn").Process(target=_floor_send, args=(srv.getsockname()[1], tokens, q), daemon=True)
-        proc.start()
-        conn, _ = srv.accept()
-        with conn:
-            conn.sendall(b"g")
-            r0, at, got, end = resource.getrusage(resource.RUSAGE_THREAD), 0, 0, False
-            while not end:
-                filled = 0
-                while filled < len(flat):
-                    k = conn.recv_into(flat[filled:])
-                    if not k:
-                        end = True
-                        break
-                    filled += k
-                n = filled // row
-                xxhash.xxh3_128(flat[:filled]).digest()
-                for pool, c in zip(pools, cols, strict=True):
-                    dst = pool[at % len(pool) :][:n]
-                    np.copyto(dst, bounce[: len(dst), c])
-                at, got = at + n, got + filled
-            r1 = resource.getrusage(resource.RUSAGE_THREAD)
-            conn.sendall(b"d")
-        sent = q.get(timeout=60)
-        proc.join(30)
+    with _connected(_floor_send, tokens) as (conn, sent):
+        r0, at, got, end = resource.getrusage(resource.RUSAGE_THREAD), 0, 0, False
+        while not end:
+            filled = 0
+            while filled < len(flat):
+                k = conn.recv_into(flat[filled:])
+                if not k:
+                    end = True
+                    break
+                filled += k
+            n = filled // row
+            xxhash.xxh3_128(flat[:filled]).digest()
+            for pool, c in zip(pools, cols, strict=True):
+                dst = pool[at % len(pool) :][:n]
+                np.copyto(dst, bounce[: len(dst), c])
+            at, got = at + n, got + filled
+        r1 = resource.getrusage(resource.RUSAGE_THREAD)
     cpu = r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime
     return {"bytes": got, "sender_cpu_s": sent["cpu_s"], "receiver_cpu_s": cpu}
 
