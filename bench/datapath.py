@@ -159,11 +159,12 @@ def _floor_send(port: int, tokens: int, out: mp.Queue) -> None:
     out.put({"bytes": n, "cpu_s": r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime})
 
 
-def floor_copy(tokens: int, split: list[int]) -> dict:
-    """The least work a verified move of these bytes into pools of `split` heads does, as plain
-    Python and numpy: the source hashes and sends them (_floor_send); this end receives them 1 MiB
-    at a time into a buffer that stays in L2, hashes it, and copies each token's row into the pools
-    that hold its heads (the path's PoolRowSink, less framing and bookkeeping)."""
+def floor_copy(tokens: int, split: list[int]) -> dict[str, float]:
+    """CPU seconds per GB (`sender`, `receiver`) of the least work a verified move of these bytes
+    into pools of `split` heads does, as plain Python and numpy: the source hashes and sends them
+    (_floor_send); this end receives them 1 MiB at a time into a buffer that stays in L2, hashes it,
+    and copies each token's row into the pools that hold its heads (the path's PoolRowSink, less
+    framing and bookkeeping)."""
     import resource
 
     import numpy as np
@@ -196,8 +197,8 @@ def floor_copy(tokens: int, split: list[int]) -> dict:
                 np.copyto(dst, bounce[: len(dst), c])
             at, got = at + n, got + filled
         r1 = resource.getrusage(resource.RUSAGE_THREAD)
-    cpu = r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime
-    return {"bytes": got, "sender_cpu_s": sent["cpu_s"], "receiver_cpu_s": cpu}
+    gb = got / 1e9
+    return {"sender": sent["cpu_s"] / gb, "receiver": (r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime) / gb}
 
 
 def run(tokens: int = 4096, split: list[int] | None = None, reps: int = 3, log: Log = lambda s: None) -> dict:
@@ -212,8 +213,7 @@ def run(tokens: int = 4096, split: list[int] | None = None, reps: int = 3, log: 
     for i in range(reps):
         sent, got = _receive(tokens, split)
         bare = link_copy(got["bytes"], distinct=True)
-        fl = floor_copy(tokens, split)
-        floors.append({k: fl[k + "_cpu_s"] / (fl["bytes"] / 1e9) for k in ("sender", "receiver")})
+        floors.append(floor_copy(tokens, split))
         gb = got["bytes"] / 1e9
         paths.append({"sender_cpu_s_per_gb": sent["cpu_s"] / gb, "receiver_cpu_s_per_gb": got["cpu_s"] / gb,
                       "gbps": gb / max(sent["seconds"], got["seconds"]), "placed_chunks": got["placed_chunks"],

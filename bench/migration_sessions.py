@@ -12,8 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
-from relayout.bench.replica_client import BenchError, TokenStream
-from relayout.engine.web import tls_context
+from relayout.bench.replica_client import BenchError, TokenStream, http_client
 
 MAX_TOKENS = 1024  # "large": sessions are stopped by the bench, never by max_tokens
 
@@ -128,7 +127,7 @@ def attach_early(dst: str, sid: str) -> tuple[Callable[[], None], Callable[[], T
 
     def watch() -> None:
         try:
-            with httpx.Client(verify=tls_context(), timeout=30) as client:  # (see TokenStream.run)
+            with http_client(timeout=30) as client:
                 while not quit_.is_set():
                     # without the id lists: a 16k-token session's ids made this poll most of the target's CPU
                     r = client.get(f"{dst}/v1/sessions/{sid}", params={"token_ids": "false"})

@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 from relayout.engine.web import tls_context
@@ -70,6 +71,13 @@ class Replica:
                 self.proc.wait(5)
 
 
+def http_client(**kw: Any) -> httpx.Client:
+    """An httpx client with the process's one TLS context (engine.web.tls_context). One made without
+    it loads the CA bundle, ~17 ms of CPU here: a reattaching stream made inside the stall it measures,
+    or a poll beside the decoding, took that from the replicas on a 2-core box."""
+    return httpx.Client(verify=tls_context(), **kw)
+
+
 # ---- one session's token stream, timestamped on arrival ---------------------------------------------------
 class TokenStream(threading.Thread):
     """Consumes one SSE stream (POST /v1/completions or GET /v1/sessions/{id}/stream) in a thread,
@@ -97,10 +105,7 @@ class TokenStream(threading.Thread):
 
     def run(self) -> None:
         try:
-            # the process's one TLS context: a client made without one loads the CA bundle (~17 ms of
-            # CPU here), and the reattaching stream is made in the stall it measures, beside the target's
-            # first step on a 2-core box
-            with httpx.Client(verify=tls_context(), timeout=httpx.Timeout(None, connect=30.0)) as client:
+            with http_client(timeout=httpx.Timeout(None, connect=30.0)) as client:
                 deadline = time.perf_counter() + self.retry_404_s
                 while True:
                     with client.stream(self.method, self.url, json=self.body) as r:

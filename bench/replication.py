@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 
 import httpx
-from relayout.bench.replica_client import link_copy, split_cpus
+from relayout.bench.replica_client import http_client, link_copy, split_cpus
 from relayout.engine.web import tls_context
 from relayout.migrate import procs
 
@@ -44,8 +44,7 @@ def _bodies(n: int, max_tokens: int) -> list[dict]:
 
 
 def _reference(url: str, body: dict) -> list[int]:
-    # (every request here shares the process's TLS context: a fresh one costs ~17 ms of CPU, taken
-    # from the decoding and the failover measured; see TokenStream.run)
+    # (every request here passes the process's TLS context: see replica_client.http_client)
     r = httpx.post(f"{url}/v1/completions", json={**body, "return_token_ids": True}, verify=tls_context(), timeout=600)
     r.raise_for_status()
     return r.json()["choices"][0]["token_ids"]
@@ -62,9 +61,7 @@ def _decode_rate(url: str, bodies: list[dict], lag: list[int] | None = None) -> 
         counts.append(len(_reference(url, b)))
 
     def watch() -> None:
-        # one client, with the process's TLS context: an httpx.get each sample made a client (~17 ms of
-        # CPU loading the CA bundle), a sixth of a core taken from the decoding it measures
-        with httpx.Client(verify=tls_context(), timeout=5) as client:
+        with http_client(timeout=5) as client:  # one for all samples (an httpx.get each made a client)
             while not stop.is_set():
                 try:
                     r = client.get(f"{url}/v1/protection")

@@ -153,7 +153,7 @@ class Replicator:
         query = urlencode({"source": self.cfg.source_url, "lease_s": str(self.cfg.lease_s)})
         return RoundPoster(httpx.URL(f"{self.cfg.standby}/v1/standby/{self.pid}/rounds?{query}"),
                            httpx.Headers(bearer_headers(self.token)), connect_s=max(0.2, self.cfg.lease_s / 2),
-                           read_s=60.0, tls=tls_context())
+                           read_s=60.0)
 
     async def _rounds(self) -> None:
         poster = self._poster()
@@ -187,7 +187,8 @@ class Replicator:
             # way, without the hand-offs (bench replication: 0.894-0.911 of unprotected decode, five
             # runs, against 0.860-0.895 through asyncio.to_thread, alternating)
             manifest, frames = self._frames(cut, sent, held, rnd)
-            r = await poster.post(b"".join(frames))
+            body = b"".join(frames)
+            r = await poster.post(body)
             if r.status_code == 409 and _error_type(r) in (PROMOTED, DROPPED):
                 await self._lose()
                 return
@@ -196,8 +197,8 @@ class Replicator:
                     self.synced = {}
                 raise RuntimeError(f"standby refused round {rnd}: HTTP {r.status_code}: {error_message(r)}")
             self.lease_until = t0 + self.cfg.lease_s
-            self.rounds, self.round_bytes = rnd, self.round_bytes + sum(len(f) for f in frames)
-            sp.set_attribute("relayout.bytes", sum(len(f) for f in frames))
+            self.rounds, self.round_bytes = rnd, self.round_bytes + len(body)
+            sp.set_attribute("relayout.bytes", len(body))
             whole = {snap.session_id: snap.state_dict for snap in cut.snaps}  # (the manifest's lists may be deltas)
             self.synced = {e.session_id: SyncedSession.of(e.num_kv_tokens, whole[e.session_id]) for e in manifest.sessions}
             if self.state == ProtectionState.FENCED:

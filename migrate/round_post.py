@@ -13,10 +13,10 @@ target).
 from __future__ import annotations
 
 import asyncio
-import ssl
 
 import h11
 import httpx
+from relayout.engine.web import tls_context
 
 READ_BYTES = 1 << 16
 
@@ -25,16 +25,16 @@ class RoundPoster:
     """POST bodies to one URL over a connection kept between calls; opened on first use and again
     after any failure. Not for concurrent use: a protection sends one round at a time."""
 
-    def __init__(self, url: httpx.URL, headers: httpx.Headers, connect_s: float, read_s: float,
-                 tls: ssl.SSLContext | None = None) -> None:
+    def __init__(self, url: httpx.URL, headers: httpx.Headers, connect_s: float, read_s: float) -> None:
         if url.scheme not in ("http", "https"):
             raise ValueError(f"a round goes over http or https, not {url.scheme!r}")
         self.url, self.connect_s, self.read_s = url, connect_s, read_s
-        self.tls = (tls or ssl.create_default_context()) if url.scheme == "https" else None
+        self.tls = tls_context() if url.scheme == "https" else None  # the process's one context
         self.port = url.port or (443 if url.scheme == "https" else 80)
         self.target = url.raw_path  # path and query, as sent
         self.headers = [(b"host", url.netloc), *((k.lower(), v) for k, v in headers.raw)]
         self._open: tuple[asyncio.StreamReader, asyncio.StreamWriter, h11.Connection] | None = None
+        self._answered = False  # a byte of the current response came back: the round reached the standby
 
     async def post(self, body: bytes) -> httpx.Response:
         """The standby's response (any status). Raises on a connection that fails or times out; a
@@ -47,18 +47,18 @@ class RoundPoster:
                                             server_hostname=self.url.host if self.tls else None),
                     self.connect_s)
                 self._open = (r, w, h11.Connection(h11.CLIENT))
-            answered = [False]  # any byte of a response came back: the round reached the standby
+            self._answered = False
             try:
-                return await asyncio.wait_for(self._exchange(body, answered), self.read_s)
+                return await asyncio.wait_for(self._exchange(body), self.read_s)
             except (ConnectionError, EOFError, h11.RemoteProtocolError):
                 self.close()
-                if not reused or answered[0]:
+                if not reused or self._answered:
                     raise
             except BaseException:
                 self.close()
                 raise
 
-    async def _exchange(self, body: bytes, answered: list[bool]) -> httpx.Response:
+    async def _exchange(self, body: bytes) -> httpx.Response:
         assert self._open is not None
         reader, writer, conn = self._open
         head = h11.Request(method=b"POST", target=self.target,
@@ -72,7 +72,7 @@ class RoundPoster:
                 data = await reader.read(READ_BYTES)
                 if not data:
                     raise EOFError("the standby closed the connection")
-                answered[0] = True
+                self._answered = True
                 conn.receive_data(data)
             elif isinstance(event, h11.Response):
                 status, headers = event.status_code, list(event.headers)
