@@ -49,7 +49,8 @@ async def run_restore(ag: Agent, op: dict, rid: str | None, new: tuple | None, b
         res = await ag.replica_post(ag.reg.replicas[target]["url"], "/v1/sessions/restore", req)
         sp.set_attributes(tracing.attributes({"sessions": res.get("sessions")}))
     ag.m.restore_seconds.observe(time.perf_counter() - t0)
-    return {"replica": target, "sessions": res.get("sessions", []), "converted": res.get("converted")}
+    return {"replica": target, "sessions": res.get("sessions", []), "converted": res.get("converted"),
+            "recomputed": res.get("recomputed") or {}}
 
 
 async def run_migrate(ag: Agent, op: dict, src: dict, body: MigrateBody) -> dict:

@@ -9,6 +9,7 @@ from typing import Any, Literal
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
 from relayout.engine import web
+from relayout.engine.vllm_args import VllmArgsError, check_vllm_args
 
 OP_TIMEOUT = httpx.Timeout(900.0, connect=10.0)  # longer than a vLLM replica's launch (agent.node.launch_timeout)
 
@@ -32,6 +33,10 @@ class EngineChoice(BaseModel):
         for a in self.vllm_args or []:
             if not 0 < len(a) <= 512 or "\x00" in a:
                 raise web.HTTPError(400, "vllm_args: each item 1..512 characters")
+        try:
+            check_vllm_args(list(self.vllm_args or []))
+        except VllmArgsError as e:
+            raise web.HTTPError(400, f"vllm_args: {e}") from None
         return list(self.vllm_args or [])
 
 

@@ -8,26 +8,36 @@ puts them into the step's metadata; `WorkerSide` (one per TP rank) copies betwee
 the files at the start of that step, before the forward writes anything. Full positions of a
 request's KV never change, so an export at a step boundary is consistent without pausing vLLM.
 
-Loads are synchronous: the connector reports every imported token but the request's last, which
-vLLM computes to produce the next one (a sync load must leave it one), so a moved request recomputes
-one token."""
+What production does to a moved request, and what this connector does then:
+- Only `kv_transfer_params` signed with the replica's per-launch secret count (engine.vllm_exchange):
+  any client of vLLM's port can send them, and an unsigned or replayed one is a plain request.
+- A load is synchronous: the connector reports every imported token but the request's last, which
+  vLLM computes to produce the next one (a sync load must leave it one).
+- A request preempted after its load resumes by recomputing, as vLLM recomputes every preempted
+  request: the connector offers its KV once (`loaded`), and the replica removes the staged files as
+  soon as the request has produced a token. Loading again would keep a session's whole KV in host
+  memory (/dev/shm) for its request's life, for a case vLLM already handles.
+- A load that fails in a worker (a file missing, truncated, of the wrong shape or dtype, or not
+  matching its hash) never raises into vLLM's step: its blocks go back through
+  `get_block_ids_with_load_errors`, vLLM (`kv_load_failure_policy: recompute`) recomputes them, and
+  the worker leaves `<load id>.failed` in the exchange saying why, for the replica to report."""
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import queue
-import re
 import socketserver
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from relayout.engine.vllm_exchange import LOAD_KEY, SESSION_KEY, KVFile, write_error, write_kv
+from relayout.engine.vllm_exchange import NAME_RE, Exchange, ExchangeError, read_kv, write_error, write_kv
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -41,7 +51,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("relayout.vllm_connector")
 COMMAND_TIMEOUT_S = 30.0  # a command waits this long for the engine's next step
 COMMAND_POLL_S = 0.05  # how often a waiting command looks whether its request ended
-_LAYER_RE = re.compile(r"layers\.(\d+)\.")
+NONCES_KEPT = 65536  # signed parameters seen: each is honoured once
 
 
 @dataclass
@@ -54,7 +64,8 @@ class ExportSpec:
 
 @dataclass
 class LoadSpec:
-    files: list[str]
+    load_id: str
+    files: list[dict]  # {name, tok_lo, tok_hi, hash}, each a file directly in the exchange
     block_ids: list[int]
     tok_lo: int
     tok_hi: int
@@ -73,18 +84,54 @@ class _Command:
     answer: dict | None = None
 
 
+@dataclass(frozen=True)
+class KVGeometry:
+    """What vLLM's `kv_cache_config` says the cache is: the main model's attention layers in model
+    order (never a drafter's), its block size and dtype."""
+
+    layer_names: tuple[str, ...]
+    block_size: int
+    dtype: torch.dtype
+
+    @classmethod
+    def from_vllm(cls, kv_cache_config: Any, num_layers: int | None) -> KVGeometry:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        groups = [g for g in kv_cache_config.kv_cache_groups
+                  if not getattr(g, "is_eagle_group", False) and getattr(g, "enable_kv_transfer", True)]
+        if len(groups) != 1:
+            raise RuntimeError(f"relayout's vLLM connector moves one full-attention KV cache group; vLLM made "
+                               f"{len(groups)} (run vLLM with --disable-hybrid-kv-cache-manager)")
+        spec = groups[0].kv_cache_spec
+        names = tuple(sorted(groups[0].layer_names, key=extract_layer_index))
+        if num_layers is not None and len(names) != num_layers:
+            raise RuntimeError(f"vLLM's KV cache group holds {len(names)} layers, the model {num_layers}: "
+                               "a drafter's layers would be mixed in")
+        return cls(names, int(spec.block_size), spec.dtype)
+
+
+def _num_layers(vllm_config: VllmConfig) -> int | None:
+    n = getattr(vllm_config.model_config.hf_text_config, "num_hidden_layers", None)
+    return int(n) if n is not None else None
+
+
 class SchedulerSide:
-    def __init__(self, vllm_config: VllmConfig, extra: dict):
-        self.block_size = vllm_config.cache_config.block_size
+    def __init__(self, vllm_config: VllmConfig, extra: dict, kv_cache_config: Any = None):
+        self.exchange = Exchange.open(extra["exchange"])
+        self.geometry = (KVGeometry.from_vllm(kv_cache_config, _num_layers(vllm_config))
+                         if kv_cache_config is not None else None)
+        self.block_size = self.geometry.block_size if self.geometry else vllm_config.cache_config.block_size
         self.tp = vllm_config.parallel_config.tensor_parallel_size
         self.sessions: dict[str, Request] = {}
         self.commands: queue.Queue[_Command] = queue.Queue()
         self._answering = threading.Lock()  # a command is answered once: by a step, or by its waiting caller
-        self.loads: dict[str, LoadSpec] = {}  # request id -> KV to load in its first step
+        self.signed: dict[str, tuple[str, dict | None]] = {}  # request id -> (session, load) it was signed for
+        self.loads: dict[str, LoadSpec] = {}  # request id -> KV to load in the step being scheduled
+        self.loaded: set[str] = set()  # requests whose KV was offered once: a resumed one recomputes
+        self._nonces: OrderedDict[str, None] = OrderedDict()
         self.kv_cache_manager = None
-        sock = extra.get("control_socket")
-        if sock:
-            self._serve(sock)
+        if extra.get("serve_control", True):
+            self._serve(str(self.exchange.control_socket))
 
     # ---- the replica's commands (a thread of their own) ------------------------------------------
     def _serve(self, path: str) -> None:
@@ -99,15 +146,17 @@ class SchedulerSide:
                     answer = {"ok": False, "error": f"{type(e).__name__}: {e}"}
                 self.wfile.write(json.dumps(answer).encode() + b"\n")
 
-        if os.path.exists(path):
-            os.unlink(path)
+        Path(path).unlink(missing_ok=True)
         server = socketserver.ThreadingUnixStreamServer(path, Handler)
         server.daemon_threads = True
         threading.Thread(target=server.serve_forever, name="relayout-control", daemon=True).start()
 
     def command(self, msg: dict) -> dict:
         if msg.get("op") == "ping":
-            return {"ok": True, "ranks": self.tp, "block_size": self.block_size}
+            g = self.geometry
+            return {"ok": True, "ranks": self.tp, "block_size": self.block_size,
+                    "kv_dtype": str(g.dtype).removeprefix("torch.") if g else None,
+                    "layers": len(g.layer_names) if g else None}
         if msg.get("op") != "export":
             return {"ok": False, "error": f"unknown command {msg.get('op')!r}"}
         cmd = _Command(msg)
@@ -145,42 +194,67 @@ class SchedulerSide:
 
         if req.status != RequestStatus.RUNNING:
             return {"ok": False, "error": f"session {sid}'s vLLM request is {req.status.name}, not running"}, None
+        out = self.exchange.dir / str(msg["dir"])
+        if not out.is_dir() or out.parent != self.exchange.dir or out.is_symlink():
+            return {"ok": False, "error": f"export directory {msg['dir']!r} is not one of this exchange"}, None
         hi = min(int(msg["hi"]), req.num_computed_tokens)  # computed before this step: in the cache now
         lo = int(msg["lo"])
         if hi <= lo:
             return {"ok": True, "ranks": 0, "tok_hi": max(lo, hi)}, None
         blocks = list(self.kv_cache_manager.get_block_ids(req.request_id)[0])[: -(-hi // self.block_size)]
-        return {"ok": True, "ranks": self.tp, "tok_hi": hi}, ExportSpec(msg["dir"], blocks, lo, hi)
+        return {"ok": True, "ranks": self.tp, "tok_hi": hi}, ExportSpec(str(out), blocks, lo, hi)
 
     # ---- vLLM's scheduler hooks --------------------------------------------------------------
     def on_new_request(self, request: Request) -> None:
-        sid = (request.kv_transfer_params or {}).get(SESSION_KEY)
-        if sid:
-            self.sessions[sid] = request
+        ok = self.exchange.verified(request.kv_transfer_params)
+        if ok is None:
+            if request.kv_transfer_params:
+                log.warning("relayout: request %s carries kv_transfer_params relayout did not sign: served as a "
+                            "plain request", request.request_id)
+            return
+        sid, load, nonce = ok
+        if nonce in self._nonces:  # a replay of parameters signed once: a plain request
+            log.warning("relayout: request %s replays signed kv_transfer_params: served as a plain request",
+                        request.request_id)
+            return
+        self._nonces[nonce] = None
+        while len(self._nonces) > NONCES_KEPT:
+            self._nonces.popitem(last=False)
+        self.signed[request.request_id] = (sid, load)
+        self.sessions[sid] = request
+
+    def _load_of(self, request: Request) -> dict | None:
+        signed = self.signed.get(request.request_id)
+        if signed is None or request.request_id in self.loaded:
+            return None
+        load = signed[1]
+        return load if load and int(load.get("tokens") or 0) > 0 and load.get("files") else None
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        load = (request.kv_transfer_params or {}).get(LOAD_KEY)
-        if not load:
+        load = self._load_of(request)
+        if load is None:
             return 0, False
         # never the last token: vLLM computes it to sample the next (a sync load must leave one to compute)
         n = min(int(load["tokens"]), request.num_tokens - 1)
         return max(0, n - num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
-        load = (request.kv_transfer_params or {}).get(LOAD_KEY)
-        if num_external_tokens <= 0 or not load:
+        load = self._load_of(request)
+        if num_external_tokens <= 0 or load is None:
             return
         hi = min(int(load["tokens"]), request.num_tokens - 1)
-        self.loads[request.request_id] = LoadSpec(list(load["files"]), list(blocks.get_block_ids()[0]),
-                                                  hi - num_external_tokens, hi)
+        self.loads[request.request_id] = LoadSpec(str(load.get("id") or request.request_id), list(load["files"]),
+                                                  list(blocks.get_block_ids()[0]), hi - num_external_tokens, hi)
 
     def build_connector_meta(self, scheduler_output: Any) -> RelayoutMetadata:
         meta = RelayoutMetadata()
-        for new in scheduler_output.scheduled_new_reqs:
-            spec = self.loads.pop(new.req_id, None)
-            if spec is not None:
-                spec.block_ids = list(new.block_ids[0])  # every block the request holds now
-                meta.loads.append(spec)
+        # every load update_state_after_alloc took belongs to a request this step schedules, new or
+        # resumed: its blocks now, from the manager (a resumed request is not in scheduled_new_reqs)
+        for rid, spec in list(self.loads.items()):
+            spec.block_ids = list(self.kv_cache_manager.get_block_ids(rid)[0])
+            meta.loads.append(spec)
+            self.loaded.add(rid)
+        self.loads.clear()
         while True:
             try:
                 cmd = self.commands.get_nowait()
@@ -191,22 +265,28 @@ class SchedulerSide:
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
-        self.loads.pop(request.request_id, None)
-        sid = (request.kv_transfer_params or {}).get(SESSION_KEY)
-        if sid and self.sessions.get(sid) is request:
-            del self.sessions[sid]
+        rid = request.request_id
+        self.loads.pop(rid, None)
+        self.loaded.discard(rid)
+        signed = self.signed.pop(rid, None)
+        if signed and self.sessions.get(signed[0]) is request:
+            del self.sessions[signed[0]]
         return False, None
 
 
 class WorkerSide:
     """One TP rank: each layer's cache as (K, V) views [blocks, local KV heads, block_size, head_dim]."""
 
-    def __init__(self, vllm_config: VllmConfig):
-        self.block_size = vllm_config.cache_config.block_size
+    def __init__(self, vllm_config: VllmConfig, extra: dict, kv_cache_config: Any = None):
+        self.exchange = Exchange.open(extra["exchange"])
+        self.geometry = (KVGeometry.from_vllm(kv_cache_config, _num_layers(vllm_config))
+                         if kv_cache_config is not None else None)
+        self.block_size = self.geometry.block_size if self.geometry else vllm_config.cache_config.block_size
         self.num_kv_heads = vllm_config.model_config.get_total_num_kv_heads()
         self.cpu = vllm_config.device_config.device_type == "cpu"
         self.views: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.rank, self.head_lo, self.head_hi = 0, 0, 0
+        self.load_errors: set[int] = set()
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.distributed.parallel_state import (
@@ -221,8 +301,12 @@ class WorkerSide:
         else:  # replicated: each rank holds one head
             h = self.rank // (tp // K)
             self.head_lo, self.head_hi = h, h + 1
-        named = sorted(kv_caches.items(), key=lambda kv: int(m.group(1)) if (m := _LAYER_RE.search(kv[0])) else 0)
-        self.views = [self._views(t) for _, t in named]
+        if self.geometry is None:
+            raise RuntimeError("relayout's vLLM connector needs vLLM's kv_cache_config (vLLM >= 0.11)")
+        missing = [n for n in self.geometry.layer_names if n not in kv_caches]
+        if missing:
+            raise RuntimeError(f"vLLM registered no KV cache for layers {missing[:3]}")
+        self.views = [self._views(kv_caches[n]) for n in self.geometry.layer_names]
 
     def _views(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         bs = self.block_size
@@ -250,20 +334,40 @@ class WorkerSide:
         b, o = self._index(spec.block_ids, spec.tok_lo, spec.tok_hi)
         # [n, H, D] per layer, K and V -> [layers, 2, H, n, D]
         kv = torch.stack([torch.stack([k[b, :, o], v[b, :, o]]).transpose(1, 2) for k, v in self.views]).cpu()
-        write_kv(os.path.join(spec.out_dir, f"rank{self.rank}.safetensors"), kv, self.head_lo, self.head_hi,
+        write_kv(Path(spec.out_dir) / f"rank{self.rank}.safetensors", kv, self.head_lo, self.head_hi,
                  spec.tok_lo, spec.tok_hi)
 
+    def _read(self, f: dict, lo: int, hi: int) -> torch.Tensor:
+        """This rank's heads of tokens [lo, hi) of one staged file, every property checked first."""
+        kv, meta = read_kv(self.exchange.path(str(f.get("name"))), f.get("hash"))
+        k_lo, k_hi = int(meta.get("tok_lo", -1)), int(meta.get("tok_hi", -1))
+        h_lo, h_hi = int(meta.get("head_lo", -1)), int(meta.get("head_hi", -1))
+        want = (len(self.views), 2, h_hi - h_lo, k_hi - k_lo, self.views[0][0].shape[-1])
+        if (k_lo, k_hi) != (int(f["tok_lo"]), int(f["tok_hi"])) or not (h_lo <= self.head_lo < self.head_hi <= h_hi):
+            raise ExchangeError(f"staged file {f.get('name')} holds tokens [{k_lo}, {k_hi}) and heads "
+                                f"[{h_lo}, {h_hi}), not what its load names")
+        if tuple(kv.shape) != want:
+            raise ExchangeError(f"staged file {f.get('name')} has shape {list(kv.shape)}, this cache takes "
+                                f"{list(want)}")
+        cache_dtype = self.views[0][0].dtype
+        if kv.dtype != cache_dtype:  # never cast silently: another dtype means other numbers
+            raise ExchangeError(f"staged file {f.get('name')} holds {kv.dtype} KV, this cache is {cache_dtype}")
+        return kv[:, :, self.head_lo - h_lo: self.head_hi - h_lo, lo - k_lo: hi - k_lo]
+
     def load(self, spec: LoadSpec) -> None:
-        for path in spec.files:
-            f = KVFile.open(path)
-            lo, hi = max(spec.tok_lo, f.tok_lo), min(spec.tok_hi, f.tok_hi)
-            if lo >= hi:
-                continue
-            kv = f.read(self.head_lo, self.head_hi)[:, :, :, lo - f.tok_lo: hi - f.tok_lo]
+        parts = []
+        for f in spec.files:  # every file read and checked before a byte enters the cache
+            lo, hi = max(spec.tok_lo, int(f["tok_lo"])), min(spec.tok_hi, int(f["tok_hi"]))
+            if lo < hi:
+                parts.append((lo, hi, self._read(f, lo, hi)))
+        covered = sum(hi - lo for lo, hi, _ in parts)
+        if covered != spec.tok_hi - spec.tok_lo:
+            raise ExchangeError(f"the staged files cover {covered} of the {spec.tok_hi - spec.tok_lo} tokens to load")
+        for lo, hi, kv in parts:
             b, o = self._index(spec.block_ids, lo, hi)
             for layer, (k, v) in enumerate(self.views):
-                k[b, :, o] = kv[layer, 0].transpose(0, 1).to(k.device, k.dtype)
-                v[b, :, o] = kv[layer, 1].transpose(0, 1).to(v.device, v.dtype)
+                k[b, :, o] = kv[layer, 0].transpose(0, 1).to(k.device)
+                v[b, :, o] = kv[layer, 1].transpose(0, 1).to(v.device)
 
     def start_step(self, meta: RelayoutMetadata) -> None:
         for spec in meta.exports:
@@ -271,9 +375,27 @@ class WorkerSide:
                 self.export(spec)
             except Exception as e:  # noqa: BLE001 - the replica reads why, the step goes on
                 log.exception("relayout: export of %s failed", spec.out_dir)
-                write_error(os.path.join(spec.out_dir, f"rank{self.rank}.safetensors"), f"{type(e).__name__}: {e}")
+                write_error(Path(spec.out_dir) / f"rank{self.rank}.safetensors", f"{type(e).__name__}: {e}")
         for spec in meta.loads:
-            self.load(spec)  # a failed load must fail the step: the tokens would be garbage
+            try:
+                self.load(spec)
+            except Exception as e:  # noqa: BLE001 - never into vLLM's step: its blocks are recomputed
+                log.warning("relayout: load %s failed, vLLM recomputes it: %s", spec.load_id, e)
+                bs = self.block_size
+                self.load_errors.update(spec.block_ids[spec.tok_lo // bs: -(-spec.tok_hi // bs)])
+                self._say_failed(spec.load_id, f"{type(e).__name__}: {e}")
+
+    def _say_failed(self, load_id: str, why: str) -> None:
+        name = f"{load_id}.failed"
+        if NAME_RE.fullmatch(name):
+            try:
+                (self.exchange.dir / name).write_text(why[:2000])
+            except OSError:
+                pass  # the replica still sees the recompute in vLLM's own metrics
+
+    def take_load_errors(self) -> set[int]:
+        out, self.load_errors = self.load_errors, set()
+        return out
 
 
 class RelayoutConnector(KVConnectorBase_V1):
@@ -282,8 +404,9 @@ class RelayoutConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
-        self.scheduler = SchedulerSide(vllm_config, extra) if role == KVConnectorRole.SCHEDULER else None
-        self.worker = WorkerSide(vllm_config) if role == KVConnectorRole.WORKER else None
+        self.scheduler = (SchedulerSide(vllm_config, extra, kv_cache_config)
+                          if role == KVConnectorRole.SCHEDULER else None)
+        self.worker = WorkerSide(vllm_config, extra, kv_cache_config) if role == KVConnectorRole.WORKER else None
 
     # scheduler side
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
@@ -314,6 +437,9 @@ class RelayoutConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if isinstance(meta, RelayoutMetadata) and (meta.exports or meta.loads):
             self.worker.start_step(meta)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.take_load_errors() if self.worker is not None else set()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return

@@ -11,16 +11,20 @@ Holding a session at a step boundary (`pause`) freezes its state here while vLLM
 or two ahead: tokens that arrive meanwhile are kept back and become the session's on `resume`, or
 are dropped on `release` (the request is aborted in vLLM, and its KV up to the frozen state is what
 moved). The KV itself goes in and out through relayout's KV connector (engine.vllm_connector), as
-files in the replica's staging directory (engine.vllm_exchange)."""
+files in the replica's exchange directory (engine.vllm_exchange).
+
+A load's staged files belong to the session's vLLM request: they are removed once that request has
+produced a token (its KV is in vLLM's cache, or vLLM recomputed it), or when it ends; a worker that
+could not load them leaves `<load id>.failed`, and the session is then named in `recomputed`."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import queue
 import secrets
 import shutil
-import tempfile
 import threading
 import time
 import uuid
@@ -42,12 +46,13 @@ from relayout.engine.layout import Layout
 from relayout.engine.sampling import new_rng_state
 from relayout.engine.session import SamplingParams, SessionState, SessionStatus
 from relayout.engine.tokenizer import load_tokenizer
-from relayout.engine.vllm_exchange import LOAD_KEY, SESSION_KEY, ExchangeError, KVFile, control, staging_root
+from relayout.engine.vllm_exchange import Exchange, ExchangeError, KVFile, control
 from relayout.engine.vllm_server import VllmLaunch, VllmServer, vllm_version
 from relayout.engine.weights import resolve_model
 
 STEP_WAIT_S = 0.01  # step() waits this long for vLLM's next tokens: calls queued meanwhile wait as long
 EXPORT_TIMEOUT_S = 60.0
+log = logging.getLogger("relayout.vllm_engine")
 
 
 class VllmEngineDead(RuntimeError):
@@ -116,15 +121,23 @@ class VllmEngine:
         self.dtype = parse_dtype(dtype, self.device)
         self.kv_dtype_name, self.kv_dtype = "auto", self.dtype
         self.tokenizer = load_tokenizer(self.model_dir, self.cfg)
-        self.staging = Path(tempfile.mkdtemp(prefix="relayout-vllm-", dir=staging_root()))
+        self.exchange = Exchange.create()
+        self.staging = self.exchange.dir
         self.launch = VllmLaunch(self.model_dir, model, self.layout, str(self.dtype).removeprefix("torch."),
-                                 self.staging, kv_cache_mb, host, 0, list(vllm_args or []))
+                                 self.exchange.dir, kv_cache_mb, host, 0, list(vllm_args or []))
         try:
             self.server = VllmServer(self.launch)
             info = self.server.wait_ready()
+            # the KV dtype is vLLM's to choose: what its kv_cache_config says, not what the model config does
+            geo = control(self.exchange.control_socket, {"op": "ping"}, timeout=30)
         except BaseException:
-            shutil.rmtree(self.staging, ignore_errors=True)
+            if hasattr(self, "server"):
+                self.server.stop()
+            self.exchange.remove()
             raise
+        if geo.get("kv_dtype"):
+            self.kv_dtype = getattr(torch, geo["kv_dtype"])
+            self.kv_dtype_name = geo["kv_dtype"] if self.kv_dtype != self.dtype else "auto"
         self.engine_url = self.server.url
         self.engine_version = vllm_version()
         self.max_model_len = int(info.get("max_model_len") or self.cfg.max_position_embeddings)
@@ -135,6 +148,9 @@ class VllmEngine:
         self.tokens_generated = 0
         self._requests: dict[str, _Request] = {}
         self._loads: dict[str, dict | None] = {}  # adopted sessions' KV to load, until their request starts
+        self._staged: dict[str, tuple[int, dict]] = {}  # session -> (request generation, load) not yet settled
+        self.recomputed: dict[str, str] = {}  # session -> why its KV load failed and vLLM recomputed it
+        self.loaded: set[str] = set()  # sessions whose staged KV their request has taken
         self._arrivals: queue.Queue[_Arrival] = queue.Queue()
         self._fingerprint: str | None = None
         threading.Thread(target=lambda: self.fingerprint, name="model-fingerprint", daemon=True).start()
@@ -223,19 +239,52 @@ class VllmEngine:
 
     def discard(self, session_id: str) -> None:
         """Forget a session that never became this replica's (an uncommitted transfer)."""
-        self._loads.pop(session_id, None)
+        self._unstage(self._loads.pop(session_id, None))
         self._cancel(session_id)
         self.sessions.pop(session_id, None)
+
+    # ---- staged loads ----------------------------------------------------------------------------
+    def _unstage(self, load: dict | None) -> None:
+        """Remove a load's staged files (and a worker's note that it failed)."""
+        if not load:
+            return
+        names = [f["name"] for f in load.get("files") or []]
+        if load.get("id"):
+            names.append(f"{load['id']}.failed")
+        for name in names:
+            (self.exchange.dir / name).unlink(missing_ok=True)
+
+    def _settle(self, sid: str, generation: int) -> None:
+        """The request that loaded `sid`'s staged KV produced a token: the KV is in vLLM's cache (or a
+        worker could not load it and vLLM recomputed it: named in `recomputed`); the files go."""
+        staged = self._staged.get(sid)
+        if staged is None or staged[0] != generation:
+            return
+        del self._staged[sid]
+        load = staged[1]
+        note = self.exchange.dir / f"{load['id']}.failed"
+        try:
+            why = note.read_text()
+            self.recomputed[sid] = why
+            log.warning("session %s: vLLM could not load its KV and recomputed it: %s", sid, why)
+        except OSError:
+            self.loaded.add(sid)
+        self._unstage(load)
+
+    def load_outcome(self, sid: str) -> str | None:
+        """"loaded", "recomputed" or None while its load is pending."""
+        if sid in self.recomputed:
+            return "recomputed"
+        return "loaded" if sid in self.loaded else None
 
     # ---- KV out of vLLM ------------------------------------------------------------------------
     def export_kv(self, session_id: str, lo: int, hi: int) -> list[KVFile]:
         """KV tokens [lo, hi) of a session's running vLLM request, one file per distinct KV-head range
         (each TP rank's). Any thread; ExchangeError if vLLM no longer runs the request."""
-        out = self.staging / f"x-{uuid.uuid4().hex}"
-        out.mkdir()
+        out = self.exchange.new_dir("x-")
         try:
-            ans = control(self.launch.control_socket, {"op": "export", "session": session_id, "lo": lo, "hi": hi,
-                                                        "dir": str(out)}, timeout=EXPORT_TIMEOUT_S)
+            ans = control(self.exchange.control_socket, {"op": "export", "session": session_id, "lo": lo, "hi": hi,
+                                                          "dir": out.name}, timeout=EXPORT_TIMEOUT_S)
             ranks = int(ans["ranks"])
             deadline = time.monotonic() + EXPORT_TIMEOUT_S
             while len(files := sorted(out.glob("rank*.safetensors"))) < ranks:
@@ -282,6 +331,8 @@ class VllmEngine:
             req = self._requests.get(a.session_id)
             if s is None or s.is_finished or req is None or req.generation != a.generation:
                 continue
+            if a.token_ids:
+                self._settle(a.session_id, a.generation)
             if s.status == SessionStatus.PAUSED:
                 req.held.append(a)
                 continue
@@ -324,18 +375,20 @@ class VllmEngine:
         s.status = status
         s.finish_reason = reason if status == SessionStatus.FINISHED else s.finish_reason
         self._cancel(s.session_id)
-        self._loads.pop(s.session_id, None)
+        self._unstage(self._loads.pop(s.session_id, None))
         done = [k for k, v in self.sessions.items() if v.is_finished]
         for k in done[: max(0, len(done) - self.max_finished)]:
             del self.sessions[k]
+            self.recomputed.pop(k, None)
+            self.loaded.discard(k)
 
     # ---- vLLM requests -------------------------------------------------------------------------
     def _submit(self, s: SessionState, load: dict | None = None) -> None:
         """A vLLM request continuing `s` from its tokens so far (with its KV loaded when `load`)."""
         p = s.sampling
-        params = {SESSION_KEY: s.session_id}
         if load:
-            params[LOAD_KEY] = load
+            load = {**load, "id": f"l-{uuid.uuid4().hex}"}
+        params = self.exchange.transfer_params(s.session_id, load)
         body = {"model": self.model_ref, "prompt": s.all_token_ids, "stream": True, "return_token_ids": True,
                 "max_tokens": p.max_tokens - len(s.output_token_ids), "temperature": p.temperature,
                 "top_p": p.top_p, "top_k": p.top_k if p.top_k > 0 else -1,
@@ -350,6 +403,8 @@ class VllmEngine:
         req = _Request((old.generation + 1) if old else 0)
         self._cancel(s.session_id)
         self._requests[s.session_id] = req
+        if load:
+            self._staged[s.session_id] = (req.generation, load)
         req.task = self._on_loop(self._stream(s.session_id, req.generation, body))
 
     def _cancel(self, session_id: str) -> None:
@@ -357,6 +412,9 @@ class VllmEngine:
         req = self._requests.pop(session_id, None)
         if req is not None and req.task is not None:
             req.task.cancel()
+        staged = self._staged.pop(session_id, None)
+        if staged is not None:  # its request ended before it produced a token: the load is not needed now
+            self._unstage(staged[1])
 
     async def _stream(self, sid: str, gen: int, body: dict) -> None:
         put = self._arrivals.put
@@ -402,4 +460,4 @@ class VllmEngine:
             pass
         self._loop.call_soon_threadsafe(self._loop.stop)
         self.server.stop()
-        shutil.rmtree(self.staging, ignore_errors=True)
+        self.exchange.remove()

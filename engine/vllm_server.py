@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 from relayout.engine.layout import Layout, LayoutError
 from relayout.engine.rank_channel import free_port
+from relayout.engine.vllm_args import check_vllm_args
 
 CONNECTOR_MODULE = "relayout.engine.vllm_connector"
 CONNECTOR_CLASS = "RelayoutConnector"
@@ -85,22 +86,15 @@ class VllmLaunch:
     served_name: str
     layout: Layout
     dtype: str  # float32 | bfloat16 | float16
-    staging: Path  # the exchange directory (engine.vllm_exchange)
+    exchange: Path  # the exchange directory (engine.vllm_exchange: its secret, socket and staged files)
     kv_cache_mb: int | None = None
     host: str = "127.0.0.1"
     port: int = 0  # 0: a free one
     extra_args: list[str] = field(default_factory=list)
 
-    @property
-    def control_socket(self) -> Path:
-        return self.staging / "control.sock"
-
     def command(self, cuda: bool) -> tuple[list[str], dict[str, str]]:
         lay = self.layout
-        kv_config = {"kv_connector": CONNECTOR_CLASS, "kv_connector_module_path": CONNECTOR_MODULE,
-                     "kv_role": "kv_both",
-                     "kv_connector_extra_config": {"control_socket": str(self.control_socket),
-                                                   "staging": str(self.staging)}}
+        kv_config = kv_transfer_config(self.exchange)
         argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
                 "--served-model-name", self.served_name, "--host", self.host, "--port", str(self.port),
                 "--tensor-parallel-size", str(lay.attn_tp), "--dtype", self.dtype,
@@ -123,6 +117,13 @@ class VllmLaunch:
         return argv, env
 
 
+def kv_transfer_config(exchange: Path | str) -> dict:
+    """vLLM's `--kv-transfer-config` that loads relayout's connector on `exchange` (the secret is read
+    from the directory by both sides, never put on a command line); a failed load is recomputed."""
+    return {"kv_connector": CONNECTOR_CLASS, "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"exchange": str(exchange)}}
+
+
 def lower_priority(nice: int) -> None:
     """In the child, after setsid: nicer by `nice`, and so is its new scheduler autogroup (with
     autogroups on, a new session is a group of its own, and a thread's nice weighs only inside its
@@ -142,6 +143,7 @@ class VllmServer:
         if vllm_version() is None:
             raise VllmUnavailable("vLLM is not installed: pip install 'relayout[vllm]' (vLLM's CPU build where "
                                   "there is no CUDA)")
+        check_vllm_args(launch.extra_args)
         cuda = on_cuda()
         check_layout(launch.layout, cuda)
         if not launch.port:
@@ -149,7 +151,7 @@ class VllmServer:
         self.launch = launch
         self.url = f"http://{launch.host}:{launch.port}"
         argv, env = launch.command(cuda)
-        self.log_path = launch.staging / "vllm.log"
+        self.log_path = launch.exchange / "vllm.log"
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - open for the process's life
         # its own process group: SIGTERM reaches the API server, the engine core and every worker
         # on the CPU vLLM's ranks spin on every core they are bound to: at a lower priority than the

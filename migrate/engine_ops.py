@@ -117,6 +117,11 @@ class EngineThreadOps:
         return await self.call(lambda e: (restore(e, reader, sessions, verify=False, exact=exact),
                                           kv_conversion(e, reader.manifest)))
 
+    async def load_outcomes(self, session_ids: list[str]) -> dict[str, str]:
+        """Sessions whose restored KV was recomputed rather than imported: never here (the placer
+        imports or refuses)."""
+        return {}
+
     def import_limits(self, engine: LLMEngine) -> tuple[int, int]:
         return import_limits(engine)
 

@@ -236,7 +236,7 @@ def install_replica_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
         # cheap refusals first (model, geometry, ids, room): the sizes a manifest declares are
         # bounded by what this replica can hold before any chunk is fetched or decoded; then every hash
         ids, conv = await ops.restore(reader, body.sessions, body.exact)
-        return {"sessions": ids, "converted": conv}
+        return {"sessions": ids, "converted": conv, "recomputed": await ops.load_outcomes(ids)}
 
     @r.post("/v1/sessions/export")
     async def export_route(body: ExportBody):

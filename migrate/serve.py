@@ -73,7 +73,7 @@ def serve(model: str = "builtin:tiny", layout: str | None = None, host: str = "1
         from relayout.engine.vllm_engine import VllmEngine
 
         if (kv_dtype or "auto") != "auto":
-            raise ValueError("--kv-dtype: a vLLM replica's KV dtype is vLLM's own (pass --kv-cache-dtype in --vllm-args)")
+            raise ValueError("--kv-dtype: a vLLM replica's KV is of its model's dtype (--dtype); vLLM's --kv-cache-dtype is refused")
         if placement is not None:
             raise ValueError("--local-ranks/--rank-endpoint: vLLM places its own ranks")
         engine = VllmEngine(model, layout, dtype=dtype, kv_cache_mb=kv_cache_mb, host=host, vllm_args=vllm_args)

@@ -18,20 +18,22 @@ import asyncio
 import copy
 import logging
 import time
-from pathlib import Path
+import uuid
 
 from relayout.engine.async_engine import AsyncEngine
 from relayout.engine.placer import check_entry, check_model
 from relayout.engine.session import SessionState
 from relayout.engine.snapshot import RestoreError, SessionSnapshot, geometry, model_ref
 from relayout.engine.vllm_engine import VllmEngine
-from relayout.engine.vllm_exchange import ExchangeError, write_kv
+from relayout.engine.vllm_exchange import ExchangeError, damage_staged, write_kv
 from relayout.migrate.transfers import Incoming, SourceRound
 from relayout.storage.checkpoint import CheckpointReader
 from relayout.storage.errors import CorruptCheckpoint
 from relayout.storage.manifest import Manifest
+from relayout.storage.settings import settings
 
 log = logging.getLogger("relayout.vllm_ops")
+LOAD_SETTLE_S = 30.0  # a restore waits this long for its sessions' loads to be taken (or recomputed)
 SEEDED_NOT_MOVED = ("a seeded sampled session continues exactly only where its vLLM request runs (vLLM seeds a "
                     "generator per request): not moved, it keeps running here")
 
@@ -46,7 +48,7 @@ class VllmOps:
         self.engine: VllmEngine = aengine.engine  # type: ignore[assignment]
         self.cut_engine_s = 0.0
         self.note_migrated = aengine.note_migrated
-        self._files: dict[tuple[str, str], list[str]] = {}  # (transfer, session) -> its load files so far
+        self._files: dict[tuple[str, str], list[dict]] = {}  # (transfer, session) -> its staged files so far
 
     # ---- source --------------------------------------------------------------------------------
     async def take_round(self, sessions: list[str] | None, pause: bool, sent: dict[str, int],
@@ -127,9 +129,13 @@ class VllmOps:
         return out
 
     def _write(self, key: tuple[str, str], reader: CheckpointReader, sid: str, lo: int, hi: int) -> None:
-        path = self.engine.staging / f"l-{key[0]}-{sid}-{lo}.safetensors"
-        write_kv(path, reader.read_tokens(sid, lo, hi), 0, self.engine.cfg.num_kv_heads, lo, hi)
-        self._files.setdefault(key, []).append(str(path))
+        name = f"s-{uuid.uuid4().hex}.safetensors"  # never a caller's id in a file name
+        digest = write_kv(self.engine.exchange.dir / name, reader.read_tokens(sid, lo, hi), 0,
+                          self.engine.cfg.num_kv_heads, lo, hi)
+        entry = {"name": name, "tok_lo": lo, "tok_hi": hi, "hash": digest}
+        if (fault := settings().vllm_stage_fault) is not None:
+            entry = damage_staged(self.engine.exchange.dir, entry, fault)
+        self._files.setdefault(key, []).append(entry)
 
     async def receive(self, t: Incoming, manifest: Manifest, final: bool) -> dict:
         self.check(manifest)
@@ -178,7 +184,7 @@ class VllmOps:
     def _drop(self, tid: str) -> None:
         for key in [k for k in self._files if k[0] == tid]:
             for f in self._files.pop(key):
-                Path(f).unlink(missing_ok=True)
+                (self.engine.exchange.dir / f["name"]).unlink(missing_ok=True)
 
     async def restore(self, reader: CheckpointReader, sessions: list[str] | None, exact: bool
                       ) -> tuple[list[str], dict | None]:
@@ -208,6 +214,18 @@ class VllmOps:
             return ids
 
         return await self.aengine.call(place), None
+
+    async def load_outcomes(self, session_ids: list[str], timeout_s: float = LOAD_SETTLE_S) -> dict[str, str]:
+        """Sessions just placed whose KV load failed in vLLM's workers (vLLM recomputed it), with why:
+        waits until each placed request has taken its load (its first token) or ended, or `timeout_s`."""
+        e = self.engine
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            pending = [sid for sid in session_ids if sid in e._staged and not e.sessions[sid].is_finished]
+            if not pending:
+                break
+            await asyncio.sleep(0.01)
+        return {sid: e.recomputed[sid] for sid in session_ids if sid in e.recomputed}
 
     def import_limits(self, engine: VllmEngine) -> tuple[int, int]:
         """Bytes one incoming transfer may stage, and its largest frame: what this replica's context could hold."""
