@@ -49,6 +49,12 @@ class PromoteBody(BaseModel):
     wait: bool = True  # wait for the lease to lapse (else 409 while it holds)
 
 
+# refused, not accepted and broken: a vLLM replica's protection rounds are not built yet (a kill -9 lost
+# its streams while it reported protection)
+VLLM_UNPROTECTED = ("a vLLM replica cannot be protected or be a standby yet: protection rounds do not reach vLLM's "
+                    "KV cache; protect builtin replicas, or checkpoint and live-migrate vLLM ones")
+
+
 def _url(u: str, what: str) -> str:
     if len(u) > 2048 or not URL_RE.fullmatch(u):
         raise HTTPError(400, f"{what} must be an http(s) URL")
@@ -114,6 +120,8 @@ def install_protect_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
         rep = app.state.protection
         if rep is not None and rep.state in LIVE_PROTECTION:
             raise HTTPError(409, f"this replica is already protected by {rep.cfg.standby} ({rep.pid})")
+        if getattr(aengine.engine, "engine_name", "builtin") != "builtin":
+            raise HTTPError(409, VLLM_UNPROTECTED)
         source = _url(body.source_url or str(request.base_url), "source_url")
         cfg = ProtectConfig(_url(body.standby, "standby"), source, body.every_tokens, body.every_ms, body.lease_s,
                             body.codec)
@@ -147,6 +155,8 @@ def install_protect_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
     @r.post("/v1/standby/{pid}/rounds")
     async def standby_round(pid: str, request: Request, source: str, lease_s: float):
         check_id(pid, "protection id")
+        if getattr(aengine.engine, "engine_name", "builtin") != "builtin":
+            raise HTTPError(409, VLLM_UNPROTECTED)
         if not 0.2 <= lease_s <= 600:
             raise HTTPError(400, "lease_s must be in [0.2, 600]")
 

@@ -76,6 +76,8 @@ def serve(model: str = "builtin:tiny", layout: str | None = None, host: str = "1
             raise ValueError("--kv-dtype: a vLLM replica's KV is of its model's dtype (--dtype); vLLM's --kv-cache-dtype is refused")
         if placement is not None:
             raise ValueError("--local-ranks/--rank-endpoint: vLLM places its own ranks")
+        if standby:
+            raise ValueError("--standby: a vLLM replica cannot be protected yet (protect builtin replicas)")
         engine = VllmEngine(model, layout, dtype=dtype, kv_cache_mb=kv_cache_mb, host=host, vllm_args=vllm_args)
     else:
         engine = LLMEngine(model, layout, kv_cache_bytes=kv_cache_mb * 2**20 if kv_cache_mb else None,

