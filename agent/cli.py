@@ -87,10 +87,15 @@ def serve(
                                                           "installed stock vLLM server; --model is an HF directory)"),
     vllm_args: str = typer.Option("", "--vllm-args", help='more arguments for vLLM\'s server, as one string, '
                                                          'e.g. "--max-model-len 4096"'),
+    attach: str = typer.Option(None, "--attach", help="with --engine vllm: serve in front of the vLLM server at "
+                                                     "URL you started (never started or stopped here)"),
+    exchange: str = typer.Option(None, "--exchange", help="with --attach: the exchange directory of its relayout "
+                                                         "connector (`relayout vllm-config --exchange DIR`)"),
 ) -> None:
     """Serve one model replica with an OpenAI-compatible API; prints its URL once listening."""
     from relayout.engine.config import ModelConfigError
     from relayout.engine.layout import LayoutError
+    from relayout.engine.vllm_exchange import ExchangeError
     from relayout.engine.vllm_server import VllmUnavailable
     from relayout.engine.weights import ModelNotFoundError
     from relayout.engine.workers import RankFailure
@@ -110,9 +115,30 @@ def serve(
     try:
         _serve(model, layout, host, port, kv_cache_mb=kv_cache_mb, device=device, placement=placement, dtype=dtype,
                kv_dtype=kv_dtype, standby=standby, api_keys=api_key or None, engine_kind=engine,
-               vllm_args=shlex.split(vllm_args))
-    except (LayoutError, ModelNotFoundError, ModelConfigError, RankFailure, ValueError, VllmUnavailable) as e:
+               vllm_args=shlex.split(vllm_args), attach=attach, exchange=exchange)
+    except (LayoutError, ModelNotFoundError, ModelConfigError, RankFailure, ValueError, VllmUnavailable,
+            ExchangeError) as e:
         _fail(str(e))
+
+
+@app.command("vllm-config")
+def vllm_config(
+    exchange: Path = typer.Option(..., "--exchange", help="the exchange directory relayout and vLLM share (a "
+                                                        "memory-backed volume in a pod); made if missing"),
+) -> None:
+    """Print the value of vLLM's --kv-transfer-config that loads relayout's connector on EXCHANGE, so a vLLM
+    you start yourself can be attached (`relayout serve --engine vllm --attach URL --exchange DIR`). The
+    exchange's secret is written into it (mode 0600), never onto a command line; an existing one is kept."""
+    import json
+
+    from relayout.engine.vllm_exchange import Exchange, ExchangeError
+    from relayout.engine.vllm_server import kv_transfer_config
+
+    try:
+        ex = Exchange.ensure(exchange.resolve())
+    except (OSError, ExchangeError) as e:
+        _fail(f"--exchange {exchange}: {e}")
+    print(json.dumps(kv_transfer_config(ex.dir)))
 
 
 @app.command()

@@ -12,10 +12,12 @@ import time
 from pathlib import Path
 
 import httpx
+from relayout.agent.devices import node_devices, plan_devices
 from relayout.agent.metrics import AgentMetrics
 from relayout.agent.registry import Registry
 from relayout.agent.schema import OP_TIMEOUT, serve_flags
 from relayout.engine import tracing, web
+from relayout.engine.layout import Layout, LayoutError
 from relayout.engine.web import HTTPError, tls_context
 from relayout.migrate import procs
 from relayout.migrate.procs import stop_process
@@ -74,6 +76,7 @@ class Agent:
         self.agent_id = secrets.token_hex(8)  # tells a drain that its target is this very agent
         self.m = AgentMetrics()
         self.sessions_seen: dict[str, int] = {}
+        self.devices = node_devices()  # the accelerators dealt to replicas (none on a CPU machine)
 
     # ---- helpers -----------------------------------------------------------------------------
     def headers(self) -> dict[str, str]:
@@ -133,8 +136,8 @@ class Agent:
 
     # ---- replicas ---------------------------------------------------------------------------
     async def launch(self, model: str, layout: str | None, name: str | None = None, dtype: str | None = None,
-                     kv_dtype: str | None = None, engine: str = "builtin", vllm_args: list[str] | None = None
-                     ) -> dict:
+                     kv_dtype: str | None = None, engine: str = "builtin", vllm_args: list[str] | None = None,
+                     attach: tuple[str, str] | None = None) -> dict:
         """Start a replica of `model` served by `engine` ("builtin" or "vllm", with `vllm_args` for
         vLLM's own server) and wait until it answers."""
         check_dtypes(dtype, kv_dtype)  # before any process starts
@@ -142,12 +145,19 @@ class Agent:
         if rid in self.reg.replicas:
             raise HTTPError(409, f"replica {rid!r} already exists")
         log = self.data_dir / "replicas" / f"{rid}.log"
+        try:
+            world = Layout.parse(layout).world_size
+        except LayoutError as e:
+            raise HTTPError(400, str(e)) from None
+        # an attached vLLM runs on devices its owner gave it: none are dealt
+        dev = plan_devices([] if attach else self.devices, self.reg.replicas.values(), world, engine, vllm_args)
         env = {"RELAYOUT_DATA_DIR": str(self.data_dir), "RELAYOUT_FILE_ROOTS": os.pathsep.join(self.file_roots()),
-               "RELAYOUT_TOKEN": self.token}  # None: the replica runs without one, whatever this env says
+               "RELAYOUT_TOKEN": self.token, **dev.env}  # None: the replica runs without one, whatever this env says
         args = [*(["--dtype", dtype] if dtype else []), *(["--kv-dtype", kv_dtype] if kv_dtype else []),
-                *serve_flags(engine, vllm_args)]
+                *serve_flags(engine, [*(vllm_args or []), *dev.vllm_args], attach)]
         self.reg.replicas[rid] = {"id": rid, "model": model, "engine": engine, "layout": layout, "status": "starting",
-                                  "pid": None, "url": None, "created_at": time.time(), "vllm_args": vllm_args or []}
+                                  "pid": None, "url": None, "created_at": time.time(), "vllm_args": vllm_args or [],
+                                  "devices": dev.devices, **({"attach": attach[0]} if attach else {})}
         # its own session and a log file: the replica outlives an agent restart, which adopts it again
         proc = procs.replica(layout, env, model, args, host=self.host, log=log, new_session=True, wait=False)
         p = proc.p

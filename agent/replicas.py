@@ -29,9 +29,10 @@ def replicas_router(ag: Agent) -> APIRouter:
         if body.name and body.name in ag.reg.replicas:
             raise HTTPError(409, f"replica {body.name!r} already exists")
         vargs = body.checked_vllm_args()
+        attach = body.checked_attach()
         layout = await asyncio.to_thread(validate_layout, body.model, body.layout, body.engine)
         return await ag.launch(body.model, layout, body.name, dtype=body.dtype, kv_dtype=body.kv_dtype,
-                               engine=body.engine, vllm_args=vargs)
+                               engine=body.engine, vllm_args=vargs, attach=attach)
 
     @r.get("/replicas/{rid}")
     async def get_replica(rid: str):

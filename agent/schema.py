@@ -40,10 +40,12 @@ class EngineChoice(BaseModel):
         return list(self.vllm_args or [])
 
 
-def serve_flags(engine: str, vllm_args: list[str] | None) -> list[str]:
-    """The `relayout serve` flags of a replica served by `engine`."""
+def serve_flags(engine: str, vllm_args: list[str] | None, attach: tuple[str, str] | None = None) -> list[str]:
+    """The `relayout serve` flags of a replica served by `engine` (attached to a user's vLLM: `attach`)."""
     if engine != "vllm":
         return []
+    if attach is not None:
+        return ["--engine", "vllm", "--attach", attach[0], "--exchange", attach[1]]
     # one "--vllm-args=..." item: a lone value that starts with "-" would read as a flag of its own
     return ["--engine", "vllm", *([f"--vllm-args={shlex.join(vllm_args)}"] if vllm_args else [])]
 
@@ -52,6 +54,18 @@ class ReplicaBody(EngineChoice):
     model: str = Field(..., min_length=1, max_length=1024)
     layout: str | dict[str, Any] | None = None
     name: str | None = Field(None, pattern=web.ID_PATTERN, max_length=128)
+    # a vLLM the user started with relayout's connector: served in front of, never started or stopped
+    attach: str | None = Field(None, pattern=r"^https?://[^\s]+$", max_length=2048)
+    exchange: str | None = Field(None, pattern=r"^/[^\x00]*$", max_length=1024)  # its exchange directory
+
+    def checked_attach(self) -> tuple[str, str] | None:
+        if self.attach is None and self.exchange is None:
+            return None
+        if self.engine != "vllm" or self.attach is None or self.exchange is None:
+            raise web.HTTPError(400, "attach: needs engine vllm, attach (vLLM's URL) and exchange (its directory)")
+        if self.vllm_args:
+            raise web.HTTPError(400, "vllm_args: an attached vLLM was started with its own flags")
+        return self.attach, self.exchange
     # checked by the agent (400 naming the allowed values), not here
     dtype: str | None = Field(None, max_length=32)  # float32, bfloat16, float16 (default: by device)
     kv_dtype: str | None = Field(None, max_length=32)  # auto, fp8_e4m3

@@ -42,12 +42,12 @@ from relayout.engine.engine import (
     pick_device,
     running_sessions,
 )
-from relayout.engine.layout import Layout
+from relayout.engine.layout import Layout, LayoutError
 from relayout.engine.sampling import new_rng_state
 from relayout.engine.session import SamplingParams, SessionState, SessionStatus
 from relayout.engine.tokenizer import load_tokenizer
 from relayout.engine.vllm_exchange import Exchange, ExchangeError, KVFile, control
-from relayout.engine.vllm_server import VllmLaunch, VllmServer, vllm_version
+from relayout.engine.vllm_server import AttachedVllm, VllmLaunch, VllmServer, vllm_version
 from relayout.engine.weights import resolve_model
 
 STEP_WAIT_S = 0.01  # step() waits this long for vLLM's next tokens: calls queued meanwhile wait as long
@@ -112,32 +112,51 @@ class VllmEngine:
 
     def __init__(self, model: str, layout: Layout | str | None = None, *, dtype: str | None = None,
                  kv_cache_mb: int | None = None, host: str = "127.0.0.1", vllm_args: list[str] | None = None,
-                 max_finished: int = 4096):
+                 max_finished: int = 4096, attach: str | None = None, exchange: str | Path | None = None):
+        """Start a vLLM server for `model`, or with `attach` (its URL) serve in front of one the user
+        started with relayout's connector on `exchange` (`relayout vllm-config --exchange DIR`)."""
         self.model_ref = model
         self.model_dir = resolve_model(model)
         self.cfg = ModelConfig.from_dir(self.model_dir)
-        self.layout = (layout if isinstance(layout, Layout) else Layout.parse(layout)).validate(self.cfg)
         self.device = pick_device(None)
-        self.dtype = parse_dtype(dtype, self.device)
-        self.kv_dtype_name, self.kv_dtype = "auto", self.dtype
         self.tokenizer = load_tokenizer(self.model_dir, self.cfg)
-        self.exchange = Exchange.create()
-        self.staging = self.exchange.dir
-        self.launch = VllmLaunch(self.model_dir, model, self.layout, str(self.dtype).removeprefix("torch."),
-                                 self.exchange.dir, kv_cache_mb, host, 0, list(vllm_args or []))
-        try:
-            self.server = VllmServer(self.launch)
+        self.attached = attach is not None
+        if self.attached:
+            self.exchange = Exchange.open(exchange) if exchange else None
+            if self.exchange is None:
+                raise ExchangeError("--attach needs --exchange DIR: the directory vLLM's relayout connector uses")
+            self.server: VllmServer | AttachedVllm = AttachedVllm(attach)
             info = self.server.wait_ready()
-            # the KV dtype is vLLM's to choose: what its kv_cache_config says, not what the model config does
-            geo = control(self.exchange.control_socket, {"op": "ping"}, timeout=30)
-        except BaseException:
-            if hasattr(self, "server"):
-                self.server.stop()
-            self.exchange.remove()
-            raise
+            self.model_ref = str(info.get("id") or model)  # requests name vLLM's served model
+            geo = self._ping_attached()
+            ranks = int(geo.get("ranks") or 1)
+            self.layout = (Layout.parse(layout) if layout else
+                           Layout(attn_tp=ranks, moe_tp=ranks)).validate(self.cfg)
+            if self.layout.attn_tp != ranks:
+                raise LayoutError("attn_tp", f"the attached vLLM runs tensor-parallel {ranks}, the layout says "
+                                             f"{self.layout.attn_tp}")
+            self.dtype = getattr(torch, geo.get("kv_dtype") or "float32")
+        else:
+            self.layout = (layout if isinstance(layout, Layout) else Layout.parse(layout)).validate(self.cfg)
+            self.dtype = parse_dtype(dtype, self.device)
+            self.exchange = Exchange.create()
+            self.launch = VllmLaunch(self.model_dir, model, self.layout, str(self.dtype).removeprefix("torch."),
+                                     self.exchange.dir, kv_cache_mb, host, 0, list(vllm_args or []))
+            try:
+                self.server = VllmServer(self.launch)
+                info = self.server.wait_ready()
+                # the KV dtype is vLLM's to choose: what its kv_cache_config says, not what the model config does
+                geo = control(self.exchange.control_socket, {"op": "ping"}, timeout=30)
+            except BaseException:
+                if hasattr(self, "server"):
+                    self.server.stop()
+                self.exchange.remove()
+                raise
+        self.kv_dtype_name, self.kv_dtype = "auto", self.dtype
         if geo.get("kv_dtype"):
             self.kv_dtype = getattr(torch, geo["kv_dtype"])
             self.kv_dtype_name = geo["kv_dtype"] if self.kv_dtype != self.dtype else "auto"
+        self.staging = self.exchange.dir
         self.engine_url = self.server.url
         self.engine_version = vllm_version()
         self.max_model_len = int(info.get("max_model_len") or self.cfg.max_position_embeddings)
@@ -158,6 +177,15 @@ class VllmEngine:
         self._loop_thread = threading.Thread(target=self._loop.run_forever, name="vllm-streams", daemon=True)
         self._loop_thread.start()
         self._client = self._on_loop(self._new_client()).result()
+
+    def _ping_attached(self) -> dict:
+        """The attached vLLM's connector, or why it cannot be attached (saying what to add to vLLM)."""
+        try:
+            return control(self.exchange.control_socket, {"op": "ping"}, timeout=10)
+        except ExchangeError as e:
+            raise ExchangeError(
+                f"the vLLM at {self.server.url} does not run relayout's connector on {self.exchange.dir} ({e}): "
+                f"start it with --kv-transfer-config \"$(relayout vllm-config --exchange {self.exchange.dir})\"") from None
 
     async def _new_client(self) -> httpx.AsyncClient:
         return httpx.AsyncClient(base_url=self.engine_url, timeout=httpx.Timeout(None, connect=10.0),
@@ -315,7 +343,7 @@ class VllmEngine:
     # ---- one step: what vLLM sent since the last ------------------------------------------------
     def step(self) -> list[TokenEvent]:
         if not self.server.alive:
-            raise VllmEngineDead(f"the vLLM server exited ({self.server.proc.returncode}): {self.server.log_tail(600)}")
+            raise VllmEngineDead(f"the vLLM server exited ({self.server.returncode}): {self.server.log_tail(600)}")
         try:
             batch = [self._arrivals.get(timeout=STEP_WAIT_S)]
         except queue.Empty:
@@ -460,4 +488,5 @@ class VllmEngine:
             pass
         self._loop.call_soon_threadsafe(self._loop.stop)
         self.server.stop()
-        self.exchange.remove()
+        if not self.attached:  # an attached vLLM's exchange is the user's (their vLLM still uses it)
+            self.exchange.remove()

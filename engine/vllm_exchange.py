@@ -88,6 +88,11 @@ class Exchange:
         return cls(d, key.encode())
 
     @classmethod
+    def ensure(cls, d: Path) -> Exchange:
+        """`d` as an exchange: its secret kept when it has one (a vLLM started with it still reads it)."""
+        return cls.open(d) if (d / SECRET_FILE).exists() else cls.init(d)
+
+    @classmethod
     def open(cls, d: str | Path) -> Exchange:
         d = Path(d)
         try:

@@ -10,6 +10,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -192,6 +193,10 @@ class VllmServer:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode
+
     def stop(self, timeout_s: float = 20.0) -> None:
         if self.proc.poll() is None:
             for sig, wait in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 5.0)):
@@ -209,3 +214,56 @@ class VllmServer:
         except (ProcessLookupError, PermissionError):
             pass
         self._log.close()
+
+
+class AttachedVllm:
+    """A vLLM server the user started (and stops): relayout serves in front of it as a sidecar. It is
+    alive while its `/health` answers, looked at once a second on a thread of its own (a step reads
+    `alive` every time)."""
+
+    POLL_S = 1.0
+    MISSES = 3  # /health failures in a row that make it dead (a busy server may miss one)
+
+    def __init__(self, url: str):
+        self.url = url.rstrip("/")
+        self.argv: list[str] = []
+        self._alive = True
+        self._stop = threading.Event()
+        self.returncode: int | None = None
+
+    def wait_ready(self, timeout_s: float = 60.0) -> dict:
+        deadline = time.monotonic() + timeout_s
+        last = ""
+        while time.monotonic() < deadline:
+            try:
+                r = httpx.get(f"{self.url}/v1/models", timeout=5.0)
+                if r.status_code == 200:
+                    threading.Thread(target=self._watch, name="vllm-health", daemon=True).start()
+                    return r.json()["data"][0]
+                last = f"answered {r.status_code}"
+            except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
+                last = f"{type(e).__name__}: {e}"
+            time.sleep(0.5)
+        raise VllmUnavailable(f"no vLLM OpenAI server answers at {self.url} ({last})")
+
+    def _watch(self) -> None:
+        misses = 0
+        while not self._stop.wait(self.POLL_S):
+            try:
+                ok = httpx.get(f"{self.url}/health", timeout=5.0).status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            misses = 0 if ok else misses + 1
+            if misses >= self.MISSES:
+                self._alive = False
+                return
+
+    @property
+    def alive(self) -> bool:
+        return self._alive
+
+    def log_tail(self, n: int = 2000) -> str:
+        return f"the attached vLLM at {self.url} stopped answering /health"
+
+    def stop(self, timeout_s: float = 0.0) -> None:
+        self._stop.set()  # the user's vLLM: never stopped here

@@ -58,7 +58,8 @@ def rank_placement(local_ranks: list[int] | None, rank_endpoint: str | None) -> 
 def serve(model: str = "builtin:tiny", layout: str | None = None, host: str = "127.0.0.1", port: int = 8000,
           kv_cache_mb: int | None = None, device: str | None = None, placement: RankPlacement | None = None,
           dtype: str | None = None, kv_dtype: str | None = None, standby: str | None = None,
-          api_keys: list[str] | None = None, engine_kind: str = "builtin", vllm_args: list[str] | None = None) -> None:
+          api_keys: list[str] | None = None, engine_kind: str = "builtin", vllm_args: list[str] | None = None,
+          attach: str | None = None, exchange: str | None = None) -> None:
     """Load the model, serve it until SIGTERM/SIGINT, then shut the engine (and its ranks) down.
     `standby`: a replica URL to protect this one's sessions to from the start (migrate.replication).
     `engine_kind` "vllm": a stock vLLM server does the serving (engine.vllm_engine), `vllm_args` passed to it."""
@@ -78,7 +79,10 @@ def serve(model: str = "builtin:tiny", layout: str | None = None, host: str = "1
             raise ValueError("--local-ranks/--rank-endpoint: vLLM places its own ranks")
         if standby:
             raise ValueError("--standby: a vLLM replica cannot be protected yet (protect builtin replicas)")
-        engine = VllmEngine(model, layout, dtype=dtype, kv_cache_mb=kv_cache_mb, host=host, vllm_args=vllm_args)
+        if attach is not None and vllm_args:
+            raise ValueError("--vllm-args: an attached vLLM was started by you, with its own flags")
+        engine = VllmEngine(model, layout, dtype=dtype, kv_cache_mb=kv_cache_mb, host=host, vllm_args=vllm_args,
+                            attach=attach, exchange=exchange)
     else:
         engine = LLMEngine(model, layout, kv_cache_bytes=kv_cache_mb * 2**20 if kv_cache_mb else None,
                            device=device, placement=placement, dtype=dtype, kv_dtype=kv_dtype)
@@ -112,6 +116,7 @@ def serve(model: str = "builtin:tiny", layout: str | None = None, host: str = "1
 def main(argv: list[str] | None = None) -> None:
     from relayout.engine.config import ModelConfigError
     from relayout.engine.layout import LayoutError
+    from relayout.engine.vllm_exchange import ExchangeError
     from relayout.engine.vllm_server import VllmUnavailable
     from relayout.engine.weights import ModelNotFoundError
     from relayout.engine.workers import RankFailure
@@ -125,6 +130,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--engine", choices=["builtin", "vllm"], default="builtin",
                     help="builtin (relayout's reference engine) or vllm (the installed stock vLLM server)")
     ap.add_argument("--vllm-args", default="", help='more arguments for vLLM\'s server, as one string ("--max-model-len 2048")')
+    ap.add_argument("--attach", default=None, help="serve in front of the vLLM server at URL the user started "
+                    "(with --engine vllm): it is never started or stopped here")
+    ap.add_argument("--exchange", default=None, help="with --attach: the exchange directory its relayout connector "
+                    "uses (`relayout vllm-config --exchange DIR`)")
     ap.add_argument("--model", "-m", default="builtin:tiny")
     ap.add_argument("--layout", "-l", default=None)
     ap.add_argument("--host", default="127.0.0.1")
@@ -150,8 +159,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         serve(a.model, a.layout, a.host, a.port, kv_cache_mb=a.kv_cache_mb, device=a.device, placement=placement,
               dtype=a.dtype, kv_dtype=a.kv_dtype, standby=a.standby, api_keys=a.api_key or None,
-              engine_kind=a.engine, vllm_args=shlex.split(a.vllm_args))
-    except (LayoutError, ModelNotFoundError, ModelConfigError, RankFailure, ValueError, VllmUnavailable) as e:
+              engine_kind=a.engine, vllm_args=shlex.split(a.vllm_args), attach=a.attach, exchange=a.exchange)
+    except (LayoutError, ModelNotFoundError, ModelConfigError, RankFailure, ValueError, VllmUnavailable,
+            ExchangeError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 

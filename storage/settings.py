@@ -54,6 +54,11 @@ class Settings(BaseSettings):
                                                 "hash and move a pre-copy round, made for that round only, or "
                                                 "`idle` (Linux `SCHED_IDLE`: only cycles nothing else wants); "
                                                 "the final round runs at normal priority")
+    devices: str | None = Field(None, description="the node's accelerators the agent deals to its replicas "
+                                "(`0,1,2,3`, or `none`); unset: what `nvidia-smi -L` lists "
+                                "([agent-api.md](agent-api.md#devices))")
+    gpu_memory_share: float = Field(0.9, gt=0, le=1, description="the `--gpu-memory-utilization` a vLLM replica "
+                                    "gets on the devices dealt to it, unless its `vllm_args` give one")
     vllm_stage_fault: Literal["missing", "truncate", "shape", "hash"] | None = Field(
         None, description="fault tests only: every KV file a vLLM replica stages for a restore is damaged this "
                           "way after it is written, so vLLM's workers fail to load it and recompute the session")
@@ -118,7 +123,7 @@ READ_BY = {  # who reads each variable (the docs table's second column)
     "reattach_wait_s": "gateway", "data_dir": "replica", "file_roots": "agent, replica",
     "transfer_ttl_s": "replica", "precopy_mbps": "replica (as a source)",
     "precopy_nice": "replica (both ends of a migration)", "transport": "replica (as a source)",
-    "vllm_stage_fault": "replica (vLLM, in fault tests)",
+    "vllm_stage_fault": "replica (vLLM, in fault tests)", "devices": "agent", "gpu_memory_share": "agent",
     "mooncake_buffer_mb": "replica (as a target)", "mooncake_host": "replica", "mooncake_disabled": "replica",
     "link_port": "replica (as a target)", "link_advertise": "replica (as a target)",
     "link_idle_s": "replica (as a target)", "shared_kv": "replica", "max_import_bytes": "replica",

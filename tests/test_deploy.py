@@ -448,3 +448,22 @@ def test_dockerfile_structure(flavour):
 def test_deploy_readmes_exist():
     assert "relayout drain" in (DEPLOY / "README.md").read_text()
     assert "docker build" in (DOCKER / "README.md").read_text()
+
+
+def test_k8s_vllm_sidecar_example_is_valid_and_shares_the_exchange():
+    """deploy/k8s/examples/vllm-sidecar: a user's vLLM with relayout attached, strict-valid, the two
+    containers sharing a memory-backed exchange that relayout's init container fills."""
+    docs = render(DEPLOY / "k8s" / "examples" / "vllm-sidecar")
+    dep = _one(docs, "Deployment", "vllm-qwen3-moe")
+    kv = pytest.importorskip("kubernetes_validate")
+    kv.validate(dep, K8S_VERSIONS[0], strict=True)
+    spec = dep["spec"]["template"]["spec"]
+    vol = next(v for v in spec["volumes"] if v["name"] == "exchange")
+    assert vol["emptyDir"]["medium"] == "Memory"
+    init = spec["initContainers"][0]
+    assert "relayout vllm-config --exchange /exchange" in " ".join(init["command"])
+    vllm, side = (next(c for c in spec["containers"] if c["name"] == n) for n in ("vllm", "relayout"))
+    assert "--kv-transfer-config" in " ".join(vllm["args"])
+    assert side["args"][:4] == ["serve", "--engine", "vllm", "--attach"] and "--exchange" in side["args"]
+    for c in (init, vllm, side):
+        assert any(m["name"] == "exchange" and m["mountPath"] == "/exchange" for m in c["volumeMounts"])

@@ -251,6 +251,12 @@ def test_agents_live_migrate_a_vllm_session_to_tp2_under_a_gateway_stream(model_
         spec = {"engine": "vllm", "model": str(model_dir), "vllm_args": ["--max-model-len", "2048"]}
         r = httpx.post(f"{a}/v1/replicas", headers=H, json={**spec, "layout": "attn_dp=2"}, timeout=60)
         assert r.status_code == 400 and "attn_dp" in r.json()["error"]["message"], r.text
+        for refused in (["-pp", "2"], ["--speculative-config", '{"method": "ngram"}'], ["--data-parallel-size=2"]):
+            t0 = time.monotonic()  # refused before vLLM starts: within seconds, naming the flag
+            r = httpx.post(f"{a}/v1/replicas", headers=H, json={**spec, "layout": "attn_tp=1",
+                                                                "vllm_args": refused}, timeout=60)
+            assert r.status_code == 400 and refused[0].split("=")[0] in r.json()["error"]["message"], r.text
+            assert time.monotonic() - t0 < 10
         r = httpx.post(f"{a}/v1/replicas", headers=H, json={**spec, "engine": "builtin"}, timeout=60)
         assert r.status_code == 400 and "vllm_args" in r.json()["error"]["message"], r.text
         r = httpx.post(f"{a}/v1/replicas", headers=H, json={**spec, "layout": "attn_tp=1"}, timeout=700)
