@@ -11,8 +11,12 @@ request's KV never change, so an export at a step boundary is consistent without
 What production does to a moved request, and what this connector does then:
 - Only `kv_transfer_params` signed with the replica's per-launch secret count (engine.vllm_exchange):
   any client of vLLM's port can send them, and an unsigned or replayed one is a plain request.
-- A load is synchronous: the connector reports every imported token but the request's last, which
-  vLLM computes to produce the next one (a sync load must leave it one).
+- Copies are off the forward path: an export's step records where its compute ends and a worker
+  thread copies the blocks (on a side CUDA stream into pinned host memory) and writes the file; the
+  request's blocks are freed only once every worker reports it (`get_finished`). A load is
+  asynchronous: the request waits in vLLM's WAITING_FOR_REMOTE_KVS while a worker thread reads,
+  checks and copies its KV, and `get_finished` releases it. The connector reports every imported
+  token but the request's last, which vLLM computes to produce the next one.
 - A request preempted after its load resumes by recomputing, as vLLM recomputes every preempted
   request: the connector offers its KV once (`loaded`), and the replica removes the staged files as
   soon as the request has produced a token. Loading again would keep a session's whole KV in host
@@ -32,6 +36,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -60,6 +65,7 @@ class ExportSpec:
     block_ids: list[int]
     tok_lo: int
     tok_hi: int
+    req_id: str = ""
 
 
 @dataclass
@@ -69,12 +75,14 @@ class LoadSpec:
     block_ids: list[int]
     tok_lo: int
     tok_hi: int
+    req_id: str = ""
 
 
 @dataclass
 class RelayoutMetadata(KVConnectorMetadata):
     exports: list[ExportSpec] = field(default_factory=list)
     loads: list[LoadSpec] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)  # requests whose blocks this step may overwrite
 
 
 @dataclass
@@ -110,6 +118,36 @@ class KVGeometry:
         return cls(names, int(spec.block_size), spec.dtype)
 
 
+def copy_blocks_out(views: list[tuple[torch.Tensor, torch.Tensor]], block_ids: list[int], block_size: int,
+                    tok_lo: int, tok_hi: int, stream: Any = None, after: Any = None) -> torch.Tensor:
+    """Tokens [tok_lo, tok_hi) of every layer's (K, V) block views [blocks, H, bs, D] as a host tensor
+    [layers, 2, H, tokens, D]: one layer's blocks gathered at a time (never the whole request on the
+    device), into a pinned host buffer on `stream` after the event `after` on CUDA; on the CPU the
+    blocks go straight into the buffer. Runs on any thread."""
+    first, last = tok_lo // block_size, -(-tok_hi // block_size)
+    k0 = views[0][0]
+    nb, heads, dim = last - first, k0.shape[1], k0.shape[-1]
+    cuda = k0.device.type == "cuda"
+    host = torch.empty((len(views), 2, nb, heads, block_size, dim), dtype=k0.dtype, pin_memory=cuda)
+    idx = torch.tensor(block_ids[first:last], dtype=torch.long, device=k0.device)
+    if cuda:
+        with torch.cuda.stream(stream):
+            stream.wait_event(after)
+            for layer, (k, v) in enumerate(views):
+                host[layer, 0].copy_(k.index_select(0, idx), non_blocking=True)
+                host[layer, 1].copy_(v.index_select(0, idx), non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        done.synchronize()
+    else:
+        for layer, (k, v) in enumerate(views):
+            torch.index_select(k, 0, idx, out=host[layer, 0])
+            torch.index_select(v, 0, idx, out=host[layer, 1])
+    off = tok_lo - first * block_size
+    return host.permute(0, 1, 3, 2, 4, 5).reshape(len(views), 2, heads, nb * block_size, dim)[
+        :, :, :, off: off + tok_hi - tok_lo]
+
+
 def _num_layers(vllm_config: VllmConfig) -> int | None:
     n = getattr(vllm_config.model_config.hf_text_config, "num_hidden_layers", None)
     return int(n) if n is not None else None
@@ -128,6 +166,7 @@ class SchedulerSide:
         self.signed: dict[str, tuple[str, dict | None]] = {}  # request id -> (session, load) it was signed for
         self.loads: dict[str, LoadSpec] = {}  # request id -> KV to load in the step being scheduled
         self.loaded: set[str] = set()  # requests whose KV was offered once: a resumed one recomputes
+        self.exported: set[str] = set()  # requests an export copied from: their blocks stay until the workers say
         self._nonces: OrderedDict[str, None] = OrderedDict()
         self.kv_cache_manager = None
         if extra.get("serve_control", True):
@@ -202,7 +241,7 @@ class SchedulerSide:
         if hi <= lo:
             return {"ok": True, "ranks": 0, "tok_hi": max(lo, hi)}, None
         blocks = list(self.kv_cache_manager.get_block_ids(req.request_id)[0])[: -(-hi // self.block_size)]
-        return {"ok": True, "ranks": self.tp, "tok_hi": hi}, ExportSpec(str(out), blocks, lo, hi)
+        return {"ok": True, "ranks": self.tp, "tok_hi": hi}, ExportSpec(str(out), blocks, lo, hi, req.request_id)
 
     # ---- vLLM's scheduler hooks --------------------------------------------------------------
     def on_new_request(self, request: Request) -> None:
@@ -234,9 +273,10 @@ class SchedulerSide:
         load = self._load_of(request)
         if load is None:
             return 0, False
-        # never the last token: vLLM computes it to sample the next (a sync load must leave one to compute)
+        # never the last token: vLLM computes it to sample the next. Asynchronous: the request waits in
+        # vLLM's WAITING_FOR_REMOTE_KVS while a worker thread reads and copies its KV, off every step
         n = min(int(load["tokens"]), request.num_tokens - 1)
-        return max(0, n - num_computed_tokens), False
+        return max(0, n - num_computed_tokens), True
 
     def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
         load = self._load_of(request)
@@ -244,10 +284,11 @@ class SchedulerSide:
             return
         hi = min(int(load["tokens"]), request.num_tokens - 1)
         self.loads[request.request_id] = LoadSpec(str(load.get("id") or request.request_id), list(load["files"]),
-                                                  list(blocks.get_block_ids()[0]), hi - num_external_tokens, hi)
+                                                  list(blocks.get_block_ids()[0]), hi - num_external_tokens, hi,
+                                                  request.request_id)
 
     def build_connector_meta(self, scheduler_output: Any) -> RelayoutMetadata:
-        meta = RelayoutMetadata()
+        meta = RelayoutMetadata(preempted=sorted(getattr(scheduler_output, "preempted_req_ids", None) or ()))
         # every load update_state_after_alloc took belongs to a request this step schedules, new or
         # resumed: its blocks now, from the manager (a resumed request is not in scheduled_new_reqs)
         for rid, spec in list(self.loads.items()):
@@ -262,6 +303,7 @@ class SchedulerSide:
                 break
             if (spec := self._answer(cmd, lambda c=cmd: self._export(c.msg))) is not None:
                 meta.exports.append(spec)
+                self.exported.add(spec.req_id)
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
@@ -271,6 +313,11 @@ class SchedulerSide:
         signed = self.signed.pop(rid, None)
         if signed and self.sessions.get(signed[0]) is request:
             del self.sessions[signed[0]]
+        # an export may still be copying its blocks off the forward path: vLLM frees them once every
+        # worker reports the request in get_finished (finished sending)
+        if rid in self.exported:
+            self.exported.discard(rid)
+            return True, None
         return False, None
 
 
@@ -287,6 +334,14 @@ class WorkerSide:
         self.views: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.rank, self.head_lo, self.head_hi = 0, 0, 0
         self.load_errors: set[int] = set()
+        self.io = ThreadPoolExecutor(1, thread_name_prefix="relayout-kv-io")  # exports' copies and files, in order
+        self.stream: Any = None  # a side CUDA stream for copies (None on the CPU)
+        self.in_flight: dict[str, list[Future]] = {}  # request -> its exports not yet known done
+        self.exported: set[str] = set()  # requests exported from (the scheduler holds their blocks at the end)
+        self.ended: set[str] = set()  # of those, the ones vLLM finished: reported once their copies are done
+        self.loader = ThreadPoolExecutor(1, thread_name_prefix="relayout-kv-load")  # loads beside exports
+        self.loading: dict[str, Future] = {}  # request -> its load, until reported finished receiving
+        self._errors = threading.Lock()
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.distributed.parallel_state import (
@@ -307,6 +362,9 @@ class WorkerSide:
         if missing:
             raise RuntimeError(f"vLLM registered no KV cache for layers {missing[:3]}")
         self.views = [self._views(kv_caches[n]) for n in self.geometry.layer_names]
+        dev = self.views[0][0].device
+        if dev.type == "cuda":
+            self.stream = torch.cuda.Stream(dev)
 
     def _views(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         bs = self.block_size
@@ -330,12 +388,50 @@ class WorkerSide:
         blocks = torch.tensor(block_ids, dtype=torch.long)[pos // self.block_size]
         return blocks.to(dev), (pos % self.block_size).to(dev)
 
-    def export(self, spec: ExportSpec) -> None:
-        b, o = self._index(spec.block_ids, spec.tok_lo, spec.tok_hi)
-        # [n, H, D] per layer, K and V -> [layers, 2, H, n, D]
-        kv = torch.stack([torch.stack([k[b, :, o], v[b, :, o]]).transpose(1, 2) for k, v in self.views]).cpu()
-        write_kv(Path(spec.out_dir) / f"rank{self.rank}.safetensors", kv, self.head_lo, self.head_hi,
-                 spec.tok_lo, spec.tok_hi)
+    def export(self, spec: ExportSpec) -> Future:
+        """Copy tokens [tok_lo, tok_hi) of a request out to `rank{r}.safetensors` off the forward path:
+        the step only records where its compute ends; the I/O thread gathers one layer at a time on a
+        side CUDA stream ordered after that event into a pinned host buffer (on the CPU, straight into
+        it), then writes the file. Positions below tok_hi never change while the request runs, and its
+        blocks outlive it until the copy is done (request_finished delays their free; a preemption
+        waits in handle_preemptions)."""
+        event = None
+        if self.stream is not None:
+            event = torch.cuda.Event()
+            event.record()  # the current stream: after what this step computes
+        fut = self.io.submit(self._copy_out, spec, event)
+        self.in_flight.setdefault(spec.req_id, []).append(fut)
+        self.exported.add(spec.req_id)
+        return fut
+
+    def _copy_out(self, spec: ExportSpec, step_done: Any) -> None:
+        path = Path(spec.out_dir) / f"rank{self.rank}.safetensors"
+        try:
+            kv = copy_blocks_out(self.views, spec.block_ids, self.block_size, spec.tok_lo, spec.tok_hi,
+                                 self.stream, step_done)
+            write_kv(path, kv, self.head_lo, self.head_hi, spec.tok_lo, spec.tok_hi)
+        except Exception as e:  # noqa: BLE001 - the replica reads why; vLLM's step never sees it
+            log.exception("relayout: export of %s failed", spec.out_dir)
+            write_error(path, f"{type(e).__name__}: {e}")
+
+    def wait_exports(self, req_ids: list[str]) -> None:
+        """Before blocks of these requests are overwritten (preempted): their copies finish first."""
+        for rid in req_ids:
+            for fut in self.in_flight.pop(rid, []):
+                fut.result()
+
+    def finished_sending(self, finished_req_ids: set[str]) -> set[str] | None:
+        """Requests that ended whose blocks vLLM kept for our copies (request_finished said so), now free."""
+        self.ended |= finished_req_ids & self.exported
+        done = {rid for rid in self.ended if all(f.done() for f in self.in_flight.get(rid, []))}
+        for rid in done:
+            self.ended.discard(rid)
+            self.exported.discard(rid)
+            self.in_flight.pop(rid, None)
+        for rid in [r for r, fs in self.in_flight.items() if fs and all(f.done() for f in fs)]:
+            if rid not in self.ended:
+                del self.in_flight[rid]  # a running request's copies are done: nothing to wait for
+        return done or None
 
     def _read(self, f: dict, lo: int, hi: int) -> torch.Tensor:
         """This rank's heads of tokens [lo, hi) of one staged file, every property checked first."""
@@ -371,19 +467,30 @@ class WorkerSide:
 
     def start_step(self, meta: RelayoutMetadata) -> None:
         for spec in meta.exports:
-            try:
-                self.export(spec)
-            except Exception as e:  # noqa: BLE001 - the replica reads why, the step goes on
-                log.exception("relayout: export of %s failed", spec.out_dir)
-                write_error(Path(spec.out_dir) / f"rank{self.rank}.safetensors", f"{type(e).__name__}: {e}")
+            self.export(spec)
         for spec in meta.loads:
-            try:
+            self.loading[spec.req_id] = self.loader.submit(self._load_job, spec)
+
+    def _load_job(self, spec: LoadSpec) -> None:
+        try:
+            if self.stream is not None:
+                with torch.cuda.stream(self.stream):
+                    self.load(spec)
+                self.stream.synchronize()
+            else:
                 self.load(spec)
-            except Exception as e:  # noqa: BLE001 - never into vLLM's step: its blocks are recomputed
-                log.warning("relayout: load %s failed, vLLM recomputes it: %s", spec.load_id, e)
-                bs = self.block_size
+        except Exception as e:  # noqa: BLE001 - never into vLLM's step: its blocks are recomputed
+            log.warning("relayout: load %s failed, vLLM recomputes it: %s", spec.load_id, e)
+            bs = self.block_size
+            with self._errors:  # reported no later than the request's finished_recving (get_finished first)
                 self.load_errors.update(spec.block_ids[spec.tok_lo // bs: -(-spec.tok_hi // bs)])
-                self._say_failed(spec.load_id, f"{type(e).__name__}: {e}")
+            self._say_failed(spec.load_id, f"{type(e).__name__}: {e}")
+
+    def finished_recving(self) -> set[str] | None:
+        done = {rid for rid, fut in self.loading.items() if fut.done()}
+        for rid in done:
+            del self.loading[rid]
+        return done or None
 
     def _say_failed(self, load_id: str, why: str) -> None:
         name = f"{load_id}.failed"
@@ -394,7 +501,8 @@ class WorkerSide:
                 pass  # the replica still sees the recompute in vLLM's own metrics
 
     def take_load_errors(self) -> set[int]:
-        out, self.load_errors = self.load_errors, set()
+        with self._errors:
+            out, self.load_errors = self.load_errors, set()
         return out
 
 
@@ -440,6 +548,15 @@ class RelayoutConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_load_errors() if self.worker is not None else set()
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        if self.worker is not None and isinstance(kv_connector_metadata, RelayoutMetadata):
+            self.worker.wait_exports(kv_connector_metadata.preempted)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self.worker is None:
+            return None, None
+        return self.worker.finished_sending(finished_req_ids), self.worker.finished_recving()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return

@@ -122,7 +122,7 @@ def test_only_params_signed_by_this_exchange_and_used_once_name_a_session(tmp_pa
     first = Request("r2", list(range(70)), SamplingParams(max_tokens=8, extra_args={"kv_transfer_params": signed}),
                     None)
     side.on_new_request(first)
-    assert side.sessions["s9"] is first and side.get_num_new_matched_tokens(first, 0) == (64, False)
+    assert side.sessions["s9"] is first and side.get_num_new_matched_tokens(first, 0) == (64, True)
     replay = Request("r3", list(range(70)), SamplingParams(max_tokens=8, extra_args={"kv_transfer_params": signed}),
                      None)
     side.on_new_request(replay)  # the same signed body again: refused, the session stays with its request
@@ -140,7 +140,7 @@ def test_a_resumed_request_recomputes_instead_of_reading_blocks_that_hold_nothin
     req = Request("r2", list(range(70)), SamplingParams(
         max_tokens=8, extra_args={"kv_transfer_params": side.exchange.transfer_params("s2", load)}), None)
     side.on_new_request(req)
-    assert side.get_num_new_matched_tokens(req, 0) == (64, False)
+    assert side.get_num_new_matched_tokens(req, 0) == (64, True)  # loaded asynchronously
     side.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([7, 8, 9],)), 64)
     meta = _step(side)
     assert [(s.load_id, s.tok_lo, s.tok_hi, s.block_ids) for s in meta.loads] == [("l-1", 0, 64, [7, 8, 9])]
@@ -165,6 +165,14 @@ def _worker(tmp_path, layers: int = 2, heads: int = 2, dim: int = 4, blocks: int
     return w, ex, caches
 
 
+def _loaded(w, rid: str) -> None:
+    deadline = time.monotonic() + 10
+    while (done := w.finished_recving()) is None:
+        assert time.monotonic() < deadline, "the load was never reported finished"
+        time.sleep(0.005)
+    assert done == {rid}
+
+
 def test_a_failed_load_is_reported_as_blocks_to_recompute_never_raised(tmp_path):
     """Each damaged or foreign file: the worker's step goes on, the request's blocks come back through
     get_block_ids_with_load_errors (vLLM recomputes them), `<load id>.failed` says why, and the cache
@@ -187,14 +195,71 @@ def test_a_failed_load_is_reported_as_blocks_to_recompute_never_raised(tmp_path)
         if fault in ("missing", "truncate", "shape", "hash"):
             entry = damage_staged(ex.dir, entry, fault)
         entry = {**entry, **(override or {})}
-        w.start_step(RelayoutMetadata(loads=[LoadSpec(f"l-{i}", [entry], [5, 2, 7], 0, 8)]))
+        w.start_step(RelayoutMetadata(loads=[LoadSpec(f"l-{i}", [entry], [5, 2, 7], 0, 8, "r1")]))
+        _loaded(w, "r1")  # reported finished receiving, failed or not; its failed blocks by then
         assert w.take_load_errors() == {5, 2}, fault
         assert (ex.dir / f"l-{i}.failed").read_text(), fault
         assert all(not c.any() for c in caches), fault  # nothing entered the cache
     w, ex, caches = _worker(tmp_path / "good")
     entry = {"name": "f.safetensors", "tok_lo": 0, "tok_hi": 8, "hash": write_kv(ex.dir / "f.safetensors", kv, 0, 2, 0, 8)}
-    w.start_step(RelayoutMetadata(loads=[LoadSpec("l-ok", [entry], [5, 2, 7], 0, 8)]))
+    w.start_step(RelayoutMetadata(loads=[LoadSpec("l-ok", [entry], [5, 2, 7], 0, 8, "r1")]))
+    _loaded(w, "r1")
     assert w.take_load_errors() == set() and not (ex.dir / "l-ok.failed").exists()
     for layer, (k, v) in enumerate(w.views):
         b, o = w._index([5, 2, 7], 0, 8)
         assert torch.equal(k[b, :, o].transpose(0, 1), kv[layer, 0]) and torch.equal(v[b, :, o].transpose(0, 1), kv[layer, 1])
+
+
+def test_exports_copy_off_the_forward_path_and_hold_blocks_until_done(tmp_path, monkeypatch):
+    """The worker's step only starts an export: the copy and the file happen on its I/O thread; a
+    request that ends meanwhile is reported finished sending (its blocks freed by vLLM) only once its
+    copy is done, exactly once; a preemption waits for its copies; the file holds exactly the tokens."""
+    import threading
+
+    import torch
+    from relayout.engine import vllm_connector
+    from relayout.engine.vllm_connector import ExportSpec, RelayoutMetadata, copy_blocks_out
+    from relayout.engine.vllm_exchange import KVFile
+
+    w, ex, caches = _worker(tmp_path, blocks=8, bs=4)
+    for c in caches:
+        c.copy_(torch.randn_like(c))
+    (ex.dir / "x1").mkdir()
+    gate, real_write = threading.Event(), vllm_connector.write_kv
+    monkeypatch.setattr(vllm_connector, "write_kv", lambda *a: (gate.wait(10), real_write(*a))[1])
+    w.start_step(RelayoutMetadata(exports=[ExportSpec(str(ex.dir / "x1"), [5, 2, 7], 3, 10, "r1")]))
+    assert not (ex.dir / "x1" / "rank0.safetensors").exists()  # the step returned; the copy runs on
+    assert w.finished_sending(set()) is None
+    assert w.finished_sending({"r1", "r-other"}) is None  # r1 ended, its copy is not done: blocks held
+    gate.set()
+    deadline = time.monotonic() + 10
+    while (done := w.finished_sending(set())) is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert done == {"r1"} and w.finished_sending(set()) is None  # once
+    got = KVFile.open(ex.dir / "x1" / "rank0.safetensors").read()
+    b, o = w._index([5, 2, 7], 3, 10)
+    want = torch.stack([torch.stack([k[b, :, o], v[b, :, o]]).transpose(1, 2) for k, v in w.views])
+    assert torch.equal(got, want)
+    assert torch.equal(copy_blocks_out(w.views, [5, 2, 7], 4, 3, 10), want)
+
+    gate.clear()
+    w.start_step(RelayoutMetadata(exports=[ExportSpec(str(ex.dir / "x1"), [1, 3], 0, 8, "r2")]))
+    waited = threading.Thread(target=w.wait_exports, args=(["r2"],), daemon=True)
+    waited.start()
+    waited.join(0.3)
+    assert waited.is_alive()  # a preemption of r2 waits for its copy before its blocks are reused
+    gate.set()
+    waited.join(10)
+    assert not waited.is_alive()
+
+
+def test_the_scheduler_holds_an_exported_requests_blocks_at_its_end(tmp_path):
+    side, req = _side_and_request(tmp_path)
+    t, _ = _call(side, {"op": "export", "session": "s1", "lo": 0, "hi": 40, "dir": "x1"})
+    meta = _step(side)
+    t.join(5)
+    assert [e.req_id for e in meta.exports] == ["r1"]
+    assert side.request_finished(req, [7, 8, 9]) == (True, None)  # freed when the workers say so
+    other, req2 = _side_and_request(tmp_path / "b")
+    assert other.request_finished(req2, [7]) == (False, None)  # never exported: freed at once
