@@ -490,6 +490,9 @@ def plan(
     input_json: str = typer.Argument("-", metavar="[INPUT.json|-]",
                                      help="{topology, load, needs, ...} as JSON; - reads stdin"),
     as_json: bool = typer.Option(False, "--json", help="print the plan as one JSON object on the last line"),
+    fmt: str = typer.Option("relayout", "--format", help="relayout (the plan, printed) or sglang: also write "
+                                                        "the placement as SGLang's --init-expert-location file"),
+    out: Path = typer.Option(None, "--out", help="with --format sglang: the expert location JSON file to write"),
     locality_weight: float = typer.Option(
         None, "--locality-weight", min=0.0, max=1.0,
         help="0..1: how the planner trades GPU balance for fewer cross-node token copies when spare "
@@ -512,17 +515,34 @@ def plan(
         _fail(f"{input_json}: not valid JSON: {e}")
     if not isinstance(inp, dict):
         _fail("the plan input must be a JSON object {topology, load, needs, ...}")
+    if fmt not in ("relayout", "sglang"):
+        _fail(f"--format must be relayout or sglang, not {fmt!r}", 2)
+    if fmt == "sglang" and out is None:
+        _fail("--format sglang needs --out FILE (the expert location JSON SGLang reads)", 2)
     if locality_weight is not None:
         inp["locality_weight"] = locality_weight
     ref, ref_name = _plan_reference()
     res = plan_main(inp, reference=ref, reference_name=ref_name)
     Console(stderr=as_json).print(format_plan_table(res))
-    if as_json:
+    if as_json and "error" in res:
         print(json.dumps(res), flush=True)
     if res.get("invalid_input"):
         _fail(res["error"], 2)
     if "error" in res:
         raise typer.Exit(1)
+    if fmt == "sglang":
+        from relayout.migrate.plan_cli import sglang_expert_location
+
+        doc = sglang_expert_location(res, res.get("num_layers"), res.get("moe_layers"))
+        try:
+            out.write_text(json.dumps(doc))
+        except OSError as e:
+            _fail(f"--out {out}: {e}")
+        Console(stderr=True).print(f"wrote {out}: SGLang expert locations for {len(doc['physical_to_logical_map'])} "
+                                   f"layers; start SGLang with --init-expert-location {out} --ep-size "
+                                   f"{len(res['devices'])} --ep-num-redundant-experts {res['redundant_slots']}")
+    if as_json:
+        print(json.dumps(res), flush=True)
 
 
 def _plan_reference():

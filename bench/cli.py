@@ -191,8 +191,19 @@ def bench_placement(
     as_json: bool = typer.Option(False, "--json", help="print one JSON object on the last line"),
     engine_trace: bool = typer.Option(True, "--engine-trace/--no-engine-trace",
                                       help="also plan a trace recorded from builtin:tiny"),
+    engine: bool = typer.Option(False, "--engine", help="instead: run planned placements in a real multi-rank "
+                                                        "replica and report measured balance and cross-rank "
+                                                        "traffic next to the planner model's prediction"),
 ) -> None:
     """Balance and cross-node traffic of the planner's placement vs DeepSeek's EPLB (both policies)."""
+    if engine:
+        from relayout.bench import placement_engine
+
+        res = placement_engine.run(log=lambda m: Console(stderr=True).print(m))
+        placement_engine.print_table(res, Console(stderr=as_json))
+        if as_json:
+            print(json.dumps(res), flush=True)
+        return
     from relayout.bench.placement import run_bench
 
     run_bench(json_out=as_json, include_engine=engine_trace)

@@ -13,6 +13,9 @@ length, side by side in one run:
 - `exact`: the client's tokens, source then target, equal an undisturbed greedy run's;
 - `imported_not_recomputed`: the target's vLLM computed at most a block of the moved request
   (`vllm:prompt_tokens_by_source_total{source="local_compute"}`).
+Once per run, on the source: `step_during_export_ratio`, vLLM's decode step (the median inter-token gap
+of a probe stream) without exports over the same while a long session is exported back to back
+(checkpoints without stop): what an export costs every request on the replica.
 `vllm snapshot` (vLLM 0.32) is reported with why it does not run here when it does not.
 """
 
@@ -38,10 +41,10 @@ SNAPSHOT_WHY = ("vllm snapshot create needs an immutable hub model (a repo id an
                 "layout only: it cannot run offline here nor move TP1 -> TP2")
 
 
-def _replica(model_dir: Path, layout: str, kv_cache_mb: int) -> procs.Proc:
+def _replica(model_dir: Path, layout: str, kv_cache_mb: int, file_root: Path | None = None) -> procs.Proc:
     return procs.launch("serve", "--engine", "vllm", "--model", str(model_dir), "--port", "0", "--layout", layout,
                         "--kv-cache-mb", str(kv_cache_mb), "--vllm-args", f"--max-model-len {MAX_MODEL_LEN}",
-                        timeout=900)
+                        env={"RELAYOUT_FILE_ROOTS": str(file_root)} if file_root else None, timeout=900)
 
 
 def _local_compute(url: str) -> float:
@@ -112,6 +115,60 @@ def measure_context(src: str, dst: str, ctx: int, kv_per_token: int, seed: int =
     }
 
 
+EXPORT_WINDOW_S = 0.4  # each window of a repetition; vLLM decodes ~1k tokens/s here, so a window holds hundreds
+EXPORT_REPS = 5
+
+
+def measure_step_during_export(src: str, ckpt_root: Path, seed: int = 0) -> dict:
+    """vLLM's decode step with and without a long session being exported, side by side per repetition."""
+    import threading
+
+    rnd = random.Random(seed)
+    quiet: list[float] = []
+    loud: list[float] = []
+    exports = 0
+    for rep in range(EXPORT_REPS):
+        ctx = MAX_MODEL_LEN - 1100
+        long = TokenStream("POST", f"{src}/v1/completions", {
+            "prompt": [rnd.randrange(1, 500) for _ in range(ctx)], "max_tokens": 1000, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True, "stream": True})
+        probe = TokenStream("POST", f"{src}/v1/completions", {
+            "prompt": [rnd.randrange(1, 500) for _ in range(16)], "max_tokens": 1500, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True, "stream": True})
+        long.wait_tokens(4, 120)
+        probe.wait_tokens(8, 120)
+        t0 = time.perf_counter()
+        time.sleep(EXPORT_WINDOW_S)
+        t1 = time.perf_counter()
+        stop = threading.Event()
+
+        def export_loop(sid: str = long.sid or "", n: int = rep, stop: threading.Event = stop) -> None:
+            nonlocal exports
+            with httpx.Client(timeout=60) as c:
+                while not stop.is_set():
+                    r = c.post(f"{src}/v1/sessions/checkpoint", json={
+                        "sessions": [sid], "stop": False, "destination": (ckpt_root / f"r{n}").as_uri()})
+                    if r.status_code != 200:
+                        return  # the session ended: the window closes with what it has
+                    exports += 1
+
+        th = threading.Thread(target=export_loop, daemon=True)
+        th.start()
+        time.sleep(EXPORT_WINDOW_S)
+        t2 = time.perf_counter()
+        stop.set()
+        th.join(60)
+        probe.stop()
+        long.stop()
+        probe.finish(120)
+        long.finish(120)
+        quiet += [t for t in probe.times if t0 <= t < t1]
+        loud += [t for t in probe.times if t1 <= t < t2]
+    g_quiet, g_loud = median_gap_ms(quiet), median_gap_ms(loud)
+    return {"step_ms_without_export": g_quiet, "step_ms_during_export": g_loud, "exports": exports,
+            "step_during_export_ratio": round(g_quiet / g_loud, 3) if g_quiet and g_loud else None}
+
+
 def run(model: str | None, contexts: list[int], log: Callable[[str], None] = print, kv_cache_mb: int = 1024,
         source_layout: str = "attn_tp=1", target_layout: str = "attn_tp=2,moe_tp=2") -> dict:
     from relayout.engine.vllm_server import vllm_version
@@ -130,7 +187,7 @@ def run(model: str | None, contexts: list[int], log: Callable[[str], None] = pri
         else:
             model_dir, name = Path(model), model
         log(f"launching vLLM replicas: {source_layout} (source), then {target_layout} (target)")
-        src = _replica(model_dir, source_layout, kv_cache_mb)
+        src = _replica(model_dir, source_layout, kv_cache_mb, Path(tmp))
         try:
             dst = _replica(model_dir, target_layout, kv_cache_mb)
             try:
@@ -143,6 +200,8 @@ def run(model: str | None, contexts: list[int], log: Callable[[str], None] = pri
                 for c in contexts:
                     log(f"context {c}")
                     out["contexts"][str(c)] = measure_context(src.url, dst.url, c, per_tok)
+                log("vLLM's decode step during exports")
+                out.update(measure_step_during_export(src.url, Path(tmp) / "exports"))
                 return out
             finally:
                 dst.stop(30)
@@ -160,4 +219,7 @@ def print_table(res: dict, console: Console) -> None:
                   f"{r['migrate_ms']:.0f}", f"{r['reprefill_ms']:.1f}", str(r["decode_during_precopy_ratio"]),
                   f"{r['kv_moved_vs_size']:.2f}", "yes" if r["exact"] and r["moved"] else "NO")
     console.print(t)
+    console.print(f"vLLM's decode step during a long session's exports: {res.get('step_ms_during_export')} ms against "
+                  f"{res.get('step_ms_without_export')} ms without (step_during_export_ratio "
+                  f"{res.get('step_during_export_ratio')}, {res.get('exports')} exports)")
     console.print(f"vllm snapshot: {res['vllm_snapshot_why']}")

@@ -335,7 +335,9 @@ class LLMEngine:
         """Per layer, tokens routed to each logical expert; all-to-all bytes between rank pairs;
         per layer exposed vs total exchange seconds."""
         per_rank = self.executor.moe_stats()
-        L = self.cfg.num_layers
+        L, W = self.cfg.num_layers, self.layout.world_size
+        # what a pair carries in the exchange (engine.moe): its hidden state and its slot in one more element
+        pair = (self.cfg.hidden_size + 1) * self.dtype.itemsize
         counts = [[0] * self.cfg.num_experts for _ in range(L)]
         for r in per_rank:
             for layer, row in enumerate(r["expert_counts"]):
@@ -345,6 +347,11 @@ class LLMEngine:
             "expert_counts": counts,
             "a2a_bytes": [[sum(r["bytes_to"][layer][d] for layer in range(L)) for d in range(self.layout.world_size)]
                           for r in per_rank],
+            # per layer, (token, expert) pairs each rank sent to each rank, and each rank's experts computed
+            "rank_pairs_from": [[[r["bytes_to"][layer][d] // pair for d in range(W)] for r in per_rank]
+                                for layer in range(L)],
+            "rank_pairs": [[sum(r["bytes_to"][layer][d] for r in per_rank) // pair for d in range(W)]
+                           for layer in range(L)],
             "exposed_s": [max(r["exposed_s"][layer] for r in per_rank) for layer in range(L)],
             "total_s": [max(r["total_s"][layer] for r in per_rank) for layer in range(L)],
         }

@@ -1,9 +1,10 @@
 """Sparse MoE block: route, dispatch to the ranks that hold the chosen experts, combine.
 
 Every token's k choices are computed as (token, choice) pairs; each pair is sent to a
-physical slot holding its expert (replicas spread round-robin), the results come back in
-pair order and are combined with the router weights by the same code on every layout,
-which is why layouts agree to float rounding.
+physical slot holding its expert, chosen by the dispatch rule the planner scores with
+(engine.dispatch: the rank's own copy first, copies spread round-robin); the results come back in
+pair order and are combined with the router weights by the same code on every layout, which is
+why layouts agree to float rounding.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from relayout.engine.batch_invariant import linear
 from relayout.engine.config import ModelConfig
+from relayout.engine.dispatch import candidate_slots
 from relayout.engine.parallel import ParallelState
 
 _GROUPED_MM = getattr(F, "grouped_mm", None)  # torch >= 2.10; a per-expert loop otherwise
@@ -99,10 +101,10 @@ class SparseMoE(torch.nn.Module):
         self.inter_range = (lay.moe_tp_rank(ps.rank) * inter, (lay.moe_tp_rank(ps.rank) + 1) * inter)
         self.router = torch.nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, dtype=dtype), requires_grad=False)
         self.experts = ExpertShard(self.slots_per_rank, cfg.hidden_size, inter, dtype)
-        # replica table: logical expert -> physical slots holding it
-        reps: list[list[int]] = [[] for _ in range(cfg.num_experts)]
-        for s, e in enumerate(self.slots):
-            reps[e].append(s)
+        # candidate table: logical expert -> the slots this rank's tokens go to, by the dispatch rule the
+        # planner scores placements with (engine.dispatch: own rank's copies, else the node's, else all).
+        # A replica's ranks are one node here (a multi-host replica's node map is not known to the engine)
+        reps = candidate_slots(self.slots, lay.moe_ep, [0] * lay.moe_ep, ep, cfg.num_experts)
         width = max(len(r) for r in reps)
         self.register_buffer("rep_table", torch.tensor([r + [r[0]] * (width - len(r)) for r in reps]), persistent=False)
         self.register_buffer("rep_count", torch.tensor([len(r) for r in reps]), persistent=False)
@@ -129,8 +131,8 @@ class SparseMoE(torch.nn.Module):
         w, e = self.route(x)
         flat_e = e.reshape(-1)
         self.expert_counts += torch.bincount(flat_e, minlength=self.cfg.num_experts)
-        # spread a replicated expert's tokens round-robin by token index (not by pair index,
-        # which would tie the replica to the token's choice rank when top_k and replicas share a factor)
+        # spread a token over its candidate copies round-robin by token index (not by pair index,
+        # which would tie the copy to the token's choice rank when top_k and copies share a factor)
         if self.single_copy:
             slot = self.rep_table[flat_e, 0]
         else:

@@ -81,6 +81,9 @@ def _plan(inp: dict, reference: Reference | None, reference_name: str) -> dict:
     hb = int(inp.get("hidden_bytes", 1))
     out = {
         "placement": placement.phy2log,
+        "num_layers": cfg.num_layers if cfg is not None else None,
+        "moe_layers": [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)] if cfg is not None else None,
+        "redundant_slots": redundant,
         "layout": layout.to_dict(),
         "layout_str": str(layout),
         "devices": best.devices,
@@ -103,6 +106,25 @@ def _plan(inp: dict, reference: Reference | None, reference_name: str) -> dict:
                    f"cross-node {out['baseline_cross_node_fraction']:.3f}")
     out["reason"] = reason
     return out
+
+
+def sglang_expert_location(result: dict, num_layers: int | None = None, moe_layers: list[int] | None = None) -> dict:
+    """A plan as the expert location file SGLang's `--init-expert-location FILE.json` reads
+    (`ExpertLocationMetadata.init_by_mapping`): `physical_to_logical_map`, one row per model layer of
+    `num_experts + ep_num_redundant_experts` physical slots, slot p on expert-parallel rank
+    p // (slots / ep_size) as in relayout's layouts. With the model's layer count, rows go to its MoE
+    layers (`moe_layers`) and every other layer gets SGLang's trivial row (slot p -> expert p % E)."""
+    rows = [list(r) for r in result["placement"]]
+    if not rows:
+        raise PlanError("the plan has no placement to export")
+    width, E = len(rows[0]), max(max(r) for r in rows) + 1
+    if num_layers is not None and num_layers != len(rows):
+        moe = moe_layers if moe_layers is not None else list(range(num_layers - len(rows), num_layers))
+        if len(moe) != len(rows):
+            raise PlanError(f"the plan has {len(rows)} layers; the model has {len(moe)} MoE layers")
+        it = iter(rows)
+        rows = [next(it) if i in moe else [p % E for p in range(width)] for i in range(num_layers)]
+    return {"physical_to_logical_map": rows}
 
 
 def format_plan_table(result: dict) -> Table:

@@ -310,3 +310,36 @@ def test_relayout_plan_beats_both_eplb_policies_on_plain_traces(kind, s):
     assert res["baseline_cross_node_fraction"] > 0  # the reference is hierarchical EPLB on these equal nodes
     assert res["balance"] >= round(bal(glob, load), 4) and res["balance"] >= res["baseline_balance"], res["reason"]
     assert res["cross_node_fraction"] <= 0.8 * res["baseline_cross_node_fraction"], res["reason"]
+
+
+def test_plan_exports_sglang_expert_locations_that_read_back_with_the_same_structure(tmp_path):
+    """`relayout plan --format sglang --out FILE`: the JSON SGLang's `--init-expert-location` reads
+    (ExpertLocationMetadata.init_by_mapping: `physical_to_logical_map`, one row per model layer of
+    E + redundant slots dealt to ep ranks in order), read back here as SGLang does (json, then each
+    logical expert's physical copies)."""
+    from relayout.agent.cli import app
+    from typer.testing import CliRunner
+
+    out = tmp_path / "expert-location.json"
+    load = [[9, 1, 1, 1, 1, 1, 1, 5], [1, 1, 7, 1, 3, 1, 1, 1]]
+    inp = {"topology": _fleet([4]).model_dump(), "load": load, "needs": {"devices": 4}}
+    r = CliRunner().invoke(app, ["plan", "-", "--json", "--format", "sglang", "--out", str(out)],
+                           input=json.dumps(inp))
+    assert r.exit_code == 0, r.output
+    plan = json.loads(r.output.strip().splitlines()[-1])
+    doc = json.loads(out.read_text())
+    assert list(doc) == ["physical_to_logical_map"]
+    p2l = doc["physical_to_logical_map"]
+    assert p2l == plan["placement"] and len(p2l) == 2
+    for row in p2l:  # SGLang's rules: E + redundant slots, divisible by ep_size, every expert placed
+        assert len(row) == 8 + plan["redundant_slots"] and len(row) % 4 == 0
+        l2p = {e: [p for p, x in enumerate(row) if x == e] for e in range(8)}
+        assert all(l2p[e] for e in range(8)) and set(row) == set(range(8))
+    assert "--ep-num-redundant-experts" in r.output
+    from relayout.migrate.plan_cli import sglang_expert_location
+
+    full = sglang_expert_location(plan, num_layers=4, moe_layers=[1, 3])  # dense layers: SGLang's trivial rows
+    rows = full["physical_to_logical_map"]
+    assert rows[1] == p2l[0] and rows[3] == p2l[1] and rows[0] == [p % 8 for p in range(len(p2l[0]))]
+    r = CliRunner().invoke(app, ["plan", "-", "--format", "sglang"], input=json.dumps(inp))
+    assert r.exit_code == 2 and "--out" in r.output

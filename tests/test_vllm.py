@@ -341,7 +341,7 @@ def test_agents_live_migrate_a_vllm_session_to_tp2_under_a_gateway_stream(model_
         mp.undo()
 
 
-def test_bench_vllm_figures_on_the_running_replicas(tp1, tp2):
+def test_bench_vllm_figures_on_the_running_replicas(tp1, tp2, root):
     """`relayout bench vllm`'s per-context measurement on this module's replicas: the session moved
     token-exact, its KV carried (once, not recomputed on the target), every documented figure present."""
     from relayout.bench.vllm import measure_context
@@ -354,6 +354,10 @@ def test_bench_vllm_figures_on_the_running_replicas(tp1, tp2):
     for k in ("target_step_ms", "reprefill_ms", "migrate_ms", "migrate_vs_reprefill", "live_stall_ms",
               "live_stall_steps", "decode_during_precopy_ratio"):
         assert k in r, k
+    from relayout.bench.vllm import measure_step_during_export
+
+    e = measure_step_during_export(tp1, root / "bench-exports")
+    assert e["exports"] > 0 and e["step_during_export_ratio"] is not None, e  # the exports ran beside decoding
 
 
 def _hf_logprobs(model_dir, ids: list[int], start: int) -> list[float]:
