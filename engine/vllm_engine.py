@@ -288,7 +288,6 @@ class VllmEngine:
         staged = self._staged.get(sid)
         if staged is None or staged[0] != generation:
             return
-        del self._staged[sid]
         load = staged[1]
         note = self.exchange.dir / f"{load['id']}.failed"
         try:
@@ -297,6 +296,7 @@ class VllmEngine:
             log.warning("session %s: vLLM could not load its KV and recomputed it: %s", sid, why)
         except OSError:
             self.loaded.add(sid)
+        del self._staged[sid]  # after the outcome: a restore waiting on another thread reads it once this is gone
         self._unstage(load)
 
     def load_outcome(self, sid: str) -> str | None:
