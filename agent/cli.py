@@ -469,6 +469,7 @@ def status(
     agent_url: list[str] = typer.Option(None, "--agent", help="an agent to ask; repeatable (default "
                                                               "http://127.0.0.1:7070)"),
     as_json: bool = typer.Option(False, "--json", help="print the gathered status as JSON (for scripts)"),
+    wide: bool = typer.Option(False, "--wide", help="full ids, full layouts and the replicas' URLs"),
     token_file: Path = typer.Option(None, "--token-file"),
 ) -> None:
     """Nodes, their replicas (layout, sessions, KV used, expert balance), the operations running now with
@@ -479,7 +480,8 @@ def status(
     if as_json:
         print(json.dumps(st, indent=1))
     else:
-        Console().print(render(st))
+        con = Console()
+        con.print(render(st, width=con.width, wide=wide))
     if not all(n["reachable"] for n in st["nodes"]):
         raise typer.Exit(1)
 

@@ -1,6 +1,7 @@
 """`relayout status` (docs/cli.md): what runs where and what moves, across node agents — per node its
 draining state, per replica its layout, sessions, KV use and expert balance, and the operations
-running now with their progress. `gather()` asks the agents; `render()` draws one rich table."""
+running now with their progress. `gather()` asks the agents; `render()` draws it: a heading per node and
+a table under it that fits the terminal (short ids, compact layouts; `--wide` for everything)."""
 
 from __future__ import annotations
 
@@ -80,7 +81,17 @@ def gather(agents: list[str], token: str | None, timeout: float = 10.0) -> dict[
     return asyncio.run(gather_async(agents, token, timeout))
 
 
-def _layout(lay: Any) -> str:
+def compact_layout(lay: Any) -> str:
+    """`dp1 tp2 ep1` (and `mtp2`, `+placement`, `overlap` when set): the layout in a few characters."""
+    if not isinstance(lay, dict):
+        return str(lay or "-")
+    text = f"dp{lay.get('attn_dp', 1)} tp{lay.get('attn_tp', 1)} ep{lay.get('moe_ep', 1)}"
+    if lay.get("moe_tp", 1) != 1:
+        text += f" mtp{lay['moe_tp']}"
+    return text + (" +placement" if lay.get("placement") else "") + (" overlap" if lay.get("overlap") else "")
+
+
+def _full_layout(lay: Any) -> str:
     if not isinstance(lay, dict):
         return str(lay or "-")
     keys = ("attn_dp", "attn_tp", "moe_ep", "moe_tp")
@@ -88,10 +99,33 @@ def _layout(lay: Any) -> str:
     return text + (" +placement" if lay.get("placement") else "") + (" overlap" if lay.get("overlap") else "")
 
 
-def _bar(done: float, total: float | None) -> Any:
+def short_ids(ids: list[str], keep: int = 4) -> dict[str, str]:
+    """Each id cut to its prefix and `keep` characters after it (`r-3cce1a2b` -> `r-3cce`), longer where
+    two would read the same."""
+    out: dict[str, str] = {}
+    for i in ids:
+        head = i.split("-", 1)[0] + "-" if "-" in i else ""
+        n = keep
+        while True:
+            cand = i[: len(head) + n]
+            if cand == i or sum(1 for j in ids if j.startswith(cand)) <= 1:
+                out[i] = cand
+                break
+            n += 1
+    return out
+
+
+def _progress(op: dict, width: int) -> Any:
+    """A bar and `done/total` (bytes, or sessions for a drain) in `width` columns."""
+    done, total = op["done"], op["total"]
+    fmt = (lambda v: f"{v:g}") if op.get("kind") == "drain" else _bytes
     if not total:
-        return Text(f"{_bytes(done)}" if done else "")
-    return Group(ProgressBar(total=total, completed=done, width=24), Text(f"{done:g}/{total:g}"))
+        return Text(fmt(done) if done else "")
+    label = f" {fmt(done)}/{fmt(total)}"
+    bar = ProgressBar(total=total, completed=done, width=max(4, width - len(label)))
+    t = Table.grid(padding=0)
+    t.add_row(bar, Text(label))
+    return t
 
 
 def _bytes(n: float) -> str:
@@ -102,28 +136,51 @@ def _bytes(n: float) -> str:
     return f"{n}"
 
 
-def render(status: dict[str, Any]) -> Table:
-    """One table: a row per replica, then a row per running operation, grouped by node."""
-    t = Table(title="relayout status", show_lines=False, expand=False)
-    for col in ("node", "replica / operation", "status", "layout / phase", "sessions", "KV used", "expert balance",
-                "progress"):
-        t.add_column(col)
+def _table(cols: list[str]) -> Table:
+    t = Table(box=None, pad_edge=False, padding=(0, 2, 0, 0), expand=False, show_edge=False)
+    for col in cols:
+        t.add_column(col, no_wrap=True, header_style="bold dim")
+    return t
+
+
+def render(status: dict[str, Any], width: int = 80, wide: bool = False) -> Group:
+    """Per node a heading (its URL and state), a table of its replicas and one of the operations running
+    on it. Fits `width` columns without cutting a cell: short ids, compact layouts and a progress bar
+    sized to what is left; `wide` shows full ids, layouts and the replicas' URLs."""
+    parts: list[Any] = [Text("relayout status", style="bold")]
     for node in status["nodes"]:
         state = ("[red]unreachable[/red]" if not node["reachable"] else
                  "[yellow]draining[/yellow]" if node["draining"] else "[green]serving[/green]")
-        t.add_row(f"[bold]{node['agent']}[/bold]", "", state, node.get("error") or "", "", "", "", "")
-        for r in node["replicas"]:
-            kv = (f"{r['kv_blocks_used']}/{r['kv_blocks_total']}" if r.get("kv_blocks_total") else "-")
-            bal = f"{r['expert_balance']:.2f}" if r.get("expert_balance") is not None else "-"
-            t.add_row("", r["id"], r["status"] or "", _layout(r["layout"]), str(r["sessions"]), kv, bal,
-                      r.get("error") or "")
-        for op in node["operations"]:
-            what = f"{op['kind']} {op['id']}" + (f" ({op['replica']})" if op.get("replica") else "")
-            t.add_row("", f"[cyan]{what}[/cyan]", op["state"], op.get("phase") or "", "", "", "",
-                      _bar(op["done"], op["total"]))
-            for e in op.get("replicas", []):
-                t.add_row("", f"  {e['replica']} -> {e.get('target_replica') or '…'}", e.get("state") or "", "",
-                          f"{e['sessions_moved']}/{e.get('sessions_at_start') if e.get('sessions_at_start') is not None else '?'}",
-                          "", "", "")
-        t.add_section()
-    return t
+        head = f"[bold]{node['agent']}[/bold]  {state}" + (f"  {node['error']}" if node.get("error") else "")
+        parts.append(Text.from_markup(head))
+        reps, ops = node["replicas"], node["operations"]
+        names = short_ids([r["id"] for r in reps] + [op["id"] for op in ops])
+        if wide:
+            names = {k: k for k in names}
+        lay = _full_layout if wide else compact_layout
+        if reps:
+            t = _table(["replica", "status", "layout", "sessions", "KV used", "balance"] + (["url"] if wide else []))
+            for r in reps:
+                kv = f"{r['kv_blocks_used']}/{r['kv_blocks_total']}" if r.get("kv_blocks_total") else "-"
+                bal = f"{r['expert_balance']:.2f}" if r.get("expert_balance") is not None else "-"
+                t.add_row(names[r["id"]], r["status"] or "", lay(r["layout"]), str(r["sessions"]), kv, bal,
+                          *([r.get("url") or ""] if wide else []))
+                if r.get("error"):
+                    t.add_row("", f"[red]{r['error']}[/red]", "", "", "", "")
+            parts.append(t)
+        if ops:
+            rows = []
+            for op in ops:
+                target = f" {names.get(op['replica'], op['replica'])}" if op.get("replica") else ""
+                rows.append((f"{op['kind']} {names[op['id']]}{target}", op["state"], op.get("phase") or "", op))
+            used = max(len(a) + len(b) + len(c) for a, b, c, _ in rows) + 6
+            t = _table(["operation", "state", "phase", "progress"])
+            for what, st, phase, op in rows:
+                t.add_row(f"[cyan]{what}[/cyan]", st, phase, _progress(op, min(48, max(16, width - used - 1))))
+                for e in op.get("replicas", []):
+                    start = e.get("sessions_at_start")
+                    t.add_row(f"  {names.get(e['replica'], e['replica'])} -> {e.get('target_replica') or '?'}",
+                              e.get("state") or "", f"{e['sessions_moved']}/{start if start is not None else '?'} moved",
+                              "")
+            parts.append(t)
+    return Group(*parts)

@@ -20,7 +20,6 @@ could not load them leaves `<load id>.failed`, and the session is then named in 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import queue
 import secrets
@@ -48,6 +47,7 @@ from relayout.engine.session import SamplingParams, SessionState, SessionStatus
 from relayout.engine.tokenizer import load_tokenizer
 from relayout.engine.vllm_exchange import Exchange, ExchangeError, KVFile, control
 from relayout.engine.vllm_server import AttachedVllm, VllmLaunch, VllmServer, vllm_version
+from relayout.engine.vllm_stream import Arrival, stream_completion
 from relayout.engine.weights import resolve_model
 
 STEP_WAIT_S = 0.01  # step() waits this long for vLLM's next tokens: calls queued meanwhile wait as long
@@ -60,51 +60,12 @@ class VllmEngineDead(RuntimeError):
 
 
 @dataclass
-class _Arrival:
-    """What one read of a session's vLLM stream brought: ids, their logprob records, vLLM's finish."""
-
-    session_id: str
-    generation: int  # the request it came from: a resubmitted session ignores its old request's tail
-    token_ids: list[int]
-    records: list[list] | None
-    finish_reason: str | None = None
-    error: str | None = None
-
-
-@dataclass
 class _Request:
     """The vLLM request serving one session now."""
 
     generation: int
     task: asyncio.Future | None = None
-    held: list[_Arrival] = field(default_factory=list)  # arrived while the session was paused
-
-
-def _records(lp: dict | None, n: int) -> list[list] | None:
-    """vLLM's completion logprobs (tokens as "token_id:N") as relayout records [logprob, top ids, top logprobs]."""
-    if not lp:
-        return None
-    out = []
-    tops = lp.get("top_logprobs") or [None] * n
-    for chosen, top in zip(lp.get("token_logprobs") or [], tops, strict=False):
-        pairs = sorted(((int(k.rsplit(":", 1)[1]), float(v)) for k, v in (top or {}).items()),
-                       key=lambda p: -p[1])
-        out.append([float(chosen) if chosen is not None else 0.0, [p[0] for p in pairs], [p[1] for p in pairs]])
-    return out
-
-
-async def _sse_events(r: httpx.Response):
-    """The `data:` payloads of a server-sent event stream. Split here on bytes: httpx's aiter_lines
-    re-scans its whole buffer per line, so a stream read behind (thousands of events in one read)
-    held the GIL for seconds, and the replica's event loop with it."""
-    buf = b""
-    async for chunk in r.aiter_bytes():
-        buf += chunk
-        *events, buf = buf.split(b"\n\n")
-        for ev in events:
-            for line in ev.split(b"\n"):
-                if line.startswith(b"data: "):
-                    yield line[6:].strip()
+    held: list[Arrival] = field(default_factory=list)  # arrived while the session was paused
 
 
 class VllmEngine:
@@ -170,7 +131,7 @@ class VllmEngine:
         self._staged: dict[str, tuple[int, dict]] = {}  # session -> (request generation, load) not yet settled
         self.recomputed: dict[str, str] = {}  # session -> why its KV load failed and vLLM recomputed it
         self.loaded: set[str] = set()  # sessions whose staged KV their request has taken
-        self._arrivals: queue.Queue[_Arrival] = queue.Queue()
+        self._arrivals: queue.Queue[Arrival] = queue.Queue()
         self._fingerprint: str | None = None
         threading.Thread(target=lambda: self.fingerprint, name="model-fingerprint", daemon=True).start()
         self._loop = asyncio.new_event_loop()
@@ -369,7 +330,7 @@ class VllmEngine:
             self.num_steps += 1
         return events
 
-    def _apply(self, s: SessionState, a: _Arrival) -> list[TokenEvent]:
+    def _apply(self, s: SessionState, a: Arrival) -> list[TokenEvent]:
         events = []
         if s.status == SessionStatus.WAITING:
             s.status = SessionStatus.RUNNING
@@ -433,7 +394,7 @@ class VllmEngine:
         self._requests[s.session_id] = req
         if load:
             self._staged[s.session_id] = (req.generation, load)
-        req.task = self._on_loop(self._stream(s.session_id, req.generation, body))
+        req.task = self._on_loop(stream_completion(self._client, s.session_id, req.generation, body, self._arrivals.put))
 
     def _cancel(self, session_id: str) -> None:
         """End the session's vLLM request: closing its stream aborts it in vLLM."""
@@ -443,31 +404,6 @@ class VllmEngine:
         staged = self._staged.pop(session_id, None)
         if staged is not None:  # its request ended before it produced a token: the load is not needed now
             self._unstage(staged[1])
-
-    async def _stream(self, sid: str, gen: int, body: dict) -> None:
-        put = self._arrivals.put
-        try:
-            async with self._client.stream("POST", "/v1/completions", json=body) as r:
-                if r.status_code != 200:
-                    text = (await r.aread()).decode(errors="replace")[:500]
-                    put(_Arrival(sid, gen, [], None, error=f"vLLM answered {r.status_code}: {text}"))
-                    return
-                async for data in _sse_events(r):
-                    if data == b"[DONE]":
-                        return
-                    obj = json.loads(data)
-                    if "error" in obj:
-                        put(_Arrival(sid, gen, [], None, error=str(obj["error"])))
-                        return
-                    for ch in obj.get("choices") or []:
-                        ids = list(ch.get("token_ids") or [])
-                        fin = ch.get("finish_reason")
-                        if ids or fin:
-                            put(_Arrival(sid, gen, ids, _records(ch.get("logprobs"), len(ids)), fin))
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # noqa: BLE001 - vLLM went away mid-stream: the session ends, saying why
-            put(_Arrival(sid, gen, [], None, error=f"vLLM stream failed: {type(e).__name__}: {e}"))
 
     # ---- what the replica reports ----------------------------------------------------------------
     def expert_stats(self) -> dict:

@@ -78,7 +78,7 @@ def test_status_follows_a_drain(two_agents):
 
     table = status(a, b, as_json=False)
     assert table.returncode == 0, table.stderr
-    for text in ("relayout status", "draining", rep["id"]):
+    for text in ("relayout status", "draining", rep["id"][:6]):  # short ids at the default 80 columns
         assert text in table.stdout, table.stdout
     # the running drain's row and its progress bar ("━"), as the table renders the snapshot that showed
     # it running (the CLI's own run, a second later, may find a quick drain already done)
@@ -86,7 +86,7 @@ def test_status_follows_a_drain(two_agents):
     from rich.console import Console
 
     con = Console(width=240, record=True, file=io.StringIO())
-    con.print(render(seen))
+    con.print(render(seen, width=240, wide=True))
     shown_table = con.export_text()
     for text in (f"drain {oid}", "━"):
         assert text in shown_table, shown_table
@@ -107,3 +107,43 @@ def test_status_names_an_unreachable_agent():
     assert got.returncode == 1
     (node,) = json.loads(got.stdout)["nodes"]
     assert node["agent"] == dead and not node["reachable"] and "ConnectError" in node["error"]
+
+
+def _three_replicas_and_a_migration() -> dict:
+    lay = {"attn_dp": 1, "attn_tp": 2, "moe_ep": 1, "moe_tp": 2, "placement": None, "overlap": False}
+    reps = [{"id": rid, "status": "running", "model": "builtin:tiny", "url": f"http://127.0.0.1:4{i}123",
+             "layout": {**lay, "attn_dp": i + 1}, "sessions": 3 * i, "kv_blocks_used": 120 * i,
+             "kv_blocks_total": 4096, "expert_balance": 0.93, "error": None}
+            for i, rid in enumerate(("r-3cce1a2b", "r-9f00aa11", "r-3cdd0c0d"))]
+    op = {"id": "op-5e6f7a8b9c0d", "kind": "migrate", "replica": "r-3cce1a2b", "state": "running",
+          "phase": "pre-copy:2", "bytes_done": 3 << 20, "bytes_total": 8 << 20, "done": 3 << 20, "total": 8 << 20}
+    return {"nodes": [{"agent": "http://10.0.0.12:7070", "reachable": True, "draining": False,
+                       "replicas": reps, "operations": [op]}]}
+
+
+@pytest.mark.parametrize("width", [80, 160])
+def test_status_fits_its_terminal_without_cutting_a_cell(width):
+    """A node with three replicas and one running migration at 80 and 160 columns: the node as a heading,
+    short ids (two that share `r-3c` stay apart), compact layouts, no cell cut with an ellipsis."""
+    from relayout.agent.status import render
+    from rich.console import Console
+
+    con = Console(width=width, record=True, file=io.StringIO())
+    con.print(render(_three_replicas_and_a_migration(), width=width))
+    text = con.export_text()
+    assert "…" not in text and max(len(line) for line in text.splitlines()) <= width, text
+    for shown in ("http://10.0.0.12:7070", "serving", "r-3cce", "r-9f00", "r-3cdd", "dp1 tp2 ep1 mtp2",
+                  "dp3 tp2 ep1 mtp2", "migrate op-5e6f", "pre-copy:2", "240/4096", "0.93"):
+        assert shown in text, (shown, text)
+    assert "r-3cce1a2b" not in text  # short ids unless --wide
+
+
+def test_status_wide_shows_everything():
+    from relayout.agent.status import render
+    from rich.console import Console
+
+    con = Console(width=200, record=True, file=io.StringIO())
+    con.print(render(_three_replicas_and_a_migration(), width=200, wide=True))
+    text = con.export_text()
+    for shown in ("r-3cce1a2b", "op-5e6f7a8b9c0d", "attn_dp=2,attn_tp=2,moe_ep=1,moe_tp=2", "http://127.0.0.1:41123"):
+        assert shown in text, (shown, text)

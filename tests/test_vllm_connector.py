@@ -152,8 +152,8 @@ def test_a_resumed_request_recomputes_instead_of_reading_blocks_that_hold_nothin
 
 def _worker(tmp_path, layers: int = 2, heads: int = 2, dim: int = 4, blocks: int = 8, bs: int = 4):
     import torch
-    from relayout.engine.vllm_connector import WorkerSide
     from relayout.engine.vllm_exchange import Exchange
+    from relayout.engine.vllm_kv import WorkerSide
 
     ex = Exchange.init(tmp_path / "ex")
     cfg = SimpleNamespace(cache_config=SimpleNamespace(block_size=bs), device_config=SimpleNamespace(device_type="x"),
@@ -178,8 +178,8 @@ def test_a_failed_load_is_reported_as_blocks_to_recompute_never_raised(tmp_path)
     get_block_ids_with_load_errors (vLLM recomputes them), `<load id>.failed` says why, and the cache
     is untouched. A good file loads exactly."""
     import torch
-    from relayout.engine.vllm_connector import LoadSpec, RelayoutMetadata
     from relayout.engine.vllm_exchange import damage_staged, write_kv
+    from relayout.engine.vllm_kv import LoadSpec, RelayoutMetadata
 
     planted = tmp_path / "planted.safetensors"  # our own format, outside the exchange
     kv = torch.randn(2, 2, 2, 8, 4)
@@ -217,16 +217,16 @@ def test_exports_copy_off_the_forward_path_and_hold_blocks_until_done(tmp_path, 
     import threading
 
     import torch
-    from relayout.engine import vllm_connector
-    from relayout.engine.vllm_connector import ExportSpec, RelayoutMetadata, copy_blocks_out
+    from relayout.engine import vllm_kv
     from relayout.engine.vllm_exchange import KVFile
+    from relayout.engine.vllm_kv import ExportSpec, RelayoutMetadata, copy_blocks_out
 
     w, ex, caches = _worker(tmp_path, blocks=8, bs=4)
     for c in caches:
         c.copy_(torch.randn_like(c))
     (ex.dir / "x1").mkdir()
-    gate, real_write = threading.Event(), vllm_connector.write_kv
-    monkeypatch.setattr(vllm_connector, "write_kv", lambda *a: (gate.wait(10), real_write(*a))[1])
+    gate, real_write = threading.Event(), vllm_kv.write_kv
+    monkeypatch.setattr(vllm_kv, "write_kv", lambda *a: (gate.wait(10), real_write(*a))[1])
     w.start_step(RelayoutMetadata(exports=[ExportSpec(str(ex.dir / "x1"), [5, 2, 7], 3, 10, "r1")]))
     assert not (ex.dir / "x1" / "rank0.safetensors").exists()  # the step returned; the copy runs on
     assert w.finished_sending(set()) is None
