@@ -121,6 +121,42 @@ def serve(
         _fail(str(e))
 
 
+@app.command()
+def demo(
+    max_tokens: int = typer.Option(1200, "--max-tokens", min=200, max=4000, help="the story's length in tokens"),
+) -> None:
+    """A tour: start an agent, two replicas and a gateway, stream a story through the gateway, re-lay the
+    session out to another layout mid-stream (marked, with its stall), then check the text equals an
+    undisturbed run. Exit 0 when it does, 1 when it does not or a part failed, 130 on Ctrl-C."""
+    import sys
+
+    import httpx
+    from relayout.agent.demo import run_demo
+    from relayout.migrate.procs import LaunchError
+
+    def write(piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    try:
+        res = run_demo(write, lambda m: err.print(f"[dim]{escape(m)}[/dim]"), max_tokens=max_tokens)
+    except KeyboardInterrupt:
+        err.print("\n[yellow]stopped[/yellow] (everything the demo started is stopped)")
+        raise typer.Exit(130) from None
+    except (RuntimeError, httpx.HTTPError, LaunchError) as e:
+        _fail(f"the demo could not run: {e}", 1)
+    print()
+    for e in res.errors:
+        err.print(f"[red]{escape(e)}[/red]")
+    if res.identical:
+        err.print(f"[green]the streamed text ({res.reference_tokens} tokens) is exactly an undisturbed run's[/green] "
+                  f"(moved after piece {res.moved_at}, stall {res.stall_ms} ms)")
+    else:
+        err.print("[red]the streamed text differs from an undisturbed run's[/red]")
+    if res.errors or not res.identical:
+        raise typer.Exit(1)
+
+
 @app.command("vllm-config")
 def vllm_config(
     exchange: Path = typer.Option(..., "--exchange", help="the exchange directory relayout and vLLM share (a "

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 import xxhash
-from relayout.engine.builtin import BUILTIN_NAMES, BUILTIN_VERSION, create_builtin
+from relayout.engine.builtin import BUILTIN_NAMES, BUILTIN_VERSION, TRAINED_DIR, create_builtin
 from relayout.storage.settings import settings
 from safetensors import safe_open
 
@@ -54,7 +54,10 @@ def resolve_model(ref: str | Path) -> Path:
 
 
 def _ensure_builtin(name: str) -> Path:
-    final = cache_root() / "models" / f"{name}-v{BUILTIN_VERSION}"
+    # trained weights name the directory too: a cache made before (or with other) weights is not reused
+    trained = TRAINED_DIR / f"{name}.safetensors"
+    tag = f"-{xxhash.xxh64_hexdigest(trained.read_bytes())[:8]}" if trained.exists() else ""
+    final = cache_root() / "models" / f"{name}-v{BUILTIN_VERSION}{tag}"
     if (final / "config.json").is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)

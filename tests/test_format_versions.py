@@ -44,7 +44,8 @@ def test_version_1_chunks_read_under_any_head_range(tmp_path, cid, sessions):
 
 @pytest.fixture(scope="module")
 def engines():
-    es = {lay: LLMEngine("builtin:tiny", lay, max_prefill_tokens=16) for lay in ("attn_dp=1", "attn_tp=2")}
+    # the fixture was written by builtin:tiny before its weights were trained: builtin:tiny-random is that model
+    es = {lay: LLMEngine("builtin:tiny-random", lay, max_prefill_tokens=16) for lay in ("attn_dp=1", "attn_tp=2")}
     yield es
     for e in es.values():
         e.shutdown()

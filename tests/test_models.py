@@ -45,7 +45,7 @@ def test_builtin_deterministic(made, tmp_path, name):
 
 
 def test_builtin_configs(made):
-    assert BUILTIN_NAMES == ("tiny", "bench", "tiny-mixtral")
+    assert BUILTIN_NAMES == ("tiny", "bench", "tiny-mixtral", "tiny-random")
     tiny = ModelConfig.from_dir(made["tiny"])
     assert (tiny.architecture, tiny.vocab_size, tiny.hidden_size, tiny.num_layers) == (
         "Qwen3MoeForCausalLM",
@@ -246,3 +246,31 @@ def test_resolve_model_concurrent(tmp_path, monkeypatch):
     d = dirs.pop()
     assert [p.name for p in d.parent.iterdir()] == [d.name]
     assert ModelConfig.from_dir(d).architecture == "MixtralForCausalLM"
+
+
+@pytest.mark.parametrize("name", SMALL)
+def test_trained_builtins_write_words_of_their_training_text(name):
+    """builtin:tiny and builtin:tiny-mixtral ship trained weights (bench/train_builtin.py): a greedy
+    completion of an English prompt is letters, spaces and punctuation, and its words are the training
+    stories' words. (Their parity with transformers is tests/test_engine_parity.py's, on these weights.)"""
+    import re
+
+    from relayout.bench.train_builtin import corpus
+    from relayout.engine.builtin import TRAINED_DIR
+    from relayout.engine.engine import LLMEngine
+    from relayout.engine.session import SamplingParams
+
+    assert (TRAINED_DIR / f"{name}.safetensors").exists()
+    e = LLMEngine(f"builtin:{name}")
+    try:
+        s = e.add_session(list(b"Once upon a time, there was a"), SamplingParams(max_tokens=160, ignore_eos=True))
+        while not s.is_finished:
+            e.step()
+    finally:
+        e.shutdown()
+    text = bytes(t for t in s.output_token_ids if t < 256).decode(errors="replace")
+    readable = sum(c.isalpha() or c in " .,!?\"\n" for c in text) / len(text)
+    assert readable > 0.97, text
+    vocab = set(re.findall(r"[A-Za-z]+", corpus(4000).decode()))
+    words = re.findall(r"[A-Za-z]+", text)
+    assert len(words) > 20 and sum(w in vocab for w in words) / len(words) > 0.9, text
