@@ -14,7 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from relayout.engine.batch_invariant import linear
+from relayout.engine.batch_invariant import batch_invariant, linear
 from relayout.engine.config import ModelConfig
 from relayout.engine.dispatch import candidate_slots
 from relayout.engine.parallel import ParallelState
@@ -61,12 +61,21 @@ class ExpertShard(torch.nn.Module):
     def _per_expert(self, xs: torch.Tensor, counts: torch.Tensor, order: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         ys = []
         start = 0
+        # half precision: an expert's lone row goes through the batch-invariant product (a CPU GEMM of one
+        # row accumulates in another order than of two or more), so a session's output does not depend on
+        # whether another token of its batch picked the same expert
+        mm = linear if batch_invariant(xs.dtype) else (lambda a, w: a @ w.T)
+        if xs.dtype == torch.float16 and xs.device.type == "cpu":
+            # the CPU's float16 GEMM rounds a row differently with the row count when the inner width is
+            # small (the tiny models' 32-wide down projection: row 0 of 2..8 rows differs in 30 of 350 draws):
+            # each row alone, through the lone-row product
+            mm = lambda a, w: torch.cat([linear(a[i : i + 1], w) for i in range(a.shape[0])])  # noqa: E731
         for s, n in enumerate(counts.tolist()):
             if n == 0:
                 continue
-            gu = xs[start : start + n] @ self.w_gate_up[s].T
+            gu = mm(xs[start : start + n], self.w_gate_up[s])
             h = F.silu(gu[:, : self.inter]) * gu[:, self.inter :]
-            ys.append(h @ self.w_down[s].T)
+            ys.append(mm(h, self.w_down[s]))
             start += n
         out[order] = torch.cat(ys)
         return out
