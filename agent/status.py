@@ -6,12 +6,12 @@ a table under it that fits the terminal (short ids, compact layouts; `--wide` fo
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import httpx
 from relayout.engine.web import bearer_headers, tls_context
 from rich.console import Group
-from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
@@ -81,8 +81,23 @@ def gather(agents: list[str], token: str | None, timeout: float = 10.0) -> dict[
     return asyncio.run(gather_async(agents, token, timeout))
 
 
+def _as_dict(lay: Any) -> Any:
+    """A layout as a record may hold it: an object, its JSON, or `attn_dp=2,moe_ep=2` (else as it is)."""
+    if isinstance(lay, str):
+        text = lay.strip()
+        try:
+            if text.startswith("{"):
+                return json.loads(text)
+            if "=" in text:
+                return {k.strip(): int(v) for k, v in (p.split("=", 1) for p in text.split(",") if p.strip())}
+        except (ValueError, TypeError):
+            return lay
+    return lay
+
+
 def compact_layout(lay: Any) -> str:
     """`dp1 tp2 ep1` (and `mtp2`, `+placement`, `overlap` when set): the layout in a few characters."""
+    lay = _as_dict(lay)
     if not isinstance(lay, dict):
         return str(lay or "-")
     text = f"dp{lay.get('attn_dp', 1)} tp{lay.get('attn_tp', 1)} ep{lay.get('moe_ep', 1)}"
@@ -92,6 +107,7 @@ def compact_layout(lay: Any) -> str:
 
 
 def _full_layout(lay: Any) -> str:
+    lay = _as_dict(lay)
     if not isinstance(lay, dict):
         return str(lay or "-")
     keys = ("attn_dp", "attn_tp", "moe_ep", "moe_tp")
@@ -122,10 +138,10 @@ def _progress(op: dict, width: int) -> Any:
     if not total:
         return Text(fmt(done) if done else "")
     label = f" {fmt(done)}/{fmt(total)}"
-    bar = ProgressBar(total=total, completed=done, width=max(4, width - len(label)))
-    t = Table.grid(padding=0)
-    t.add_row(bar, Text(label))
-    return t
+    w = max(4, width - len(label))
+    k = round(w * min(1.0, done / total))
+    # drawn as text, not rich's ProgressBar: the part still to go stays visible without colours (a pipe, a log)
+    return Text.assemble(("━" * k, "green"), ("─" * (w - k), "dim"), label)
 
 
 def _bytes(n: float) -> str:

@@ -1,6 +1,6 @@
-"""Fleet re-layout controller (`relayout controller --agents`): a real agent with one skewed builtin:tiny
-replica; the controller re-lays it out through the agent's migrate route while streams run through the
-gateway; the streams keep their tokens, the old replica is deleted after the grace, the new one has the
+"""Fleet re-layout controller (`relayout controller --agents`): a real agent with one skewed replica
+(builtin:tiny-random); the controller re-lays it out through the agent's migrate route while streams run
+through the gateway; the streams keep their tokens, the old replica is deleted after the grace, the new one has the
 planned layout. Plus the CLI's choice between --replica and --agents."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from relayout.migrate import procs
 from relayout.migrate.policy import PolicyConfig
 
 from tests.helpers.agents import TOKEN, H, start_agent, stop
-from tests.test_policy import MAX_TOKENS, PROMPTS, _complete_all, _signal_group, _stream
+from tests.test_policy import MAX_TOKENS, PROMPTS, SKEWED_MODEL, _complete_all, _signal_group, _stream
 
 EP2 = Layout.parse("attn_dp=2,moe_ep=2")  # identity placement: experts 0-3 on rank 0, the skew's side
 
@@ -36,7 +36,7 @@ def test_fleet_controller_relayouts_through_the_agent(tmp_path, monkeypatch):
     try:
         pa, agent = start_agent(tmp_path / "a", tmp_path / "agent.log")
         children.append(pa)
-        r = httpx.post(f"{agent}/v1/replicas", headers=H, json={"model": "builtin:tiny", "layout": EP2.to_dict()},
+        r = httpx.post(f"{agent}/v1/replicas", headers=H, json={"model": SKEWED_MODEL, "layout": EP2.to_dict()},
                        timeout=200)
         assert r.status_code == 201, r.text
         old = httpx.get(f"{agent}/v1/replicas/{r.json()['id']}", headers=H, timeout=30).json()  # with its pid
