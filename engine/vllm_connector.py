@@ -41,8 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from relayout.engine.vllm_exchange import Exchange
-from relayout.engine.vllm_kv import ExportSpec, KVGeometry, LoadSpec, RelayoutMetadata, WorkerSide, num_layers
+from relayout.engine.vllm_kv import ExportSpec, LoadSpec, RelayoutMetadata, WorkerSide, open_side
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -67,10 +66,7 @@ class _Command:
 
 class SchedulerSide:
     def __init__(self, vllm_config: VllmConfig, extra: dict, kv_cache_config: Any = None):
-        self.exchange = Exchange.open(extra["exchange"])
-        self.geometry = (KVGeometry.from_vllm(kv_cache_config, num_layers(vllm_config))
-                         if kv_cache_config is not None else None)
-        self.block_size = self.geometry.block_size if self.geometry else vllm_config.cache_config.block_size
+        self.exchange, self.geometry, self.block_size = open_side(vllm_config, extra, kv_cache_config)
         self.tp = vllm_config.parallel_config.tensor_parallel_size
         self.sessions: dict[str, Request] = {}
         self.commands: queue.Queue[_Command] = queue.Queue()

@@ -106,6 +106,13 @@ def copy_blocks_out(views: list[tuple[torch.Tensor, torch.Tensor]], block_ids: l
         :, :, :, off: off + tok_hi - tok_lo]
 
 
+def open_side(vllm_config: VllmConfig, extra: dict, kv_cache_config: Any) -> tuple[Exchange, KVGeometry | None, int]:
+    """What both sides of the connector start from: the exchange, vLLM's KV geometry and its block size."""
+    geometry = KVGeometry.from_vllm(kv_cache_config, num_layers(vllm_config)) if kv_cache_config is not None else None
+    block_size = geometry.block_size if geometry else vllm_config.cache_config.block_size
+    return Exchange.open(extra["exchange"]), geometry, block_size
+
+
 def num_layers(vllm_config: VllmConfig) -> int | None:
     n = getattr(vllm_config.model_config.hf_text_config, "num_hidden_layers", None)
     return int(n) if n is not None else None
@@ -115,10 +122,7 @@ class WorkerSide:
     """One TP rank: each layer's cache as (K, V) views [blocks, local KV heads, block_size, head_dim]."""
 
     def __init__(self, vllm_config: VllmConfig, extra: dict, kv_cache_config: Any = None):
-        self.exchange = Exchange.open(extra["exchange"])
-        self.geometry = (KVGeometry.from_vllm(kv_cache_config, num_layers(vllm_config))
-                         if kv_cache_config is not None else None)
-        self.block_size = self.geometry.block_size if self.geometry else vllm_config.cache_config.block_size
+        self.exchange, self.geometry, self.block_size = open_side(vllm_config, extra, kv_cache_config)
         self.num_kv_heads = vllm_config.model_config.get_total_num_kv_heads()
         self.cpu = vllm_config.device_config.device_type == "cpu"
         self.views: list[tuple[torch.Tensor, torch.Tensor]] = []
