@@ -122,7 +122,8 @@ def run_demo(write: Callable[[str], None], log: Callable[[str], None], max_token
                 res.stall_ms = round(op["stall_ms"], 1) if op.get("stall_ms") is not None else None
                 write(f"\x1b[1;35m⟦moved to {TARGET_LAYOUT}: {op['state']}, stall "
                       f"{res.stall_ms if res.stall_ms is not None else '?'} ms⟧\x1b[0m")
-        mover.join(60) if mover.is_alive() else None
+        if mover.is_alive():
+            mover.join(60)
         if op.get("state") != "succeeded":
             res.errors.append(f"the move did not succeed: {op.get('error') or op.get('state') or 'not started'}")
         res.identical = res.text == res.reference

@@ -17,7 +17,6 @@ import random
 
 import numpy as np
 from relayout.engine.config import ModelConfig
-from relayout.engine.dispatch import candidate_slots
 from relayout.engine.weights import resolve_model
 from relayout.migrate.dispatch_model import layer_dispatch
 from relayout.migrate.planner import plan_placement, redundant_for, to_layout
@@ -89,7 +88,6 @@ def run(sessions: int = 8, max_tokens: int = 32, log=print) -> dict:
         mb, pb = float(np.mean(meas_bal)), float(np.mean(pred_bal))
         mc = cross_pairs / pairs_all if pairs_all else 0.0
         pc = pred_cross_w / max(1.0, sum(float(np.sum(st["expert_counts"][i])) for i in moe))
-        # the rule itself, in the engine's tables: which slots rank 0's tokens of expert 0 go to
         out["layouts"][f"attn_dp={D},moe_ep={D}"] = {
             "exact": toks == ref,
             "measured_balance": round(mb, 4), "predicted_balance": round(pb, 4),
@@ -97,7 +95,6 @@ def run(sessions: int = 8, max_tokens: int = 32, log=print) -> dict:
             "measured_cross_rank": round(mc, 4), "predicted_cross_rank": round(pc, 4),
             "cross_rank_error": round(abs(mc - pc), 4),
             "a2a_bytes": st["a2a_bytes"],
-            "rank0_expert0_slots": candidate_slots(plan.phy2log[0], D, [0] * D, 0, cfg.num_experts)[0],
         }
     return out
 

@@ -61,15 +61,9 @@ class ExpertShard(torch.nn.Module):
     def _per_expert(self, xs: torch.Tensor, counts: torch.Tensor, order: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         ys = []
         start = 0
-        # half precision: an expert's lone row goes through the batch-invariant product (a CPU GEMM of one
-        # row accumulates in another order than of two or more), so a session's output does not depend on
-        # whether another token of its batch picked the same expert
+        # half precision: the batch-invariant product (a lone row, a narrow float16 one), so a session's
+        # output does not depend on whether other tokens of its batch picked the same expert
         mm = linear if batch_invariant(xs.dtype) else (lambda a, w: a @ w.T)
-        if xs.dtype == torch.float16 and xs.device.type == "cpu":
-            # the CPU's float16 GEMM rounds a row differently with the row count when the inner width is
-            # small (the tiny models' 32-wide down projection: row 0 of 2..8 rows differs in 30 of 350 draws):
-            # each row alone, through the lone-row product
-            mm = lambda a, w: torch.cat([linear(a[i : i + 1], w) for i in range(a.shape[0])])  # noqa: E731
         for s, n in enumerate(counts.tolist()):
             if n == 0:
                 continue

@@ -130,7 +130,6 @@ class VllmEngine:
         self._loads: dict[str, dict | None] = {}  # adopted sessions' KV to load, until their request starts
         self._staged: dict[str, tuple[int, dict]] = {}  # session -> (request generation, load) not yet settled
         self.recomputed: dict[str, str] = {}  # session -> why its KV load failed and vLLM recomputed it
-        self.loaded: set[str] = set()  # sessions whose staged KV their request has taken
         self._arrivals: queue.Queue[Arrival] = queue.Queue()
         self._fingerprint: str | None = None
         threading.Thread(target=lambda: self.fingerprint, name="model-fingerprint", daemon=True).start()
@@ -251,20 +250,16 @@ class VllmEngine:
             return
         load = staged[1]
         note = self.exchange.dir / f"{load['id']}.failed"
-        try:
-            why = note.read_text()
-            self.recomputed[sid] = why
+        if note.exists():
+            self.recomputed[sid] = why = note.read_text()
             log.warning("session %s: vLLM could not load its KV and recomputed it: %s", sid, why)
-        except OSError:
-            self.loaded.add(sid)
         del self._staged[sid]  # after the outcome: a restore waiting on another thread reads it once this is gone
         self._unstage(load)
 
-    def load_outcome(self, sid: str) -> str | None:
-        """"loaded", "recomputed" or None while its load is pending."""
-        if sid in self.recomputed:
-            return "recomputed"
-        return "loaded" if sid in self.loaded else None
+    def load_pending(self, sid: str) -> bool:
+        """Whether the session's request has yet to take its staged KV (it is placed and still runs)."""
+        s = self.sessions.get(sid)
+        return sid in self._staged and s is not None and not s.is_finished
 
     # ---- KV out of vLLM ------------------------------------------------------------------------
     def export_kv(self, session_id: str, lo: int, hi: int) -> list[KVFile]:
@@ -369,7 +364,6 @@ class VllmEngine:
         for k in done[: max(0, len(done) - self.max_finished)]:
             del self.sessions[k]
             self.recomputed.pop(k, None)
-            self.loaded.discard(k)
 
     # ---- vLLM requests -------------------------------------------------------------------------
     def _submit(self, s: SessionState, load: dict | None = None) -> None:

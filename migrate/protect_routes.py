@@ -55,6 +55,22 @@ VLLM_UNPROTECTED = ("a vLLM replica cannot be protected or be a standby yet: pro
                     "KV cache; protect builtin replicas, or checkpoint and live-migrate vLLM ones")
 
 
+def _builtin_engine_only(aengine: AsyncEngine) -> list:
+    """A route dependency: 409 on a vLLM replica (see VLLM_UNPROTECTED)."""
+    def check() -> None:
+        if getattr(aengine.engine, "engine_name", "builtin") != "builtin":
+            raise HTTPError(409, VLLM_UNPROTECTED)
+
+    return [Depends(check)]
+
+
+def _current(app: FastAPI) -> Replicator:
+    rep = app.state.protection
+    if rep is None:
+        raise HTTPError(404, "this replica's sessions are not protected", "not_found")
+    return rep
+
+
 def _url(u: str, what: str) -> str:
     if len(u) > 2048 or not URL_RE.fullmatch(u):
         raise HTTPError(400, f"{what} must be an http(s) URL")
@@ -108,20 +124,12 @@ def install_protect_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
     prepared: list[threading.Thread] = []
     r = APIRouter(dependencies=[Depends(bearer_auth(token))])
 
-    def current() -> Replicator:
-        rep = app.state.protection
-        if rep is None:
-            raise HTTPError(404, "this replica's sessions are not protected", "not_found")
-        return rep
-
     # ---- as the source ----------------------------------------------------------------------------------
-    @r.post("/v1/protection")
+    @r.post("/v1/protection", dependencies=_builtin_engine_only(aengine))
     async def protect(body: ProtectBody, request: Request):
         rep = app.state.protection
         if rep is not None and rep.state in LIVE_PROTECTION:
             raise HTTPError(409, f"this replica is already protected by {rep.cfg.standby} ({rep.pid})")
-        if getattr(aengine.engine, "engine_name", "builtin") != "builtin":
-            raise HTTPError(409, VLLM_UNPROTECTED)
         source = _url(body.source_url or str(request.base_url), "source_url")
         cfg = ProtectConfig(_url(body.standby, "standby"), source, body.every_tokens, body.every_ms, body.lease_s,
                             body.codec)
@@ -131,7 +139,7 @@ def install_protect_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
 
     @r.get("/v1/protection")
     async def protection():
-        return current().view()
+        return _current(app).view()
 
     @r.get("/v1/protection/{pid}")
     async def protection_state(pid: str):
@@ -145,18 +153,16 @@ def install_protect_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
 
     @r.delete("/v1/protection")
     async def unprotect():
-        rep = current()
+        rep = _current(app)
         out = await rep.stop()
         ended[rep.pid] = rep.state
         app.state.protection = None
         return out
 
     # ---- as the standby --------------------------------------------------------------------------------
-    @r.post("/v1/standby/{pid}/rounds")
+    @r.post("/v1/standby/{pid}/rounds", dependencies=_builtin_engine_only(aengine))
     async def standby_round(pid: str, request: Request, source: str, lease_s: float):
         check_id(pid, "protection id")
-        if getattr(aengine.engine, "engine_name", "builtin") != "builtin":
-            raise HTTPError(409, VLLM_UNPROTECTED)
         if not 0.2 <= lease_s <= 600:
             raise HTTPError(400, "lease_s must be in [0.2, 600]")
 

@@ -43,6 +43,7 @@ from relayout.migrate.frame_sink import FrameOptions
 from relayout.migrate.mooncake_transport import MooncakeTransport, install_mooncake_routes
 from relayout.migrate.mooncake_transport import unavailable as mooncake_unavailable
 from relayout.migrate.transfers import (
+    EngineOps,
     ImportTooLarge,
     RoundCut,
     TooManyTransfers,
@@ -169,6 +170,17 @@ def _classify(e: BaseException) -> tuple[int, str]:
     return 500, f"{type(e).__name__}: {e}"
 
 
+async def restore_sessions(ops: EngineOps, body: RestoreBody) -> dict:
+    """POST /v1/sessions/restore: a checkpoint's sessions placed on this replica."""
+    check_ids(body.sessions)
+    base, cid = split_checkpoint_uri(body.checkpoint)
+    reader = await asyncio.to_thread(CheckpointReader, _open_store(base), cid)
+    # cheap refusals first (model, geometry, ids, room): the sizes a manifest declares are
+    # bounded by what this replica can hold before any chunk is fetched or decoded; then every hash
+    ids, conv = await ops.restore(reader, body.sessions, body.exact)
+    return {"sessions": ids, "converted": conv, "recomputed": await ops.load_outcomes(ids)}
+
+
 def install_replica_routes(app: FastAPI, aengine: AsyncEngine, token: str | None = None) -> TransferTable:
     """Mount the session-moving routes on a replica's app; returns the replica's TransferTable."""
     token = token if token is not None else env_token()
@@ -229,14 +241,7 @@ def install_replica_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
 
     @r.post("/v1/sessions/restore")
     async def restore_route(body: RestoreBody):
-        check_ids(body.sessions)
-        base, cid = split_checkpoint_uri(body.checkpoint)
-        store = _open_store(base)
-        reader = await asyncio.to_thread(CheckpointReader, store, cid)
-        # cheap refusals first (model, geometry, ids, room): the sizes a manifest declares are
-        # bounded by what this replica can hold before any chunk is fetched or decoded; then every hash
-        ids, conv = await ops.restore(reader, body.sessions, body.exact)
-        return {"sessions": ids, "converted": conv, "recomputed": await ops.load_outcomes(ids)}
+        return await restore_sessions(ops, body)
 
     @r.post("/v1/sessions/export")
     async def export_route(body: ExportBody):

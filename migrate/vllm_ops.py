@@ -221,8 +221,7 @@ class VllmOps:
         e = self.engine
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            pending = [sid for sid in session_ids if sid in e._staged and not e.sessions[sid].is_finished]
-            if not pending:
+            if not any(e.load_pending(sid) for sid in session_ids):
                 break
             await asyncio.sleep(0.01)
         return {sid: e.recomputed[sid] for sid in session_ids if sid in e.recomputed}

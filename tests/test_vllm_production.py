@@ -358,3 +358,14 @@ def test_attach_to_a_vllm_the_user_started_and_move_sessions_both_ways(model_dir
     finally:
         os.killpg(user_vllm.pid, 9)
         user_vllm.wait(30)
+
+
+def test_protection_of_a_vllm_replica_is_refused_not_accepted_and_broken(tight, tight_cached):
+    """Until protection rounds reach vLLM's cache, a vLLM replica refuses to be protected or to be a standby
+    (409 saying what to do instead), and reports no protection."""
+    r = httpx.post(f"{tight}/v1/protection", json={"standby": tight_cached}, timeout=30)
+    assert r.status_code == 409 and "cannot be protected" in r.json()["error"]["message"], r.text
+    r = httpx.post(f"{tight_cached}/v1/standby/p1/rounds", params={"source": tight, "lease_s": 1.0},
+                   content=b"", timeout=30)
+    assert r.status_code == 409 and "standby" in r.json()["error"]["message"], r.text
+    assert httpx.get(f"{tight}/v1/protection", timeout=30).status_code == 404
