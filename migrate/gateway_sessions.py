@@ -13,7 +13,9 @@ for; once it runs again somewhere the stream reattaches at the next token
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable
@@ -33,6 +35,7 @@ _PREFERENCE = {"running": 0, "finished": 1, "checkpointed": 2, "migrated": 3}
 _MAX_REMEMBERED = 65536
 _PENDING_ABORTS: set[asyncio.Task] = set()
 T = TypeVar("T")
+log = logging.getLogger("relayout.gateway")
 
 
 def reattach_wait_s() -> float:
@@ -174,8 +177,12 @@ class SessionStream:
                         outcome = "moved"  # ended without [DONE]: migrated (or the replica went away)
             except httpx.HTTPError:
                 outcome = "lost"
+            except (ValueError, httpx.StreamError, OSError) as e:  # a cut mid-event, a stream closed under us
+                log.warning("session %s: upstream stream broke: %r", self.sid, e)
+                outcome = "lost"
             finally:
-                await resp.aclose()
+                with contextlib.suppress(Exception):  # closing a broken connection must not end the client's stream
+                    await resp.aclose()
             if outcome == "done":
                 self.ended = True
                 return
@@ -283,6 +290,11 @@ async def open_upstream(ups: Upstreams, client: httpx.AsyncClient, path: str, bo
         try:
             async for ev in stream.events(first):
                 yield ev
+        except Exception as e:  # a fault of the gateway's own: the client gets an error event, not a cut stream
+            log.exception("session %s: the gateway's stream failed", stream.sid)
+            stream.ended = True
+            yield {"error": {"message": f"the gateway's stream of session {stream.sid or '?'} failed: "
+                                        f"{type(e).__name__}: {e}", "type": "upstream_error", "code": 502}}
         finally:
             ups.active[url] -= 1
 

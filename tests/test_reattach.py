@@ -302,9 +302,13 @@ def test_session_that_never_comes_back_ends_with_an_error_event(solo):
         kill_tree(rep.pid)
         rep.kill()  # reaped
         t = time.monotonic()
-        rd.read()
+        try:
+            rd.read()
+        except httpx.HTTPError as e:  # the gateway cut the stream: what it printed says why
+            raise AssertionError(f"the gateway's stream broke ({e}); gateway output:\n{gw.output()[-4000:]}") from e
         errors = [ev["error"] for ev in rd.events if "error" in ev]
-        assert rd.done and errors and errors[0]["code"] == 504 and rd.sid in errors[0]["message"], rd.events[-2:]
+        assert rd.done and errors and errors[0]["code"] == 504 and rd.sid in errors[0]["message"], \
+            (rd.events[-2:], gw.output()[-4000:])
         assert time.monotonic() - t < 30
     finally:
         rd.close()
