@@ -21,6 +21,8 @@ class StandbyRef(BaseModel):
     replica: str | None = Field(None, max_length=128)  # an existing replica there
     layout: str | dict | None = None  # or launch one with this layout (the source's model unless `model`)
     model: str | None = Field(None, max_length=4096)
+    # the launched standby's engine (default: the source's; a vLLM one gets the source's vllm_args)
+    engine: str | None = Field(None, pattern="^(builtin|vllm)$")
 
 
 class ProtectBody(BaseModel):
@@ -41,8 +43,11 @@ async def _standby_url(ag: Agent, source: dict, ref: StandbyRef) -> tuple[str, s
             web.check_id(ref.replica, "replica id")
             resp = await c.get(f"{base}/v1/replicas/{ref.replica}", headers=ag.headers())
         else:
+            engine = ref.engine or source.get("engine", "builtin")
+            vargs = source.get("vllm_args") or [] if engine == "vllm" == source.get("engine") else []
             resp = await c.post(f"{base}/v1/replicas", headers=ag.headers(),
-                                json={"model": ref.model or source["model"], "layout": ref.layout})
+                                json={"model": ref.model or source["model"], "layout": ref.layout, "engine": engine,
+                                      **({"vllm_args": vargs} if vargs else {})})
     if resp.status_code >= 400:
         raise HTTPError(502, f"standby agent answered {resp.status_code}: {web.error_message(resp)[:300]}")
     r = resp.json()

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import httpx
 from relayout.bench.replica_client import BenchError, TokenStream, median_gap_ms
+from relayout.bench.vllm_protection import decode_with_protection, failover
 from relayout.migrate import procs
 from rich.console import Console
 from rich.table import Table
@@ -203,6 +204,9 @@ def run(model: str | None, contexts: list[int], log: Callable[[str], None] = pri
                     out["contexts"][str(c)] = measure_context(src.url, dst.url, c, per_tok)
                 log("vLLM's decode step during exports")
                 out.update(measure_step_during_export(src.url, Path(tmp) / "exports"))
+                log(f"protection {source_layout} -> {target_layout}: the source's decode, then a kill -9 and failover")
+                out.update(decode_with_protection(src.url, dst.url, MAX_MODEL_LEN - 128))
+                out.update(failover(src.url, dst.url, lambda sig: procs.kill_tree(src.pid, sig), MAX_MODEL_LEN - 128))
                 return out
             finally:
                 dst.stop(30)
@@ -223,4 +227,8 @@ def print_table(res: dict, console: Console) -> None:
     console.print(f"vLLM's decode step during a long session's exports: {res.get('step_ms_during_export')} ms against "
                   f"{res.get('step_ms_without_export')} ms without (step_during_export_ratio "
                   f"{res.get('step_during_export_ratio')}, {res.get('exports')} exports)")
+    console.print(f"protection: the source decodes at {res.get('decode_ratio_with_protection')} of its unprotected "
+                  f"rate ({res.get('step_ms_protected')} vs {res.get('step_ms_unprotected')} ms a step, "
+                  f"{res.get('protection_rounds')} rounds); kill -9 to the standby's first token: "
+                  f"{res.get('failover_ms')} ms (lease {res.get('failover_lease_s')} s)")
     console.print(f"vllm snapshot: {res['vllm_snapshot_why']}")

@@ -24,10 +24,10 @@ from relayout.engine.web import (
     error_response,
     tls_context,
 )
-from relayout.migrate.engine_ops import EngineThreadOps, import_limits
+from relayout.migrate.engine_ops import engine_ops_for
 from relayout.migrate.protocol import LIVE_PROTECTION
 from relayout.migrate.replication import LEASE_S, ProtectConfig, Replicator, engine_progress
-from relayout.migrate.standby import ProtectionError, StandbyTable
+from relayout.migrate.standby import PoolKeeper, ProtectionError, StandbyKeeper, StandbyTable
 from relayout.storage.settings import settings
 
 
@@ -49,19 +49,15 @@ class PromoteBody(BaseModel):
     wait: bool = True  # wait for the lease to lapse (else 409 while it holds)
 
 
-# refused, not accepted and broken: a vLLM replica's protection rounds are not built yet (a kill -9 lost
-# its streams while it reported protection)
-VLLM_UNPROTECTED = ("a vLLM replica cannot be protected or be a standby yet: protection rounds do not reach vLLM's "
-                    "KV cache; protect builtin replicas, or checkpoint and live-migrate vLLM ones")
+def standby_keeper(ops) -> StandbyKeeper:
+    """Where this replica keeps a standby's copies: its KV pool (builtin), staged load files (vLLM)."""
+    from relayout.migrate.vllm_ops import VllmOps
 
+    if isinstance(ops, VllmOps):
+        from relayout.migrate.vllm_standby import StagedKeeper
 
-def _builtin_engine_only(aengine: AsyncEngine) -> list:
-    """A route dependency: 409 on a vLLM replica (see VLLM_UNPROTECTED)."""
-    def check() -> None:
-        if getattr(aengine.engine, "engine_name", "builtin") != "builtin":
-            raise HTTPError(409, VLLM_UNPROTECTED)
-
-    return [Depends(check)]
+        return StagedKeeper(ops)
+    return PoolKeeper(ops.call)
 
 
 def _current(app: FastAPI) -> Replicator:
@@ -102,7 +98,7 @@ def source_answer(token: str | None):
 
 def start_protection(app: FastAPI, aengine: AsyncEngine, cfg: ProtectConfig, token: str | None) -> Replicator:
     """Protect this replica's sessions to `cfg.standby` (on the server's event loop)."""
-    rep = Replicator(Replicator.new_id(), cfg, EngineThreadOps.of(aengine), engine_progress(aengine.engine),
+    rep = Replicator(Replicator.new_id(), cfg, engine_ops_for(aengine), engine_progress(aengine.engine),
                      lambda: aengine.recent_step_s, token)
     rep.start()
     app.state.protection = rep
@@ -113,11 +109,12 @@ def install_protect_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
     """Mount protection's routes on a replica's app; returns its StandbyTable (the source side
     lives in `app.state.protection`)."""
     token = token if token is not None else env_token()
-    import_limit, frame_limit = import_limits(aengine.engine)
+    ops = engine_ops_for(aengine)
+    import_limit, frame_limit = ops.import_limits(aengine.engine)
     # RELAYOUT_STANDBY_AUTOPROMOTE=0: this replica promotes only when asked (its agent's health check
     # of the source, a gateway, a client), never on its own when a lease lapses
     standby = StandbyTable(aengine.call, source_answer(token), frame_limit=frame_limit, round_limit=import_limit,
-                           autopromote=settings().standby_autopromote)
+                           autopromote=settings().standby_autopromote, keeper=standby_keeper(ops))
     app.state.protection = None
     app.state.standby = standby
     ended: dict[str, str] = {}  # protections this replica was the source of: id -> stopped | lost
@@ -125,7 +122,7 @@ def install_protect_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
     r = APIRouter(dependencies=[Depends(bearer_auth(token))])
 
     # ---- as the source ----------------------------------------------------------------------------------
-    @r.post("/v1/protection", dependencies=_builtin_engine_only(aengine))
+    @r.post("/v1/protection")
     async def protect(body: ProtectBody, request: Request):
         rep = app.state.protection
         if rep is not None and rep.state in LIVE_PROTECTION:
@@ -160,7 +157,7 @@ def install_protect_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
         return out
 
     # ---- as the standby --------------------------------------------------------------------------------
-    @r.post("/v1/standby/{pid}/rounds", dependencies=_builtin_engine_only(aengine))
+    @r.post("/v1/standby/{pid}/rounds")
     async def standby_round(pid: str, request: Request, source: str, lease_s: float):
         check_id(pid, "protection id")
         if not 0.2 <= lease_s <= 600:

@@ -88,6 +88,8 @@ class Replicator:
     fences: int = 0  # times the lease lapsed here (each paused the sessions until a round got through)
     last_error: str | None = None
     last_round_at: float = 0.0
+    # live sessions the rounds do not carry, with why (a seeded sampled one on vLLM, on either side)
+    not_protected: dict[str, str] = field(default_factory=dict)
     _tasks: list[asyncio.Task] = field(default_factory=list)
 
     @staticmethod
@@ -128,13 +130,15 @@ class Replicator:
         now = self.progress()
         sessions = [{"id": sid, "tokens": n, "synced_tokens": self.synced[sid].tokens if sid in self.synced else 0,
                      "lag_tokens": n - (self.synced[sid].tokens if sid in self.synced else 0)}
-                    for sid, n in sorted(now.items())]
+                    for sid, n in sorted(now.items()) if sid not in self.not_protected]
+        unprotected = {sid: why for sid, why in self.not_protected.items() if sid in now}
         return {"protection": self.pid, "standby": self.cfg.standby, "state": self.state, "rounds": self.rounds,
                 "bytes": self.round_bytes, "every_tokens": self.cfg.every_tokens, "every_ms": self.cfg.every_ms,
                 "lease_s": self.cfg.lease_s, "lease_left_s": round(max(0.0, self.lease_until - self.clock()), 3),
                 # what the rounds cost the decode: the engine thread's time in their cuts, per round
                 "engine_ms_per_round": round(1000 * self.ops.cut_engine_s / max(1, self.rounds), 3),
                 "fenced": list(self.fenced), "fences": self.fences, "last_error": self.last_error, "sessions": sessions,
+                "not_protected": unprotected,
                 "max_lag_tokens": max((s["lag_tokens"] for s in sessions), default=0)}
 
     # ---- the rounds ---------------------------------------------------------------------------------
@@ -143,6 +147,8 @@ class Replicator:
             return True
         now = self.progress()
         for sid, n in now.items():
+            if sid in self.not_protected:
+                continue
             if n - (self.synced[sid].tokens if sid in self.synced else 0) >= self.cfg.every_tokens:
                 return True
         return len(now) < len(self.synced)  # one finished: free its copy soon
@@ -200,7 +206,14 @@ class Replicator:
             self.rounds, self.round_bytes = rnd, self.round_bytes + len(body)
             sp.set_attribute("relayout.bytes", len(body))
             whole = {snap.session_id: snap.state_dict for snap in cut.snaps}  # (the manifest's lists may be deltas)
-            self.synced = {e.session_id: SyncedSession.of(e.num_kv_tokens, whole[e.session_id]) for e in manifest.sessions}
+            try:
+                not_held = dict(r.json().get("not_held") or {})
+            except (ValueError, AttributeError, TypeError):
+                not_held = {}
+            self.not_protected = {**cut.not_moved, **{sid: f"the standby does not hold it: {why}"
+                                                       for sid, why in not_held.items()}}
+            self.synced = {e.session_id: SyncedSession.of(e.num_kv_tokens, whole[e.session_id])
+                           for e in manifest.sessions if e.session_id not in not_held}
             if self.state == ProtectionState.FENCED:
                 fenced, self.fenced, self.state = self.fenced, [], ProtectionState.ACTIVE
                 await self.ops.resume(fenced)

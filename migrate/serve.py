@@ -77,8 +77,6 @@ def serve(model: str = "builtin:tiny", layout: str | None = None, host: str = "1
             raise ValueError("--kv-dtype: a vLLM replica's KV is of its model's dtype (--dtype); vLLM's --kv-cache-dtype is refused")
         if placement is not None:
             raise ValueError("--local-ranks/--rank-endpoint: vLLM places its own ranks")
-        if standby:
-            raise ValueError("--standby: a vLLM replica cannot be protected yet (protect builtin replicas)")
         if attach is not None and vllm_args:
             raise ValueError("--vllm-args: an attached vLLM was started by you, with its own flags")
         engine = VllmEngine(model, layout, dtype=dtype, kv_cache_mb=kv_cache_mb, host=host, vllm_args=vllm_args,

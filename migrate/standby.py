@@ -15,8 +15,9 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from relayout.engine.engine import LLMEngine
+from relayout.engine.engine import LLMEngine, finish_reason_after
 from relayout.engine.placer import SessionPlacer
 from relayout.engine.receive import abort_incoming, free_reservations, receive_round
 from relayout.engine.sampling import advance_rng
@@ -135,14 +136,6 @@ class Held:
                 "tail_tokens": dict(self.promoted), "staged_bytes": self.store.staged_bytes()}
 
 
-def _finish_reason(e: LLMEngine, st: SessionState) -> str | None:
-    """Whether the tokens told at promotion already end the session (as engine._append decides)."""
-    p, tok = st.sampling, st.output_token_ids[-1]
-    if (not p.ignore_eos and tok in e.tokenizer.eos_token_ids) or tok in p.stop_token_ids:
-        return "stop"
-    return "length" if len(st.output_token_ids) >= p.max_tokens else None
-
-
 def tail_of(st: SessionState, told: list[int] | None) -> list[int]:
     """The generated tokens told beyond the synced ones (Diverged if they disagree with them)."""
     if not told:
@@ -168,7 +161,7 @@ def place_promoted(e: LLMEngine, h: Held, told: dict[str, list[int]]) -> dict[st
             st.output_token_ids += tail
         g, blocks = placer.claim(h.blocks, sid, with_kv=n_kv > 0)  # none: not admitted on the source yet
         placer.place(st, n_kv, g, blocks)
-        reason = _finish_reason(e, st) if tail else None
+        reason = finish_reason_after(st, st.output_token_ids[-1], e.tokenizer) if tail else None
         if reason is not None:
             e.abort(sid, reason)
         out[sid] = len(tail)
@@ -176,12 +169,49 @@ def place_promoted(e: LLMEngine, h: Held, told: dict[str, list[int]]) -> dict[st
     return out
 
 
+class PoolKeeper:
+    """Where a builtin standby keeps the copies: blocks reserved in its own KV pool (engine.receive)."""
+
+    def __init__(self, call: EngineCall):
+        self.call = call
+
+    async def take(self, h: Held, manifest: Manifest) -> dict:
+        def take(e: LLMEngine) -> dict:
+            res = receive_round(e, h, manifest, final=False)
+            gone = [sid for sid in h.blocks if sid not in res["sessions"]]
+            SessionPlacer(e).release(h.blocks, gone)  # finished on the source: its copy is not needed any more
+            for sid in gone:
+                h.upto.pop(sid, None)
+            return res
+
+        return await self.call(take)
+
+    async def promote(self, h: Held, told: dict[str, list[int]]) -> dict[str, int]:
+        return await self.call(lambda e: place_promoted(e, h, told))
+
+    async def drop(self, h: Held) -> None:
+        await self.call(lambda e: abort_incoming(e, h))
+
+
+class StandbyKeeper(Protocol):
+    """Where a standby keeps its copies between rounds, and how they become running sessions: a
+    builtin replica's KV pool (PoolKeeper), a vLLM replica's staged load files (migrate.vllm_ops)."""
+
+    async def take(self, h: Held, manifest: Manifest) -> dict: ...  # {"sessions", "imported_tokens"[, "not_held"]}
+
+    async def promote(self, h: Held, told: dict[str, list[int]]) -> dict[str, int]: ...  # tail tokens a session
+
+    async def drop(self, h: Held) -> None: ...
+
+
 class StandbyTable:
     """Every protection this replica is the standby of. Methods run on one asyncio loop."""
 
     def __init__(self, call: EngineCall, ask: AskSource, *, clock: Callable[[], float] = time.monotonic,
-                 frame_limit: int = 1 << 30, round_limit: int = 1 << 62, autopromote: bool = True):
+                 frame_limit: int = 1 << 30, round_limit: int = 1 << 62, autopromote: bool = True,
+                 keeper: StandbyKeeper | None = None):
         self.call, self.ask, self.clock = call, ask, clock
+        self.keeper: StandbyKeeper = keeper or PoolKeeper(call)
         self.frame_limit, self.round_limit, self.autopromote = frame_limit, round_limit, autopromote
         self.held: dict[str, Held] = {}
         self.ended: dict[str, str] = {}  # protection -> promoted | dropped (refuses later rounds)
@@ -220,22 +250,15 @@ class StandbyTable:
             except CorruptCheckpoint as e:  # 409: the source sends the whole of every session again
                 raise StateGap(f"protection {pid}: {e}") from None
 
-            def take(e: LLMEngine) -> dict:
-                res = receive_round(e, h, manifest, final=False)
-                gone = [sid for sid in h.blocks if sid not in res["sessions"]]
-                SessionPlacer(e).release(h.blocks, gone)  # finished on the source: its copy is not needed any more
-                for sid in gone:
-                    h.upto.pop(sid, None)
-                return res
-
-            res = await self.call(take)
+            res = await self.keeper.take(h, manifest)
             h.store.drop_imported(manifest, h.upto)
             if h.manifest is not None and h.manifest.checkpoint_id != manifest.checkpoint_id:
                 h.store.delete_checkpoint(h.manifest.checkpoint_id)  # keeps the chunks the new one lists
             h.manifest, h.source, h.lease_s, h.last = manifest, source, lease_s, self.clock()
             h.rounds += 1
         return {"protection": pid, "state": h.state, "sessions": res["sessions"],
-                "imported_tokens": res["imported_tokens"], "promote_after_s": promote_after(lease_s)}
+                "imported_tokens": res["imported_tokens"], "promote_after_s": promote_after(lease_s),
+                "not_held": res.get("not_held", {})}
 
     # ---- promotion --------------------------------------------------------------------------------------
     async def promote(self, pid: str, told: dict[str, list[int]] | None = None, wait: bool = True) -> dict:
@@ -269,7 +292,7 @@ class StandbyTable:
             if not h.lapsed(self.clock()) or h.manifest is None:  # a round came in meanwhile
                 raise NotLapsed(f"protection {pid}: the source renewed its lease")
             with span("failover-promote", protection=pid, sessions=len(h.manifest.sessions)):
-                h.promoted = await self.call(lambda e: place_promoted(e, h, told or {}))
+                h.promoted = await self.keeper.promote(h, told or {})
             h.state = "promoted"
             self.ended[pid] = "promoted"
             h.store = StandbyChunks()  # the staged chunks are not needed any more
@@ -296,7 +319,7 @@ class StandbyTable:
             h.state = "dropped"
             self.held.pop(pid, None)
             self.ended[pid] = "dropped"
-            await self.call(lambda e: abort_incoming(e, h))
+            await self.keeper.drop(h)
         return {"protection": pid, "state": "dropped"}
 
     # ---- the lease watcher -----------------------------------------------------------------------------

@@ -44,7 +44,7 @@ def not_movable(st: SessionState) -> str | None:
 
 class VllmOps:
     def __init__(self, aengine: AsyncEngine):
-        self.aengine = aengine
+        self.aengine, self.call = aengine, aengine.call
         self.engine: VllmEngine = aengine.engine  # type: ignore[assignment]
         self.cut_engine_s = 0.0
         self.note_migrated = aengine.note_migrated
@@ -128,7 +128,7 @@ class VllmOps:
             out.append((st, en.num_kv_tokens))
         return out
 
-    def _write(self, key: tuple[str, str], reader: CheckpointReader, sid: str, lo: int, hi: int) -> None:
+    def stage(self, key: tuple[str, str], reader: CheckpointReader, sid: str, lo: int, hi: int) -> None:
         name = f"s-{uuid.uuid4().hex}.safetensors"  # never a caller's id in a file name
         digest = write_kv(self.engine.exchange.dir / name, reader.read_tokens(sid, lo, hi), 0,
                           self.engine.cfg.num_kv_heads, lo, hi)
@@ -149,25 +149,33 @@ class VllmOps:
                 raise CorruptCheckpoint(f"session {sid}: this round's KV starts at token "
                                         f"{manifest.session(sid).kv_from}, this replica holds {have} of it")
             if n_kv > have:
-                await asyncio.to_thread(self._write, (t.transfer_id, sid), reader, sid, have, n_kv)
+                await asyncio.to_thread(self.stage, (t.transfer_id, sid), reader, sid, have, n_kv)
                 imported += n_kv - have
             t.upto[sid] = max(have, n_kv)
         if final:
             def place(e: VllmEngine) -> None:
                 for st, n_kv in states:
                     st.num_computed = n_kv
-                    e.adopt(st, self._load(t.transfer_id, st.session_id, n_kv))
+                    e.adopt(st, self.take_load(t.transfer_id, st.session_id, n_kv))
                     t.placed.append(st.session_id)
 
             await self.aengine.call(place)
         return {"sessions": sorted(st.session_id for st, _ in states), "imported_tokens": imported}
 
-    def _load(self, tid: str, sid: str, n_kv: int) -> dict | None:
+    def take_load(self, tid: str, sid: str, n_kv: int) -> dict | None:
+        """The load of session `sid`'s files staged under `tid` (its request takes them; they are not
+        this table's any more)."""
         files = self._files.pop((tid, sid), [])
         return {"tokens": n_kv, "files": files} if files and n_kv else None
 
+    def drop_files(self, tid: str, sid: str | None = None) -> None:
+        """Remove the files staged under `tid` (of session `sid` only, when given)."""
+        for key in [k for k in self._files if k[0] == tid and (sid is None or k[1] == sid)]:
+            for f in self._files.pop(key):
+                (self.engine.exchange.dir / f["name"]).unlink(missing_ok=True)
+
     async def commit(self, t: Incoming) -> list[str]:
-        self._drop(t.transfer_id)
+        self.drop_files(t.transfer_id)
         await self.resume(t.placed)
         return list(t.placed)
 
@@ -179,12 +187,8 @@ class VllmOps:
                 e.discard(sid)
 
         await self.aengine.call(drop)
-        self._drop(t.transfer_id)
+        self.drop_files(t.transfer_id)
 
-    def _drop(self, tid: str) -> None:
-        for key in [k for k in self._files if k[0] == tid]:
-            for f in self._files.pop(key):
-                (self.engine.exchange.dir / f["name"]).unlink(missing_ok=True)
 
     async def restore(self, reader: CheckpointReader, sessions: list[str] | None, exact: bool
                       ) -> tuple[list[str], dict | None]:
@@ -200,15 +204,15 @@ class VllmOps:
         try:
             for st, n_kv in states:
                 if n_kv:
-                    await asyncio.to_thread(self._write, (tid, st.session_id), reader, st.session_id, 0, n_kv)
+                    await asyncio.to_thread(self.stage, (tid, st.session_id), reader, st.session_id, 0, n_kv)
         except BaseException:
-            self._drop(tid)
+            self.drop_files(tid)
             raise
 
         def place(e: VllmEngine) -> list[str]:
             for st, n_kv in states:
                 st.num_computed = n_kv
-                e.adopt(st, self._load(tid, st.session_id, n_kv))
+                e.adopt(st, self.take_load(tid, st.session_id, n_kv))
             ids = [st.session_id for st, _ in states]
             e.resume(ids)
             return ids

@@ -360,12 +360,38 @@ def test_attach_to_a_vllm_the_user_started_and_move_sessions_both_ways(model_dir
         user_vllm.wait(30)
 
 
-def test_protection_of_a_vllm_replica_is_refused_not_accepted_and_broken(tight, tight_cached):
-    """Until protection rounds reach vLLM's cache, a vLLM replica refuses to be protected or to be a standby
-    (409 saying what to do instead), and reports no protection."""
-    r = httpx.post(f"{tight}/v1/protection", json={"standby": tight_cached}, timeout=30)
-    assert r.status_code == 409 and "cannot be protected" in r.json()["error"]["message"], r.text
-    r = httpx.post(f"{tight_cached}/v1/standby/p1/rounds", params={"source": tight, "lease_s": 1.0},
-                   content=b"", timeout=30)
-    assert r.status_code == 409 and "standby" in r.json()["error"]["message"], r.text
-    assert httpx.get(f"{tight}/v1/protection", timeout=30).status_code == 404
+def test_protection_leaves_a_seeded_session_unprotected_and_the_standby_frees_its_files(tight, tight_cached):
+    """A protected vLLM replica (its standby a vLLM replica too): a greedy session is held on the standby,
+    a seeded sampled one is named unprotected with why (a resubmitted vLLM request would change its
+    tokens) and goes on unchanged; stopping the protection drops the standby's staged files."""
+    staged = _staged_files()
+    r = httpx.post(f"{tight}/v1/protection", json={"standby": tight_cached, "every_tokens": 8}, timeout=30)
+    assert r.status_code == 200, r.text
+    pid = r.json()["protection"]
+    seeded = {"prompt": PROMPTS[1], "max_tokens": 600, "temperature": 0.8, "seed": 7, "ignore_eos": True}
+    greedy = Stream(tight, {"prompt": PROMPTS[0], "max_tokens": 900, "temperature": 0, "ignore_eos": True,
+                            "return_token_ids": True})
+    sampled = Stream(tight, {**seeded, "return_token_ids": True})
+    greedy.wait_for(100)
+    sampled.wait_for(100)
+    end = time.monotonic() + 60
+    while time.monotonic() < end:
+        v = httpx.get(f"{tight}/v1/protection", timeout=30).json()
+        if v["rounds"] >= 3 and sampled.sid in v["not_protected"] and greedy.sid in [x["id"] for x in v["sessions"]]:
+            break
+        time.sleep(0.02)
+    assert "seeded" in v["not_protected"][sampled.sid], v
+    held = httpx.get(f"{tight_cached}/v1/standby/{pid}", timeout=30).json()
+    assert greedy.sid in [x["id"] for x in held["sessions"]] and held["state"] == "standby", held
+    assert _staged_files() > staged  # the copies: load files staged in the standby's exchange
+    assert httpx.delete(f"{tight}/v1/protection", timeout=30).json()["standby"] == "dropped"
+    greedy.t.join(120)
+    sampled.t.join(120)
+    undisturbed = httpx.post(f"{tight}/v1/completions", json={**seeded, "return_token_ids": True}, timeout=300)
+    assert sampled.ids == undisturbed.json()["choices"][0]["token_ids"]
+    assert _staged_files() == staged
+
+
+def _staged_files() -> int:
+    """Load files staged in the exchanges of this machine's vLLM replicas (engine.vllm_exchange)."""
+    return sum(1 for d in Path("/dev/shm").glob("relayout-vllm-*") for _ in d.glob("s-*.safetensors"))

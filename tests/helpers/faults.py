@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -14,7 +13,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from relayout.engine.rank_channel import free_port
-from relayout.migrate.procs import process_tree, replica
+from relayout.migrate.procs import kill_tree as kill_tree  # the tests kill -9 with it
+from relayout.migrate.procs import replica
 
 from tests.helpers.proxy import Proxy
 
@@ -66,10 +66,3 @@ def fault_kit(tmp: Path, ttl: float) -> Iterator[dict]:
         shutil.rmtree(full, ignore_errors=True)
 
 
-def kill_tree(pid: int) -> None:
-    """kill -9 a process and every process under it (a replica and its rank processes), children first."""
-    for p in process_tree(pid)[::-1]:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass

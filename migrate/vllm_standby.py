@@ -1,0 +1,78 @@
+"""Protection's standby half on a vLLM replica (migrate.standby.StandbyKeeper): the copies of the
+source's sessions are staged load files in this replica's exchange directory, one per round and
+session (the KV the round brought), written as rounds arrive; vLLM's cache holds nothing of them
+until a promotion. Promotion resubmits each session's request with every file of it to load
+(engine.vllm_connector), as a restore does: vLLM recomputes only what no round brought (the tail
+told at promotion, and the last token).
+
+A seeded sampled session is not held (vLLM seeds one generator per request, so a resubmitted request
+would change its tokens): the round's answer names it under `not_held`, and the source says so."""
+
+from __future__ import annotations
+
+import asyncio
+
+from relayout.engine.engine import finish_reason_after
+from relayout.engine.placer import check_entry
+from relayout.engine.session import SessionState
+from relayout.engine.vllm_engine import VllmEngine
+from relayout.migrate.standby import Held, tail_of
+from relayout.migrate.vllm_ops import VllmOps, not_movable
+from relayout.storage.checkpoint import CheckpointReader
+from relayout.storage.errors import CorruptCheckpoint
+from relayout.storage.manifest import Manifest
+
+
+class StagedKeeper:
+    def __init__(self, ops: VllmOps):
+        self.ops = ops
+
+    async def take(self, h: Held, manifest: Manifest) -> dict:
+        ops, e = self.ops, self.ops.engine
+        ops.check(manifest)
+        reader = CheckpointReader(h.store, manifest=manifest)
+        held, not_held, imported = [], {}, 0
+        for en in manifest.sessions:
+            st = check_entry(e, en)  # type: ignore[arg-type]
+            sid = st.session_id
+            if (why := not_movable(st)) is not None:
+                not_held[sid] = why
+                continue
+            have = h.upto.get(sid, 0)
+            if en.kv_from > have:
+                raise CorruptCheckpoint(f"session {sid}: this round's KV starts at token {en.kv_from}, "
+                                        f"this standby holds {have} of it")
+            if en.num_kv_tokens > have:
+                await asyncio.to_thread(ops.stage, (h.pid, sid), reader, sid, have, en.num_kv_tokens)
+                imported += en.num_kv_tokens - have
+            h.upto[sid] = max(have, en.num_kv_tokens)
+            held.append(sid)
+        for sid in [sid for sid in h.upto if sid not in held]:  # finished on the source: its files go
+            ops.drop_files(h.pid, sid)
+            h.upto.pop(sid)
+        return {"sessions": sorted(held), "imported_tokens": imported, "not_held": not_held}
+
+    async def promote(self, h: Held, told: dict[str, list[int]]) -> dict[str, int]:
+        assert h.manifest is not None
+        entries = [en for en in h.manifest.sessions if en.session_id in h.upto]
+        states = {en.session_id: (SessionState.from_dict(en.state), en.num_kv_tokens) for en in entries}
+        tails = {sid: tail_of(st, told.get(sid)) for sid, (st, _) in states.items()}  # all checked first
+
+        def place(e: VllmEngine) -> dict[str, int]:
+            out = {}
+            for sid, (st, n_kv) in states.items():
+                tail = tails[sid] if st.sampling.logprobs is None else []  # logprobs: regenerate the tail instead
+                st.output_token_ids += tail
+                st.num_computed = n_kv  # vLLM recomputes the tail (and the last token) by prefill
+                e.adopt(st, self.ops.take_load(h.pid, sid, n_kv))
+                if tail and (reason := finish_reason_after(st, st.output_token_ids[-1], e.tokenizer)) is not None:
+                    e.abort(sid, reason)  # the tail told ends it: finished here with what the client has
+                out[sid] = len(tail)
+            e.resume(list(out))
+            return out
+
+        return await self.ops.aengine.call(place)
+
+    async def drop(self, h: Held) -> None:
+        self.ops.drop_files(h.pid)
+        h.upto.clear()
