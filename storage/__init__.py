@@ -2,29 +2,52 @@
 
 Engine-agnostic: nothing here imports engine/, agent/ or migrate/; torch is used only as
 a tensor type.
+
+The names below are loaded on first use (PEP 562 `__getattr__`), not when the package is: importing
+a light submodule such as `relayout.storage.settings` (the CLI does, for every command) must not
+pull torch, safetensors or boto3 in through this file.
 """
 
-from relayout.storage.checkpoint import CheckpointReader, CheckpointWriter
-from relayout.storage.chunks import chunk_hash, pack_kv, unpack_kv
-from relayout.storage.codecs import CODECS, decode, encode, measure_codecs
-from relayout.storage.errors import (
-    CheckpointNotFound,
-    ChunkMissing,
-    CorruptCheckpoint,
-    ModelMismatch,
-    StorageError,
-)
-from relayout.storage.manifest import ChunkRef, KVEntry, KVGeometry, Manifest, ModelRef, SessionEntry
-from relayout.storage.stores import LocalStore, MemoryStore, S3Store, Store, open_store
-from relayout.storage.stream import (
-    FrameDecoder,
-    StreamAborted,
-    StreamReceiver,
-    encode_abort_frame,
-    encode_chunk_frame,
-    encode_manifest_frame,
-    iter_checkpoint_frames,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from relayout.storage.checkpoint import CheckpointReader, CheckpointWriter
+    from relayout.storage.chunks import chunk_hash, pack_kv, unpack_kv
+    from relayout.storage.codecs import CODECS, decode, encode, measure_codecs
+    from relayout.storage.errors import (
+        CheckpointNotFound,
+        ChunkMissing,
+        CorruptCheckpoint,
+        ModelMismatch,
+        StorageError,
+    )
+    from relayout.storage.manifest import ChunkRef, KVEntry, KVGeometry, Manifest, ModelRef, SessionEntry
+    from relayout.storage.stores import LocalStore, MemoryStore, S3Store, Store, open_store
+    from relayout.storage.stream import (
+        FrameDecoder,
+        StreamAborted,
+        StreamReceiver,
+        encode_abort_frame,
+        encode_chunk_frame,
+        encode_manifest_frame,
+        iter_checkpoint_frames,
+    )
+
+# name -> the submodule that defines it
+_EXPORTS = {
+    **dict.fromkeys(("CheckpointReader", "CheckpointWriter"), "checkpoint"),
+    **dict.fromkeys(("chunk_hash", "pack_kv", "unpack_kv"), "chunks"),
+    **dict.fromkeys(("CODECS", "decode", "encode", "measure_codecs"), "codecs"),
+    **dict.fromkeys(("CheckpointNotFound", "ChunkMissing", "CorruptCheckpoint", "ModelMismatch", "StorageError"),
+                    "errors"),
+    **dict.fromkeys(("ChunkRef", "KVEntry", "KVGeometry", "Manifest", "ModelRef", "SessionEntry"), "manifest"),
+    **dict.fromkeys(("LocalStore", "MemoryStore", "S3Store", "Store", "open_store"), "stores"),
+    **dict.fromkeys(("FrameDecoder", "StreamAborted", "StreamReceiver", "encode_abort_frame", "encode_chunk_frame",
+                     "encode_manifest_frame", "iter_checkpoint_frames"), "stream"),
+}
 
 __all__ = [
     "CODECS", "CheckpointNotFound", "CheckpointReader", "CheckpointWriter", "ChunkMissing", "ChunkRef",
@@ -33,3 +56,16 @@ __all__ = [
     "StreamReceiver", "chunk_hash", "decode", "encode", "encode_abort_frame", "encode_chunk_frame",
     "encode_manifest_frame", "iter_checkpoint_frames", "measure_codecs", "open_store", "pack_kv", "unpack_kv",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
