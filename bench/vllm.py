@@ -230,5 +230,6 @@ def print_table(res: dict, console: Console) -> None:
     console.print(f"protection: the source decodes at {res.get('decode_ratio_with_protection')} of its unprotected "
                   f"rate ({res.get('step_ms_protected')} vs {res.get('step_ms_unprotected')} ms a step, "
                   f"{res.get('protection_rounds')} rounds); kill -9 to the standby's first token: "
-                  f"{res.get('failover_ms')} ms (lease {res.get('failover_lease_s')} s)")
+                  f"{res.get('failover_ms')} ms (lease {res.get('failover_lease_s')} s; "
+                  f"{'exact' if res.get('failover_exact') else 'NOT exact'})")
     console.print(f"vllm snapshot: {res['vllm_snapshot_why']}")

