@@ -11,10 +11,12 @@ module loads by name and never imports.
 from __future__ import annotations
 
 import json
-import shlex
 from pathlib import Path
 
 import typer
+from relayout.migrate.serve_cli import check_dtypes as _check_dtypes
+from relayout.migrate.serve_cli import fail as _fail
+from relayout.migrate.serve_cli import serve_command
 from relayout.storage.settings import settings
 from rich.console import Console
 from rich.markup import escape
@@ -27,9 +29,6 @@ app.add_typer(model_app, name="model")
 err = Console(stderr=True)
 
 
-def _fail(msg: str, code: int = 2) -> None:
-    err.print(f"[red]error:[/red] {escape(msg)}")
-    raise typer.Exit(code)
 
 
 @app.callback()
@@ -44,81 +43,8 @@ def _check_environment() -> None:
 
 
 # ---- serving ---------------------------------------------------------------------------------------
-def _int_list(value: str, what: str) -> list[int]:
-    try:
-        out = [int(x) for x in value.split(",") if x.strip()]
-    except ValueError:
-        _fail(f"{what} must be comma-separated integers, got {value!r}")
-    return out
-
-
-def _check_dtypes(dtype: str | None, kv_dtype: str | None) -> None:
-    from relayout.engine.config import check_dtype, parse_kv_dtype
-
-    for flag, check, value in (("--dtype", check_dtype, dtype), ("--kv-dtype", parse_kv_dtype, kv_dtype)):
-        try:
-            check(value)
-        except ValueError as e:
-            _fail(f"{flag}: {e}")
-
-
-@app.command()
-def serve(
-    model: str = typer.Option("builtin:tiny", "--model", "-m", help="builtin:NAME or a Hugging Face model directory"),
-    layout: str = typer.Option(None, "--layout", "-l", help="e.g. attn_dp=2,attn_tp=1,moe_ep=2,moe_tp=1 (or JSON)"),
-    host: str = typer.Option("127.0.0.1", "--host"),
-    port: int = typer.Option(8000, "--port", help="0 picks a free port (the printed URL shows it)"),
-    kv_cache_mb: int = typer.Option(None, "--kv-cache-mb", help="KV cache size per attention-DP group"),
-    device: str = typer.Option(None, "--device", help="cuda, cuda:1, cpu (default: cuda when present)"),
-    dtype: str = typer.Option(None, "--dtype", help="weights and activations: float32, bfloat16, float16 "
-                                                   "(default: bfloat16 on CUDA, float32 on the CPU)"),
-    kv_dtype: str = typer.Option("auto", "--kv-dtype", help="KV cache: auto (the model dtype) or fp8_e4m3"),
-    local_ranks: str = typer.Option(None, "--local-ranks",
-                                    help="ranks to run on this host, e.g. 0,1 (default: all); the others join "
-                                         "from other hosts with `relayout rank`"),
-    rank_endpoint: str = typer.Option(None, "--rank-endpoint",
-                                      help="HOST:PORT where ranks join this driver (remote ranks' "
-                                           "MASTER_ADDR:MASTER_PORT); default 127.0.0.1 and a free port"),
-    standby: str = typer.Option(None, "--standby", help="replicate this replica's sessions continuously to the "
-                                                       "standby replica at URL (promoted there if this one dies)"),
-    api_key: list[str] = typer.Option([], "--api-key", help="a client API key (repeatable; default "
-                                                          "RELAYOUT_API_KEYS, comma-separated; none: open)"),
-    engine: str = typer.Option("builtin", "--engine", help="builtin (relayout's reference engine) or vllm (the "
-                                                          "installed stock vLLM server; --model is an HF directory)"),
-    vllm_args: str = typer.Option("", "--vllm-args", help='more arguments for vLLM\'s server, as one string, '
-                                                         'e.g. "--max-model-len 4096"'),
-    attach: str = typer.Option(None, "--attach", help="with --engine vllm: serve in front of the vLLM server at "
-                                                     "URL you started (never started or stopped here)"),
-    exchange: str = typer.Option(None, "--exchange", help="with --attach: the exchange directory of its relayout "
-                                                         "connector (`relayout vllm-config --exchange DIR`)"),
-) -> None:
-    """Serve one model replica with an OpenAI-compatible API; prints its URL once listening."""
-    from relayout.engine.config import ModelConfigError
-    from relayout.engine.layout import LayoutError
-    from relayout.engine.vllm_exchange import ExchangeError
-    from relayout.engine.vllm_server import VllmUnavailable
-    from relayout.engine.weights import ModelNotFoundError
-    from relayout.engine.workers import RankFailure
-    from relayout.migrate.serve import rank_placement
-    from relayout.migrate.serve import serve as _serve
-
-    if engine not in ("builtin", "vllm"):
-        _fail(f"--engine must be builtin or vllm, not {engine!r}")
-    if kv_cache_mb is not None and kv_cache_mb < 1:
-        _fail("--kv-cache-mb must be at least 1")
-    _check_dtypes(dtype, kv_dtype)
-    ranks = None if local_ranks is None else _int_list(local_ranks, "--local-ranks")
-    try:
-        placement = rank_placement(ranks, rank_endpoint)
-    except ValueError as e:
-        _fail(f"--rank-endpoint: {e}")
-    try:
-        _serve(model, layout, host, port, kv_cache_mb=kv_cache_mb, device=device, placement=placement, dtype=dtype,
-               kv_dtype=kv_dtype, standby=standby, api_keys=api_key or None, engine_kind=engine,
-               vllm_args=shlex.split(vllm_args), attach=attach, exchange=exchange)
-    except (LayoutError, ModelNotFoundError, ModelConfigError, RankFailure, ValueError, VllmUnavailable,
-            ExchangeError) as e:
-        _fail(str(e))
+# the replica's flags live with the replica (one definition for `relayout serve` and `python -m relayout.migrate.serve`)
+app.command(name="serve")(serve_command)
 
 
 @app.command()

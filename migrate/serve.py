@@ -8,8 +8,6 @@ Once listening it prints `relayout serving MODEL on http://HOST:PORT`."""
 
 from __future__ import annotations
 
-import argparse
-import shlex
 import signal
 import sys
 import threading
@@ -112,56 +110,9 @@ def serve(model: str = "builtin:tiny", layout: str | None = None, host: str = "1
 
 
 def main(argv: list[str] | None = None) -> None:
-    from relayout.engine.config import ModelConfigError
-    from relayout.engine.layout import LayoutError
-    from relayout.engine.vllm_exchange import ExchangeError
-    from relayout.engine.vllm_server import VllmUnavailable
-    from relayout.engine.weights import ModelNotFoundError
-    from relayout.engine.workers import RankFailure
-    from relayout.storage.settings import SettingsError, check_settings
+    from relayout.migrate.serve_cli import main as cli_main  # the flags of `relayout serve`, defined once
 
-    try:
-        check_settings()  # every RELAYOUT_* variable, before anything starts
-    except SettingsError as e:
-        raise SystemExit(f"error: {e}") from None
-    ap = argparse.ArgumentParser(prog="python -m relayout.migrate.serve", description=__doc__.splitlines()[0])
-    ap.add_argument("--engine", choices=["builtin", "vllm"], default="builtin",
-                    help="builtin (relayout's reference engine) or vllm (the installed stock vLLM server)")
-    ap.add_argument("--vllm-args", default="", help='more arguments for vLLM\'s server, as one string ("--max-model-len 2048")')
-    ap.add_argument("--attach", default=None, help="serve in front of the vLLM server at URL the user started "
-                    "(with --engine vllm): it is never started or stopped here")
-    ap.add_argument("--exchange", default=None, help="with --attach: the exchange directory its relayout connector "
-                    "uses (`relayout vllm-config --exchange DIR`)")
-    ap.add_argument("--model", "-m", default="builtin:tiny")
-    ap.add_argument("--layout", "-l", default=None)
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--kv-cache-mb", type=int, default=None)
-    ap.add_argument("--device", default=None)
-    ap.add_argument("--dtype", default=None, help="weights and activations: float32, bfloat16, float16 "
-                    "(default bfloat16 on CUDA, float32 on the CPU)")
-    ap.add_argument("--kv-dtype", default="auto", help="KV cache: auto (the model dtype) or fp8_e4m3")
-    ap.add_argument("--local-ranks", default=None, help="ranks to run on this host, e.g. 0,1 (default: all)")
-    ap.add_argument("--rank-endpoint", default=None, help="HOST:PORT where ranks join this driver")
-    ap.add_argument("--standby", default=None, help="protect this replica's sessions to the standby replica at URL")
-    ap.add_argument("--api-key", action="append", default=[],
-                    help="a client API key (repeatable; default RELAYOUT_API_KEYS, comma-separated; none: open)")
-    a = ap.parse_args(argv)
-    if a.kv_cache_mb is not None and a.kv_cache_mb < 1:
-        ap.error("--kv-cache-mb must be at least 1")
-    try:
-        ranks = None if a.local_ranks is None else [int(x) for x in a.local_ranks.split(",") if x.strip()]
-        placement = rank_placement(ranks, a.rank_endpoint)
-    except ValueError as e:
-        ap.error(f"--local-ranks/--rank-endpoint: {e}")
-    try:
-        serve(a.model, a.layout, a.host, a.port, kv_cache_mb=a.kv_cache_mb, device=a.device, placement=placement,
-              dtype=a.dtype, kv_dtype=a.kv_dtype, standby=a.standby, api_keys=a.api_key or None,
-              engine_kind=a.engine, vllm_args=shlex.split(a.vllm_args), attach=a.attach, exchange=a.exchange)
-    except (LayoutError, ModelNotFoundError, ModelConfigError, RankFailure, ValueError, VllmUnavailable,
-            ExchangeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    cli_main(argv)
 
 
 if __name__ == "__main__":
