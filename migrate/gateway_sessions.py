@@ -206,7 +206,11 @@ class SessionStream:
         deadline = time.monotonic() + reattach_wait_s()
         delay = 0.1
         while True:
-            found = await self.ups.locate(self.client, self.sid, self.auth, fresh=True)
+            try:
+                found = await self.ups.locate(self.client, self.sid, self.auth, fresh=True)
+            except Exception:  # noqa: BLE001 - a lookup that failed in an unforeseen way: look again
+                log.exception("session %s: looking for it failed", self.sid)
+                found = None
             if found is not None:
                 url, info = found
                 if info.get("state") == "migrated" and info.get("migrated_to"):  # e.g. a target not listed
