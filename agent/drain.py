@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 from fastapi import APIRouter
@@ -13,6 +13,10 @@ from relayout.agent.node import Agent
 from relayout.agent.schema import OP_TIMEOUT, DrainBody, validate_layout
 from relayout.engine import tracing, web
 from relayout.engine.web import HTTPError, tls_context
+
+if TYPE_CHECKING:
+    from relayout.migrate.live import MigrationResult
+    from relayout.migrate.relocate import Relocation
 
 DRAIN_PASSES = 8  # re-list and retry: sessions that finish or arrive while a replica is moved
 
@@ -43,63 +47,144 @@ async def check_drain_targets(ag: Agent, target: str, into: dict[str, str],
     return dict(into)
 
 
+def new_entry(rid: str) -> dict[str, Any]:
+    """One replica's part of a drain's result (shown while it runs)."""
+    return {"replica": rid, "state": "pending", "target_replica": None, "target_url": None, "sessions_moved": [],
+            "sessions_finished_here": [], "sessions_not_moved": [], "error": None, "bytes_done": 0,
+            "launch_s": None, "move_s": None, "sessions_at_start": None, "transfers": []}
+
+
 async def drain_node(ag: Agent, op: dict, target: str, layouts: dict[str, str | None] | None = None,
                      into: dict[str, str] | None = None) -> dict:
     """Move every session of every replica on this node to new replicas of the same model on
     `target`, each with its own layout unless `layouts` plans another for it, or into the running
     replica `into` names for it. Progress per replica is in op["result"] while it runs; a session
     that cannot be moved is listed in `sessions_not_moved` (the op then fails), never dropped silently."""
-    from relayout.migrate.live import MigrationPlan, MigrationResult, migrate_live, new_transfer_id
-    from relayout.migrate.relocate import relocate
+    return await NodeDrain(ag, op, target, layouts or {}, into or {}).run()
 
-    res: dict[str, Any] = {"target_agent": target, "replicas": [], "sessions_moved": 0, "sessions_not_moved": []}
-    op["result"] = res
-    rids = [rid for rid in list(ag.reg.replicas) if ag.refresh(rid).get("status") == "running"]
-    entries = {rid: {"replica": rid, "state": "pending", "target_replica": None, "target_url": None,
-                     "sessions_moved": [], "sessions_finished_here": [], "sessions_not_moved": [], "error": None,
-                     "bytes_done": 0, "launch_s": None, "move_s": None, "sessions_at_start": None,
-                     "transfers": []}
-               for rid in rids}
-    live_at_start: dict[str, set[str]] = {rid: set() for rid in rids}
-    res["replicas"] = list(entries.values())
-    for rid, r in ag.reg.replicas.items():
-        if rid not in entries and r.get("status") in ("dead", "starting"):
-            res["replicas"].append({"replica": rid, "state": "skipped", "error": f"replica is {r.get('status')}"})
 
-    async def sessions_of(url: str) -> list[str]:
-        async with ag.client(30.0) as c:
-            resp = await c.get(f"{url}/v1/replica", headers=ag.headers())
+class NodeDrain:
+    """One drain of this node, stage by stage: list what is live, then per replica (all at once) launch
+    its target, move its sessions (migrate.relocate's passes), and account for every session."""
+
+    def __init__(self, ag: Agent, op: dict, target: str, layouts: dict[str, str | None], into: dict[str, str]):
+        self.ag, self.op, self.target, self.layouts, self.into = ag, op, target, layouts, into
+        self.res: dict[str, Any] = {"target_agent": target, "replicas": [], "sessions_moved": 0,
+                                    "sessions_not_moved": []}
+        op["result"] = self.res
+        self.rids = [rid for rid in list(ag.reg.replicas) if ag.refresh(rid).get("status") == "running"]
+        self.entries = {rid: new_entry(rid) for rid in self.rids}
+        # what was live when the drain began: every one of these ends up named in the result
+        self.live_at_start: dict[str, set[str]] = {rid: set() for rid in self.rids}
+        self.res["replicas"] = list(self.entries.values())
+        for rid, r in ag.reg.replicas.items():
+            if rid not in self.entries and r.get("status") in ("dead", "starting"):
+                self.res["replicas"].append({"replica": rid, "state": "skipped", "error": f"replica is {r.get('status')}"})
+
+    async def run(self) -> dict:
+        ag, entries, res = self.ag, self.entries, self.res
+        try:
+            for rid in self.rids:
+                try:
+                    self.live_at_start[rid] = set(await self.sessions_of(ag.reg.replicas[rid]["url"]))
+                    entries[rid]["sessions_at_start"] = len(self.live_at_start[rid])  # what progress counts against
+                except (httpx.HTTPError, HTTPError, ValueError):
+                    pass  # move() lists again; an unreachable replica fails there with the reason
+            self.op["phase"] = "launching target replicas"
+            await asyncio.gather(*(self.drain_replica(rid) for rid in self.rids))
+            # replicas that failed before moving anything: their live sessions are reported too
+            for rid in self.rids:
+                e = entries[rid]
+                if e["state"] == "failed" and not e["sessions_not_moved"]:
+                    try:
+                        left = await self.sessions_of(ag.reg.replicas[rid]["url"])
+                    except (httpx.HTTPError, HTTPError, ValueError):
+                        left = []
+                    e["sessions_not_moved"] = [{"id": s, "error": e["error"]} for s in left]
+        finally:
+            res["sessions_moved"] = sum(len(e["sessions_moved"]) for e in entries.values())
+            res["sessions_not_moved"] = [s for e in entries.values() for s in e["sessions_not_moved"]]
+            res["sessions"] = [s for e in entries.values() for s in e["sessions_moved"]]
+            ag.reg.save()
+        bad = [e for e in entries.values() if e["state"] == "failed"]
+        if bad:
+            raise HTTPError(502, f"drain incomplete: {len(res['sessions_not_moved'])} session(s) not moved, "
+                                  f"replica(s) {', '.join(e['replica'] for e in bad)} failed; see result")
+        self.op["phase"] = "drained"
+        return res
+
+    # ---- asking the replicas ----------------------------------------------------------------------
+    async def sessions_of(self, url: str) -> list[str]:
+        async with self.ag.client(30.0) as c:
+            resp = await c.get(f"{url}/v1/replica", headers=self.ag.headers())
         if resp.status_code != 200:  # an error's body lists no sessions: that is not "none left"
             raise HTTPError(502, f"replica {url} answered {resp.status_code}: {web.error_message(resp)[:300]}")
         return [s["id"] for s in resp.json()["sessions"]]
 
-    async def session_state(url: str, sid: str) -> str:
+    async def session_state(self, url: str, sid: str) -> str:
         try:
-            async with ag.client(10.0) as c:
-                return (await c.get(f"{url}/v1/sessions/{sid}", headers=ag.headers())).json().get("state", "unknown")
+            async with self.ag.client(10.0) as c:
+                return (await c.get(f"{url}/v1/sessions/{sid}", headers=self.ag.headers())).json().get("state", "unknown")
         except (httpx.HTTPError, ValueError):
             return "unknown"
 
-    async def wait_not_busy(rid: str) -> None:
+    async def wait_not_busy(self, rid: str) -> None:
         end = time.monotonic() + 300
-        while rid in ag.busy and time.monotonic() < end:
+        while rid in self.ag.busy and time.monotonic() < end:
             await asyncio.sleep(0.2)
-        if rid in ag.busy:
-            raise HTTPError(409, f"replica {rid} stayed busy with operation {ag.busy[rid]}")
+        if rid in self.ag.busy:
+            raise HTTPError(409, f"replica {rid} stayed busy with operation {self.ag.busy[rid]}")
 
-    async def launch_target(rid: str) -> None:
-        e, r = entries[rid], ag.reg.replicas[rid]
-        if rid in (into or {}):  # started ahead on the target: checked by check_drain_targets
+    # ---- one replica ------------------------------------------------------------------------------
+    async def drain_replica(self, rid: str) -> None:
+        # each replica moves as soon as its own target is up: sessions keep decoding on the source
+        # meanwhile, and a later replica's sessions do not wait behind an earlier one's move
+        with tracing.span("drain-replica", replica=rid) as sp:  # its launch and migrations below it
+            await self.drain_one(rid)
+            e = self.entries[rid]
+            sp.set_attributes(tracing.attributes({"state": e["state"], "bytes": e.get("bytes_done"),
+                                                  "sessions_moved": len(e.get("sessions_moved", []))}))
+
+    async def drain_one(self, rid: str) -> None:
+        e = self.entries[rid]
+        t0 = time.monotonic()
+        try:
+            with tracing.span("launching", replica=rid):
+                await self.launch_target(rid)
+            e["launch_s"] = round(time.monotonic() - t0, 2)
+            await self.wait_not_busy(rid)
+        except HTTPError as err:
+            e.update(state="failed", error=err.message)
+            return
+        except (httpx.HTTPError, ValueError, KeyError) as err:
+            e.update(state="failed", error=f"{type(err).__name__}: {err}")
+            return
+        self.ag.busy[rid] = self.op["id"]
+        t0 = time.monotonic()
+        try:
+            await self.move(rid)
+        except HTTPError as err:
+            e.update(state="failed", error=err.message)
+        except (httpx.HTTPError, ValueError, KeyError) as err:
+            e.update(state="failed", error=f"{type(err).__name__}: {err}")
+        finally:
+            self.ag.busy.pop(rid, None)
+            e["move_s"] = round(time.monotonic() - t0, 2)
+
+    async def launch_target(self, rid: str) -> None:
+        ag, target = self.ag, self.target
+        e, r = self.entries[rid], ag.reg.replicas[rid]
+        if rid in self.into:  # started ahead on the target: checked by check_drain_targets
             async with ag.client(30.0) as c:
-                resp = await c.get(f"{target}/v1/replicas/{into[rid]}", headers=ag.headers())
+                resp = await c.get(f"{target}/v1/replicas/{self.into[rid]}", headers=ag.headers())
             if resp.status_code != 200 or resp.json().get("status") != "running":
-                raise HTTPError(502, f"target replica {into[rid]} is gone ({resp.status_code})")
-            e.update(target_replica=into[rid], target_url=resp.json()["url"], state="launched")
+                raise HTTPError(502, f"target replica {self.into[rid]} is gone ({resp.status_code})")
+            e.update(target_replica=self.into[rid], target_url=resp.json()["url"], state="launched")
             return
         e["state"] = "launching"
         async with ag.client(OP_TIMEOUT) as c:
             resp = await c.post(f"{target}/v1/replicas", headers=ag.headers(),
-                                json={"model": r["model"], "layout": (layouts or {}).get(rid, r.get("layout")),
+                                json={"model": r["model"], "layout": self.layouts.get(rid, r.get("layout")),
                                       "engine": r.get("engine", "builtin"),  # same engine, same vLLM flags
                                       **({"vllm_args": r["vllm_args"]} if r.get("vllm_args") else {})})
         if resp.status_code >= 400:
@@ -107,50 +192,61 @@ async def drain_node(ag: Agent, op: dict, target: str, layouts: dict[str, str | 
         tr = resp.json()
         e.update(target_replica=tr["id"], target_url=tr["url"], state="launched")
 
-    async def move(rid: str) -> None:
-        e, src = entries[rid], ag.reg.replicas[rid]["url"]
+    async def move(self, rid: str) -> None:
+        from relayout.migrate.relocate import relocate
+
+        e, src = self.entries[rid], self.ag.reg.replicas[rid]["url"]
         e["state"] = "migrating"
-        op["phase"] = f"migrating {rid}"
-        seen = live_at_start[rid]  # so a session that finishes here before its turn is still accounted for
+        self.op["phase"] = f"migrating {rid}"
+        seen = self.live_at_start[rid]  # so a session that finishes here before its turn is still accounted for
         loop = asyncio.get_running_loop()
 
         def live() -> list[str]:  # in relocate's thread: the listing runs on the agent's loop
-            ids = asyncio.run_coroutine_threadsafe(sessions_of(src), loop).result()
+            ids = asyncio.run_coroutine_threadsafe(self.sessions_of(src), loop).result()
             seen.update(ids)
             return ids
 
-        def one(group: list[str]) -> MigrationResult:
-            base = e["bytes_done"]
-
-            def progress(phase=None, nbytes=None, *_, **__):
-                if phase is not None:
-                    op["phase"] = f"{rid}: {phase}"
-                if nbytes is not None:
-                    e["bytes_done"] = base + nbytes
-                    op["bytes_done"] = sum(x["bytes_done"] for x in entries.values())
-
-            tid = new_transfer_id()
-            e["transfers"].append(tid)  # each migration's id, as both replicas know it
-            mr = migrate_live(src, e["target_url"], group, token=ag.token, plan=MigrationPlan(transfer_id=tid),
-                              progress=progress)
-            ag.m.observe_migration(mr)
-            e["bytes_done"] = base + mr.bytes_total
-            op["bytes_done"] = sum(x["bytes_done"] for x in entries.values())
-            op["stall_ms"] = max(op.get("stall_ms") or 0.0, mr.stall_ms)
-            e["sessions_moved"] += [s for s in mr.sessions if s not in e["sessions_moved"]]
-            return mr
-
         # passes re-list: sessions that finish or arrive while the replica is moved (migrate.relocate)
-        rel = await asyncio.to_thread(relocate, live, one, passes=DRAIN_PASSES)
+        rel = await asyncio.to_thread(relocate, live, lambda group: self.migrate_group(rid, src, group),
+                                      passes=DRAIN_PASSES)
         e["sessions_moved"] += [s for s in rel.moved if s not in e["sessions_moved"]]  # a failed move's committed ones
         e["sessions_finished_here"] += [s for s in rel.finished_here if s not in e["sessions_finished_here"]]
         if rel.source_error:
             raise HTTPError(502, rel.source_error)
-        left = rel.left
+        await self.account(rid, src, seen, rel)
+
+    def migrate_group(self, rid: str, src: str, group: list[str]) -> MigrationResult:
+        """One live migration of `group` (in relocate's thread), its progress into the entry and the op."""
+        from relayout.migrate.live import MigrationPlan, migrate_live, new_transfer_id
+
+        e, op = self.entries[rid], self.op
+        base = e["bytes_done"]
+
+        def progress(phase=None, nbytes=None, *_, **__):
+            if phase is not None:
+                op["phase"] = f"{rid}: {phase}"
+            if nbytes is not None:
+                e["bytes_done"] = base + nbytes
+                op["bytes_done"] = sum(x["bytes_done"] for x in self.entries.values())
+
+        tid = new_transfer_id()
+        e["transfers"].append(tid)  # each migration's id, as both replicas know it
+        mr = migrate_live(src, e["target_url"], group, token=self.ag.token, plan=MigrationPlan(transfer_id=tid),
+                          progress=progress)
+        self.ag.m.observe_migration(mr)
+        e["bytes_done"] = base + mr.bytes_total
+        op["bytes_done"] = sum(x["bytes_done"] for x in self.entries.values())
+        op["stall_ms"] = max(op.get("stall_ms") or 0.0, mr.stall_ms)
+        e["sessions_moved"] += [s for s in mr.sessions if s not in e["sessions_moved"]]
+        return mr
+
+    async def account(self, rid: str, src: str, seen: set[str], rel: Relocation) -> None:
+        """Name every session seen on the replica: moved, finished here, or not moved with why."""
+        e, left = self.entries[rid], rel.left
         # the source's own word settles any session the migration results did not name (e.g. a
         # move whose answer was lost after its commit): released to the target, or finished here
         for sid in sorted(seen - set(left) - set(e["sessions_moved"]) - set(e["sessions_finished_here"])):
-            state = await session_state(src, sid)
+            state = await self.session_state(src, sid)
             if state == "migrated":
                 e["sessions_moved"].append(sid)
             elif state == "finished":
@@ -161,71 +257,6 @@ async def drain_node(ag: Agent, op: dict, target: str, layouts: dict[str, str | 
             why = rel.not_moved.get(sid) or rel.last_error.get(sid) or f"still on the source after {DRAIN_PASSES} passes"
             e["sessions_not_moved"].append({"id": sid, "error": why})
         e["state"] = "failed" if left or e["sessions_not_moved"] else "drained"
-
-    async def drain_replica(rid: str) -> None:
-        # each replica moves as soon as its own target is up: sessions keep decoding on the source
-        # meanwhile, and a later replica's sessions do not wait behind an earlier one's move
-        with tracing.span("drain-replica", replica=rid) as sp:  # its launch and migrations below it
-            await drain_one(rid)
-            e = entries[rid]
-            sp.set_attributes(tracing.attributes({"state": e["state"], "bytes": e.get("bytes_done"),
-                                                  "sessions_moved": len(e.get("sessions_moved", []))}))
-
-    async def drain_one(rid: str) -> None:
-        e = entries[rid]
-        t0 = time.monotonic()
-        try:
-            with tracing.span("launching", replica=rid):
-                await launch_target(rid)
-            e["launch_s"] = round(time.monotonic() - t0, 2)
-            await wait_not_busy(rid)
-        except HTTPError as err:
-            e.update(state="failed", error=err.message)
-            return
-        except (httpx.HTTPError, ValueError, KeyError) as err:
-            e.update(state="failed", error=f"{type(err).__name__}: {err}")
-            return
-        ag.busy[rid] = op["id"]
-        t0 = time.monotonic()
-        try:
-            await move(rid)
-        except HTTPError as err:
-            e.update(state="failed", error=err.message)
-        except (httpx.HTTPError, ValueError, KeyError) as err:
-            e.update(state="failed", error=f"{type(err).__name__}: {err}")
-        finally:
-            ag.busy.pop(rid, None)
-            e["move_s"] = round(time.monotonic() - t0, 2)
-
-    try:
-        for rid in rids:  # what was live when the drain began: every one of these ends up named in the result
-            try:
-                live_at_start[rid] = set(await sessions_of(ag.reg.replicas[rid]["url"]))
-                entries[rid]["sessions_at_start"] = len(live_at_start[rid])  # what progress counts against
-            except (httpx.HTTPError, HTTPError, ValueError):
-                pass  # move() lists again; an unreachable replica fails there with the reason
-        op["phase"] = "launching target replicas"
-        await asyncio.gather(*(drain_replica(rid) for rid in rids))
-        # replicas that failed before moving anything: their live sessions are reported too
-        for rid in rids:
-            e = entries[rid]
-            if e["state"] == "failed" and not e["sessions_not_moved"]:
-                try:
-                    left = await sessions_of(ag.reg.replicas[rid]["url"])
-                except (httpx.HTTPError, HTTPError, ValueError):
-                    left = []
-                e["sessions_not_moved"] = [{"id": s, "error": e["error"]} for s in left]
-    finally:
-        res["sessions_moved"] = sum(len(e["sessions_moved"]) for e in entries.values())
-        res["sessions_not_moved"] = [s for e in entries.values() for s in e["sessions_not_moved"]]
-        res["sessions"] = [s for e in entries.values() for s in e["sessions_moved"]]
-        ag.reg.save()
-    bad = [e for e in entries.values() if e["state"] == "failed"]
-    if bad:
-        raise HTTPError(502, f"drain incomplete: {len(res['sessions_not_moved'])} session(s) not moved, "
-                              f"replica(s) {', '.join(e['replica'] for e in bad)} failed; see result")
-    op["phase"] = "drained"
-    return res
 
 
 def drain_router(ag: Agent) -> APIRouter:

@@ -181,10 +181,98 @@ async def restore_sessions(ops: EngineOps, body: RestoreBody) -> dict:
     return {"sessions": ids, "converted": conv, "recomputed": await ops.load_outcomes(ids)}
 
 
+async def checkpoint_sessions(ops: EngineOps, aengine: AsyncEngine, table: TransferTable, body: CheckpointBody
+                              ) -> dict:
+    """POST /v1/sessions/checkpoint: the sessions written to a store (with `stop`: released here once committed)."""
+    engine_name = aengine.engine.engine_name
+    check_ids(body.sessions)
+    cid = check_id(body.checkpoint_id or new_checkpoint_id(), "checkpoint id")
+    busy = table.migrating_out()
+    if body.stop and busy:
+        raise HTTPError(409, f"a migration (transfer {busy}) is in flight on this replica")
+    dest = body.destination or allowed_roots()[0].joinpath("checkpoints").as_uri()
+    store = _open_store(dest)
+
+    try:
+        cut = await ops.take_checkpoint(body.sessions, body.stop)
+    except KeyError as e:
+        raise HTTPError(404, str(e.args[0])) from None
+    ids = [s.session_id for s in cut.snaps]
+
+    def write():
+        with CheckpointWriter(store, cid, codec=body.codec) as w:
+            write_snapshot(cut.snaps, w)
+            w.commit(cut.model, cut.layout, cut.geometry, {"stop": body.stop, "engine": engine_name})
+            return w.bytes_written
+
+    try:
+        nbytes = await asyncio.to_thread(write)
+    except BaseException as e:
+        if body.stop:
+            try:  # nothing committed: the source keeps serving
+                await aengine.call(lambda e: e.resume(ids))
+            except Exception:  # noqa: BLE001 - a dead engine has nothing left to resume
+                pass
+        if isinstance(e, (StorageError, HTTPError)) or not isinstance(e, Exception):
+            raise
+        # the store failed (disk full, S3 gone): a clear error, never a stack trace
+        raise HTTPError(502, f"checkpoint {cid} was not written to {dest}: {type(e).__name__}: {e}; "
+                             f"nothing was committed" + ("; the sessions continue here" if body.stop else "")
+                        ) from None
+    uri = f"{dest.rstrip('/')}/{cid}"
+    if body.stop:  # their streams end with finish_reason "checkpointed"; GET /v1/sessions/{id} names the URI
+        aengine.note_checkpointed(ids, uri)
+        await aengine.call(lambda e: e.release(ids, SessionStatus.CHECKPOINTED))
+    return {"checkpoint": uri, "checkpoint_id": cid, "sessions": ids, "bytes": nbytes,
+            "not_moved": cut.not_moved}
+
+
+async def export_sessions(table: TransferTable, transports: dict[str, Transport], transport: Transport,
+                          body: ExportBody) -> StreamingResponse:
+    """POST /v1/sessions/export: a round's frames, streamed to the caller or pushed to `body.target`
+    (over `body.transport`, else `transport`) with its progress streamed back."""
+    check_id(body.transfer, "transfer id")
+    check_ids(body.sessions)
+    for url in (body.target, body.source):
+        if url is not None and not URL_RE.fullmatch(url):
+            raise HTTPError(400, "target and source must be replica http(s) URLs")
+    chosen = transports[body.transport] if body.transport else transport
+    if isinstance(chosen, MooncakeTransport) and body.target is not None and (why := mooncake_unavailable()):
+        raise HTTPError(400, f"transport mooncake is not available on this replica: {why}")
+    options = FrameOptions()  # the transport chooses them before the first frame is made
+    frames = await table.export(body.transfer, body.sessions, body.pause, body.codec, body.max_tokens, body.have,
+                                confirm_on_delivery=body.target is not None, options=options)
+    if body.target is None:
+        return StreamingResponse(frames, media_type="application/x-relayout-frames")
+    # push: only this transfer's frames, only to the import route of a URL an authenticated caller gave
+    counter = [0]
+    send = chosen.push(body.target, body.transfer, pump(frames, None if body.pause else precopy_mbps(),
+                                                           counter=counter, background=not body.pause,
+                                                           options=options, inline=table.in_place(body.transfer)),
+                          final=body.pause, source=body.source, timeout_s=body.timeout_s)
+    return StreamingResponse(progress_stream(table.push(body.transfer, send), counter,
+                                             min(1.0, body.timeout_s / 4), table.not_moved(body.transfer)),
+                             media_type="application/json")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """The protocol's refusals as HTTP answers: a transfer's (409 unless mapped), a restore's, a store's."""
+    @app.exception_handler(TransferError)
+    async def _transfer_error(_: Request, e: TransferError):
+        return error_response(STATUS.get(type(e), 409), str(e))
+
+    @app.exception_handler(RestoreError)
+    async def _restore_error(_: Request, e: RestoreError):
+        return error_response(409, str(e), "conflict")
+
+    @app.exception_handler(StorageError)
+    async def _storage_error(_: Request, e: StorageError):
+        return error_response(400, f"{type(e).__name__}: {e}", "checkpoint_error")
+
+
 def install_replica_routes(app: FastAPI, aengine: AsyncEngine, token: str | None = None) -> TransferTable:
     """Mount the session-moving routes on a replica's app; returns the replica's TransferTable."""
     token = token if token is not None else env_token()
-    engine_name = aengine.engine.engine_name
     ops = engine_ops_for(aengine, defer_copy=True)  # builtin or vLLM: the only place that differs
     import_limit, frame_limit = ops.import_limits(aengine.engine)
     table = TransferTable(ops, source_asker(token), import_limit=import_limit, frame_limit=frame_limit)
@@ -198,46 +286,7 @@ def install_replica_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
 
     @r.post("/v1/sessions/checkpoint")
     async def checkpoint_route(body: CheckpointBody):
-        check_ids(body.sessions)
-        cid = check_id(body.checkpoint_id or new_checkpoint_id(), "checkpoint id")
-        busy = table.migrating_out()
-        if body.stop and busy:
-            raise HTTPError(409, f"a migration (transfer {busy}) is in flight on this replica")
-        dest = body.destination or allowed_roots()[0].joinpath("checkpoints").as_uri()
-        store = _open_store(dest)
-
-        try:
-            cut = await ops.take_checkpoint(body.sessions, body.stop)
-        except KeyError as e:
-            raise HTTPError(404, str(e.args[0])) from None
-        ids = [s.session_id for s in cut.snaps]
-
-        def write():
-            with CheckpointWriter(store, cid, codec=body.codec) as w:
-                write_snapshot(cut.snaps, w)
-                w.commit(cut.model, cut.layout, cut.geometry, {"stop": body.stop, "engine": engine_name})
-                return w.bytes_written
-
-        try:
-            nbytes = await asyncio.to_thread(write)
-        except BaseException as e:
-            if body.stop:
-                try:  # nothing committed: the source keeps serving
-                    await aengine.call(lambda e: e.resume(ids))
-                except Exception:  # noqa: BLE001 - a dead engine has nothing left to resume
-                    pass
-            if isinstance(e, (StorageError, HTTPError)) or not isinstance(e, Exception):
-                raise
-            # the store failed (disk full, S3 gone): a clear error, never a stack trace
-            raise HTTPError(502, f"checkpoint {cid} was not written to {dest}: {type(e).__name__}: {e}; "
-                                 f"nothing was committed" + ("; the sessions continue here" if body.stop else "")
-                            ) from None
-        uri = f"{dest.rstrip('/')}/{cid}"
-        if body.stop:  # their streams end with finish_reason "checkpointed"; GET /v1/sessions/{id} names the URI
-            aengine.note_checkpointed(ids, uri)
-            await aengine.call(lambda e: e.release(ids, SessionStatus.CHECKPOINTED))
-        return {"checkpoint": uri, "checkpoint_id": cid, "sessions": ids, "bytes": nbytes,
-                "not_moved": cut.not_moved}
+        return await checkpoint_sessions(ops, aengine, table, body)
 
     @r.post("/v1/sessions/restore")
     async def restore_route(body: RestoreBody):
@@ -245,28 +294,7 @@ def install_replica_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
 
     @r.post("/v1/sessions/export")
     async def export_route(body: ExportBody):
-        check_id(body.transfer, "transfer id")
-        check_ids(body.sessions)
-        for url in (body.target, body.source):
-            if url is not None and not URL_RE.fullmatch(url):
-                raise HTTPError(400, "target and source must be replica http(s) URLs")
-        chosen = transports[body.transport] if body.transport else transport
-        if isinstance(chosen, MooncakeTransport) and body.target is not None and (why := mooncake_unavailable()):
-            raise HTTPError(400, f"transport mooncake is not available on this replica: {why}")
-        options = FrameOptions()  # the transport chooses them before the first frame is made
-        frames = await table.export(body.transfer, body.sessions, body.pause, body.codec, body.max_tokens, body.have,
-                                    confirm_on_delivery=body.target is not None, options=options)
-        if body.target is None:
-            return StreamingResponse(frames, media_type="application/x-relayout-frames")
-        # push: only this transfer's frames, only to the import route of a URL an authenticated caller gave
-        counter = [0]
-        send = chosen.push(body.target, body.transfer, pump(frames, None if body.pause else precopy_mbps(),
-                                                               counter=counter, background=not body.pause,
-                                                               options=options, inline=table.in_place(body.transfer)),
-                              final=body.pause, source=body.source, timeout_s=body.timeout_s)
-        return StreamingResponse(progress_stream(table.push(body.transfer, send), counter,
-                                                 min(1.0, body.timeout_s / 4), table.not_moved(body.transfer)),
-                                 media_type="application/json")
+        return await export_sessions(table, transports, transport, body)
 
     @r.post(IMPORT_PATH)
     async def import_route(request: Request, transfer: str, final: bool = False, source: str | None = None):
@@ -322,16 +350,5 @@ def install_replica_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
     app.include_router(r)
     app.state.body_limits.bound(lambda path: path.startswith("/v1/sessions/") and path != IMPORT_PATH, MAX_JSON_BODY)
 
-    @app.exception_handler(TransferError)
-    async def _transfer_error(_: Request, e: TransferError):
-        return error_response(STATUS.get(type(e), 409), str(e))
-
-    @app.exception_handler(RestoreError)
-    async def _restore_error(_: Request, e: RestoreError):
-        return error_response(409, str(e), "conflict")
-
-    @app.exception_handler(StorageError)
-    async def _storage_error(_: Request, e: StorageError):
-        return error_response(400, f"{type(e).__name__}: {e}", "checkpoint_error")
-
+    install_error_handlers(app)
     return table
