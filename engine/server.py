@@ -138,21 +138,68 @@ def replica_client_route(method: str, path: str) -> bool:
     return method == "POST" and (path in COMPLETION_PATHS or CLIENT_ABORT_PATH.fullmatch(path) is not None)
 
 
-def create_app(aengine: AsyncEngine, model_name: str, api_keys: list[str] | None = None) -> FastAPI:
-    """`api_keys`: the client keys (default RELAYOUT_API_KEYS; none: the client routes are open)."""
-    eng = aengine.engine  # read-only facts (tokenizer, config, layout): never its mutable state
-    tok = eng.tokenizer
+def replica_info(e, model_name: str) -> dict:
+    """GET /v1/replica, on the engine thread: what the replica is and holds."""
+    st = e.expert_stats()
+    return {
+        "model": model_name,
+        **e.engine_info(),  # engine (builtin | vllm), engine_version, vLLM's own engine_url
+        "layout": e.layout.to_dict(),
+        "dtype": str(e.dtype).removeprefix("torch."),
+        "kv_dtype": e.kv_dtype_name,
+        "sessions": [{"id": sid, "state": s.status.value, "num_tokens": s.num_tokens}
+                     for sid, s in e.sessions.items() if not s.is_finished],
+        "expert_counts": st["expert_counts"],
+        "a2a_bytes": st["a2a_bytes"],
+        "a2a_exposed_s": st["exposed_s"],
+        "a2a_total_s": st["total_s"],
+        "kv_blocks_used": e.kv_blocks_used(),
+        "num_blocks": e.num_blocks,
+        # one token's KV across every layer and KV head, as a checkpoint or a move carries it
+        "kv_bytes_per_token": kv_block_bytes(e.cfg, e.cfg.num_kv_heads, e.kv_dtype) // BLOCK_SIZE,
+    }
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        aengine.start()
-        try:
-            yield
-        finally:
-            await aengine.stop()
 
-    app = FastAPI(title="relayout replica", lifespan=lifespan)
+async def completion_answer(aengine: AsyncEngine, request: Request, req: CompletionRequest, params: SamplingParams,
+                            sid: str, model_name: str, prompt_len: int) -> dict:
+    """A non-streamed completion's answer, once its session ended (409 if it moved away meanwhile)."""
+    tok = aengine.engine.tokenizer
+    out, records, snap = await collect(aengine, request, sid)  # 409 if it moved away meanwhile
+    ts = StopTextStream(tok, params.stop)
+    text = ts.add(out) + ts.finish()
+    lp = CompletionLogprobs(tok).add(out, records) if params.logprobs is not None else None
+    choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": lp, "finish_reason": snap.get("finish_reason")}
+    if req.return_token_ids:
+        choice["token_ids"] = out
+    return {"id": sid, "object": "text_completion", "created": int(time.time()), "model": model_name,
+            "choices": [choice], "usage": _usage(prompt_len, len(out))}
 
+
+def require_healthy(aengine: AsyncEngine) -> None:
+    if not aengine.healthy:
+        raise EngineDeadError(str(aengine.dead_error()))
+
+
+def snapshot(aengine: AsyncEngine, sid: str, token_ids: bool = True) -> dict:
+    snap = aengine.get(sid, token_ids)
+    if snap is None:
+        raise HTTPError(404, f"no session {sid!r} on this replica", "not_found_error")
+    return snap
+
+
+def session_view(aengine: AsyncEngine, sid: str, token_ids: bool) -> dict:
+    """GET /v1/sessions/{id}: the session's state as clients see it, where it went if it left."""
+    s = snapshot(aengine, sid, token_ids)
+    out = {**s, "state": _LIVE.get(s["state"], s["state"])}
+    if sid in aengine.migrated_to:
+        out["migrated_to"] = aengine.migrated_to[sid]
+    if out["state"] == "checkpointed" and sid in aengine.checkpointed_to:
+        out["checkpoint"] = aengine.checkpointed_to[sid]
+    return out
+
+
+def install_guards(app: FastAPI, api_keys: list[str] | None) -> None:
+    """Body limits, client keys and the error answers every replica route shares."""
     # a completion body is a prompt and a few fields: refuse megabytes before parsing them; the session
     # and protection routes bound their own paths in the same table (app.state.body_limits)
     app.state.body_limits = limits = BodyLimits()
@@ -170,15 +217,36 @@ def create_app(aengine: AsyncEngine, model_name: str, api_keys: list[str] | None
     async def _dead(_: Request, e: EngineDeadError):
         return error_response(503, str(e), "engine_unavailable")
 
-    def require_healthy() -> None:
-        if not aengine.healthy:
-            raise EngineDeadError(str(aengine.dead_error()))
 
-    def snapshot(sid: str, token_ids: bool = True) -> dict:
-        snap = aengine.get(sid, token_ids)
-        if snap is None:
-            raise HTTPError(404, f"no session {sid!r} on this replica", "not_found_error")
-        return snap
+async def metrics_response(aengine: AsyncEngine) -> PlainTextResponse:
+    """GET /metrics: Prometheus text, the engine's expert counts when it answers."""
+    stats = None
+    if aengine.healthy:
+        try:
+            stats = await aengine.call(lambda e: e.expert_stats())
+        except EngineDeadError:
+            pass
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(_MetricsView(aengine, stats, aengine.engine.num_blocks))
+    return PlainTextResponse(generate_latest(reg).decode(), media_type="text/plain; version=0.0.4")
+
+
+def create_app(aengine: AsyncEngine, model_name: str, api_keys: list[str] | None = None) -> FastAPI:
+    """`api_keys`: the client keys (default RELAYOUT_API_KEYS; none: the client routes are open)."""
+    eng = aengine.engine  # read-only facts (tokenizer, config, layout): never its mutable state
+    tok = eng.tokenizer
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        aengine.start()
+        try:
+            yield
+        finally:
+            await aengine.stop()
+
+    app = FastAPI(title="relayout replica", lifespan=lifespan)
+
+    install_guards(app, api_keys)
 
     # ---- routes --------------------------------------------------------------------------
     @app.get("/health")
@@ -189,15 +257,7 @@ def create_app(aengine: AsyncEngine, model_name: str, api_keys: list[str] | None
 
     @app.get("/metrics")
     async def metrics():
-        stats = None
-        if aengine.healthy:
-            try:
-                stats = await aengine.call(lambda e: e.expert_stats())
-            except EngineDeadError:
-                pass
-        reg = CollectorRegistry(auto_describe=False)
-        reg.register(_MetricsView(aengine, stats, eng.num_blocks))
-        return PlainTextResponse(generate_latest(reg).decode(), media_type="text/plain; version=0.0.4")
+        return await metrics_response(aengine)
 
     @app.get("/v1/models")
     async def models():
@@ -206,52 +266,26 @@ def create_app(aengine: AsyncEngine, model_name: str, api_keys: list[str] | None
 
     @app.get("/v1/replica")
     async def replica():
-        require_healthy()
+        require_healthy(aengine)
 
-        def gather(e):
-            st = e.expert_stats()
-            return {
-                "model": model_name,
-                **e.engine_info(),  # engine (builtin | vllm), engine_version, vLLM's own engine_url
-                "layout": e.layout.to_dict(),
-                "dtype": str(e.dtype).removeprefix("torch."),
-                "kv_dtype": e.kv_dtype_name,
-                "sessions": [{"id": sid, "state": s.status.value, "num_tokens": s.num_tokens}
-                             for sid, s in e.sessions.items() if not s.is_finished],
-                "expert_counts": st["expert_counts"],
-                "a2a_bytes": st["a2a_bytes"],
-                "a2a_exposed_s": st["exposed_s"],
-                "a2a_total_s": st["total_s"],
-                "kv_blocks_used": e.kv_blocks_used(),
-                "num_blocks": e.num_blocks,
-                # one token's KV across every layer and KV head, as a checkpoint or a move carries it
-                "kv_bytes_per_token": kv_block_bytes(e.cfg, e.cfg.num_kv_heads, e.kv_dtype) // BLOCK_SIZE,
-            }
-
-        return await aengine.call(gather)
+        return await aengine.call(lambda e: replica_info(e, model_name))
 
     @app.get("/v1/sessions/{sid}")
     async def session(sid: str, token_ids: bool = True):
-        s = snapshot(sid, token_ids)
-        out = {**s, "state": _LIVE.get(s["state"], s["state"])}
-        if sid in aengine.migrated_to:
-            out["migrated_to"] = aengine.migrated_to[sid]
-        if out["state"] == "checkpointed" and sid in aengine.checkpointed_to:
-            out["checkpoint"] = aengine.checkpointed_to[sid]
         # plain JSON, not FastAPI's jsonable_encoder: it walks every id in Python (~20 ms for a 16k-token
         # session, on the process whose engine thread and links serve a migration's final round)
-        return JSONResponse(out)
+        return JSONResponse(session_view(aengine, sid, token_ids))
 
     @app.post("/v1/sessions/{sid}/abort")
     async def session_abort(sid: str):
         """What a live gateway sends when its client hangs up: free the session now (no detach grace)."""
-        snapshot(sid)
+        snapshot(aengine, sid)
         aengine.abort(sid)  # a finished, migrated or checkpointed session: a no-op
         return {"id": sid, "aborted": True}
 
     @app.get("/v1/sessions/{sid}/stream")
     async def session_stream(sid: str, request: Request, from_token: int = 0, return_token_ids: bool = False):
-        s = snapshot(sid)
+        s = snapshot(aengine, sid)
         if from_token < 0:
             raise HTTPError(400, "from_token must be >= 0")
         spec = await spec_of(aengine, sid)  # a chat session resumes as chat chunks
@@ -261,7 +295,7 @@ def create_app(aengine: AsyncEngine, model_name: str, api_keys: list[str] | None
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
-        require_healthy()
+        require_healthy(aengine)
         params = req.sampling()
         ids = req.prompt_ids(tok)
         include_usage = bool(req.stream and (req.stream_options or {}).get("include_usage"))
@@ -272,15 +306,7 @@ def create_app(aengine: AsyncEngine, model_name: str, api_keys: list[str] | None
                 aengine, request, sid, model=model_name, created=int(time.time()),
                 shape=CompletionShape(tok, params.logprobs is not None), spec=StreamSpec.of(s),
                 from_token=0, with_ids=req.return_token_ids, prompt_len=len(ids)))
-        out, records, snap = await collect(aengine, request, sid)  # 409 if it moved away meanwhile
-        ts = StopTextStream(tok, params.stop)
-        text = ts.add(out) + ts.finish()
-        lp = CompletionLogprobs(tok).add(out, records) if params.logprobs is not None else None
-        choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": lp, "finish_reason": snap.get("finish_reason")}
-        if req.return_token_ids:
-            choice["token_ids"] = out
-        return {"id": sid, "object": "text_completion", "created": int(time.time()), "model": model_name,
-                "choices": [choice], "usage": _usage(len(ids), len(out))}
+        return await completion_answer(aengine, request, req, params, sid, model_name, len(ids))
 
     install_chat_routes(app, aengine, model_name)
 
