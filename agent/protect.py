@@ -44,7 +44,7 @@ async def _standby_url(ag: Agent, source: dict, ref: StandbyRef) -> tuple[str, s
             resp = await c.get(f"{base}/v1/replicas/{ref.replica}", headers=ag.headers())
         else:
             engine = ref.engine or source.get("engine", "builtin")
-            vargs = source.get("vllm_args") or [] if engine == "vllm" == source.get("engine") else []
+            vargs = (source.get("vllm_args") or []) if engine == "vllm" == source.get("engine") else []
             resp = await c.post(f"{base}/v1/replicas", headers=ag.headers(),
                                 json={"model": ref.model or source["model"], "layout": ref.layout, "engine": engine,
                                       **({"vllm_args": vargs} if vargs else {})})

@@ -187,6 +187,24 @@ def median_gap_ms(times: list[float]) -> float | None:
     return round(statistics.median(g) * 1000, 2) if g else None
 
 
+class QuietLoud:
+    """A probe stream's token times in alternating windows, quiet (without the work measured) and loud
+    (with it): the median inter-token gap of each, and quiet over loud (the decode rate kept)."""
+
+    def __init__(self) -> None:
+        self.quiet: list[float] = []
+        self.loud: list[float] = []
+
+    def add(self, times: list[float], t0: float, t1: float, t2: float) -> None:
+        """[t0, t1) was quiet, [t1, t2) loud."""
+        self.quiet += [t for t in times if t0 <= t < t1]
+        self.loud += [t for t in times if t1 <= t < t2]
+
+    def gaps_ms(self) -> tuple[float | None, float | None, float | None]:
+        q, lo = median_gap_ms(self.quiet), median_gap_ms(self.loud)
+        return q, lo, (round(q / lo, 3) if q and lo else None)
+
+
 # ---- the link ------------------------------------------------------------------------------------------
 DISTINCT_MAX = 1 << 30  # a distinct copy's buffers (each end's) wrap around beyond this
 _SENDER = f"DISTINCT_MAX = {DISTINCT_MAX}\n" + """

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
-from relayout.bench.replica_client import BenchError, TokenStream, median_gap_ms
+from relayout.bench.replica_client import BenchError, QuietLoud, TokenStream, median_gap_ms
 from relayout.bench.vllm_protection import decode_with_protection, failover
 from relayout.migrate import procs
 from rich.console import Console
@@ -126,8 +126,7 @@ def measure_step_during_export(src: str, ckpt_root: Path, seed: int = 0, max_mod
 
     rnd = random.Random(seed)
     ctx = max_model_len // 2  # the long session: half the context in its prompt, decoding into the rest
-    quiet: list[float] = []
-    loud: list[float] = []
+    windows = QuietLoud()
     exports = 0
     for rep in range(EXPORT_REPS):
         long = TokenStream("POST", f"{src}/v1/completions", {
@@ -164,11 +163,10 @@ def measure_step_during_export(src: str, ckpt_root: Path, seed: int = 0, max_mod
         long.stop()
         probe.finish(120)
         long.finish(120)
-        quiet += [t for t in probe.times if t0 <= t < t1]
-        loud += [t for t in probe.times if t1 <= t < t2]
-    g_quiet, g_loud = median_gap_ms(quiet), median_gap_ms(loud)
+        windows.add(probe.times, t0, t1, t2)
+    g_quiet, g_loud, ratio = windows.gaps_ms()
     return {"step_ms_without_export": g_quiet, "step_ms_during_export": g_loud, "exports": exports,
-            "step_during_export_ratio": round(g_quiet / g_loud, 3) if g_quiet and g_loud else None}
+            "step_during_export_ratio": ratio}
 
 
 def run(model: str | None, contexts: list[int], log: Callable[[str], None] = print, kv_cache_mb: int = 1024,

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 
 import httpx
-from relayout.bench.replica_client import BenchError, TokenStream, median_gap_ms
+from relayout.bench.replica_client import BenchError, QuietLoud, TokenStream
 
 WINDOW_S = 0.5
 REPS = 4
@@ -41,8 +41,7 @@ def _wait_rounds(src: str, n: int, timeout: float = 60) -> dict:
 
 def decode_with_protection(src: str, standby: str, max_tokens: int, seed: int = 0) -> dict:
     rnd = random.Random(seed)
-    quiet: list[float] = []
-    loud: list[float] = []
+    windows = QuietLoud()
     rounds = 0
     for _ in range(REPS):
         probe = TokenStream("POST", f"{src}/v1/completions", {
@@ -59,11 +58,10 @@ def decode_with_protection(src: str, standby: str, max_tokens: int, seed: int = 
         httpx.delete(f"{src}/v1/protection", timeout=30)
         probe.stop()
         probe.finish(120)
-        quiet += [t for t in probe.times if t0 <= t < t1]
-        loud += [t for t in probe.times if t1 <= t < t2]
-    g_quiet, g_loud = median_gap_ms(quiet), median_gap_ms(loud)
+        windows.add(probe.times, t0, t1, t2)
+    g_quiet, g_loud, ratio = windows.gaps_ms()
     return {"step_ms_unprotected": g_quiet, "step_ms_protected": g_loud, "protection_rounds": rounds,
-            "decode_ratio_with_protection": round(g_quiet / g_loud, 3) if g_quiet and g_loud else None}
+            "decode_ratio_with_protection": ratio}
 
 
 def failover(src: str, standby: str, kill: Callable[[int], None], max_tokens: int, seed: int = 1) -> dict:

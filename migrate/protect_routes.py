@@ -7,7 +7,6 @@ when it has one (RELAYOUT_TOKEN)."""
 from __future__ import annotations
 
 import threading
-from collections.abc import AsyncIterator
 
 import httpx
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -105,6 +104,25 @@ def start_protection(app: FastAPI, aengine: AsyncEngine, cfg: ProtectConfig, tok
     return rep
 
 
+def protect_config(app: FastAPI, body: ProtectBody, base_url: str) -> ProtectConfig:
+    """POST /v1/protection's checks: not protected already, URLs, not its own standby."""
+    rep = app.state.protection
+    if rep is not None and rep.state in LIVE_PROTECTION:
+        raise HTTPError(409, f"this replica is already protected by {rep.cfg.standby} ({rep.pid})")
+    source = _url(body.source_url or base_url, "source_url")
+    cfg = ProtectConfig(_url(body.standby, "standby"), source, body.every_tokens, body.every_ms, body.lease_s,
+                        body.codec)
+    if cfg.standby == source:
+        raise HTTPError(400, "a replica cannot be its own standby")
+    return cfg
+
+
+async def protection_error(_: Request, e: Exception):
+    """A protection's refusal (migrate.standby.ProtectionError) as its status and type."""
+    assert isinstance(e, ProtectionError)
+    return error_response(e.status, str(e), e.type)
+
+
 def install_protect_routes(app: FastAPI, aengine: AsyncEngine, token: str | None = None) -> StandbyTable:
     """Mount protection's routes on a replica's app; returns its StandbyTable (the source side
     lives in `app.state.protection`)."""
@@ -124,15 +142,7 @@ def install_protect_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
     # ---- as the source ----------------------------------------------------------------------------------
     @r.post("/v1/protection")
     async def protect(body: ProtectBody, request: Request):
-        rep = app.state.protection
-        if rep is not None and rep.state in LIVE_PROTECTION:
-            raise HTTPError(409, f"this replica is already protected by {rep.cfg.standby} ({rep.pid})")
-        source = _url(body.source_url or str(request.base_url), "source_url")
-        cfg = ProtectConfig(_url(body.standby, "standby"), source, body.every_tokens, body.every_ms, body.lease_s,
-                            body.codec)
-        if cfg.standby == source:
-            raise HTTPError(400, "a replica cannot be its own standby")
-        return start_protection(app, aengine, cfg, token).view()
+        return start_protection(app, aengine, protect_config(app, body, str(request.base_url)), token).view()
 
     @r.get("/v1/protection")
     async def protection():
@@ -162,16 +172,10 @@ def install_protect_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
         check_id(pid, "protection id")
         if not 0.2 <= lease_s <= 600:
             raise HTTPError(400, "lease_s must be in [0.2, 600]")
-
         if not prepared:  # this replica just became a standby: ready its client for a promotion
             prepared.append(threading.Thread(target=prepare_client, name="relayout-prepare-client", daemon=True))
             prepared[0].start()
-
-        async def pieces() -> AsyncIterator[bytes]:
-            async for piece in request.stream():
-                yield piece
-
-        return await standby.receive(pid, _url(source, "source"), lease_s, pieces())
+        return await standby.receive(pid, _url(source, "source"), lease_s, request.stream())
 
     @r.get("/v1/standby")
     async def standby_list():
@@ -195,8 +199,6 @@ def install_protect_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
     app.state.body_limits.bound(lambda path: path.startswith("/v1/protection") or path.endswith("/promote"),
                                 MAX_JSON_BODY)
 
-    @app.exception_handler(ProtectionError)
-    async def _protection_error(_: Request, e: ProtectionError):
-        return error_response(e.status, str(e), e.type)
+    app.add_exception_handler(ProtectionError, protection_error)
 
     return standby

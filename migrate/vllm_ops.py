@@ -29,7 +29,7 @@ from relayout.engine.vllm_exchange import ExchangeError, damage_staged, write_kv
 from relayout.migrate.transfers import Incoming, SourceRound
 from relayout.storage.checkpoint import CheckpointReader
 from relayout.storage.errors import CorruptCheckpoint
-from relayout.storage.manifest import Manifest
+from relayout.storage.manifest import Manifest, SessionEntry
 from relayout.storage.settings import settings
 
 log = logging.getLogger("relayout.vllm_ops")
@@ -142,16 +142,8 @@ class VllmOps:
         states = self._states(manifest)
         reader = CheckpointReader(t.store, manifest=manifest)
         imported = 0
-        for st, n_kv in states:
-            sid = st.session_id
-            have = t.upto.get(sid, 0)
-            if manifest.session(sid).kv_from > have:
-                raise CorruptCheckpoint(f"session {sid}: this round's KV starts at token "
-                                        f"{manifest.session(sid).kv_from}, this replica holds {have} of it")
-            if n_kv > have:
-                await asyncio.to_thread(self.stage, (t.transfer_id, sid), reader, sid, have, n_kv)
-                imported += n_kv - have
-            t.upto[sid] = max(have, n_kv)
+        for st, _ in states:
+            imported += await self.stage_new(t.transfer_id, reader, t.upto, manifest.session(st.session_id))
         if final:
             def place(e: VllmEngine) -> None:
                 for st, n_kv in states:
@@ -161,6 +153,18 @@ class VllmOps:
 
             await self.aengine.call(place)
         return {"sessions": sorted(st.session_id for st, _ in states), "imported_tokens": imported}
+
+    async def stage_new(self, tid: str, reader: CheckpointReader, upto: dict[str, int], en: SessionEntry) -> int:
+        """Stage a round's KV of one session beyond the `upto` tokens held (a file under `tid`); the tokens staged."""
+        sid, have, n_kv = en.session_id, upto.get(en.session_id, 0), en.num_kv_tokens
+        if en.kv_from > have:
+            raise CorruptCheckpoint(f"session {sid}: this round's KV starts at token {en.kv_from}, "
+                                    f"this replica holds {have} of it")
+        upto[sid] = max(have, n_kv)
+        if n_kv <= have:
+            return 0
+        await asyncio.to_thread(self.stage, (tid, sid), reader, sid, have, n_kv)
+        return n_kv - have
 
     def take_load(self, tid: str, sid: str, n_kv: int) -> dict | None:
         """The load of session `sid`'s files staged under `tid` (its request takes them; they are not
@@ -188,7 +192,6 @@ class VllmOps:
 
         await self.aengine.call(drop)
         self.drop_files(t.transfer_id)
-
 
     async def restore(self, reader: CheckpointReader, sessions: list[str] | None, exact: bool
                       ) -> tuple[list[str], dict | None]:

@@ -10,8 +10,6 @@ would change its tokens): the round's answer names it under `not_held`, and the 
 
 from __future__ import annotations
 
-import asyncio
-
 from relayout.engine.engine import finish_reason_after
 from relayout.engine.placer import check_entry
 from relayout.engine.session import SessionState
@@ -19,7 +17,6 @@ from relayout.engine.vllm_engine import VllmEngine
 from relayout.migrate.standby import Held, tail_of
 from relayout.migrate.vllm_ops import VllmOps, not_movable
 from relayout.storage.checkpoint import CheckpointReader
-from relayout.storage.errors import CorruptCheckpoint
 from relayout.storage.manifest import Manifest
 
 
@@ -34,19 +31,11 @@ class StagedKeeper:
         held, not_held, imported = [], {}, 0
         for en in manifest.sessions:
             st = check_entry(e, en)  # type: ignore[arg-type]
-            sid = st.session_id
             if (why := not_movable(st)) is not None:
-                not_held[sid] = why
+                not_held[st.session_id] = why
                 continue
-            have = h.upto.get(sid, 0)
-            if en.kv_from > have:
-                raise CorruptCheckpoint(f"session {sid}: this round's KV starts at token {en.kv_from}, "
-                                        f"this standby holds {have} of it")
-            if en.num_kv_tokens > have:
-                await asyncio.to_thread(ops.stage, (h.pid, sid), reader, sid, have, en.num_kv_tokens)
-                imported += en.num_kv_tokens - have
-            h.upto[sid] = max(have, en.num_kv_tokens)
-            held.append(sid)
+            imported += await ops.stage_new(h.pid, reader, h.upto, en)
+            held.append(st.session_id)
         for sid in [sid for sid in h.upto if sid not in held]:  # finished on the source: its files go
             ops.drop_files(h.pid, sid)
             h.upto.pop(sid)

@@ -11,32 +11,9 @@ pull torch, safetensors or boto3 in through this file.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from relayout.storage.checkpoint import CheckpointReader, CheckpointWriter
-    from relayout.storage.chunks import chunk_hash, pack_kv, unpack_kv
-    from relayout.storage.codecs import CODECS, decode, encode, measure_codecs
-    from relayout.storage.errors import (
-        CheckpointNotFound,
-        ChunkMissing,
-        CorruptCheckpoint,
-        ModelMismatch,
-        StorageError,
-    )
-    from relayout.storage.manifest import ChunkRef, KVEntry, KVGeometry, Manifest, ModelRef, SessionEntry
-    from relayout.storage.stores import LocalStore, MemoryStore, S3Store, Store, open_store
-    from relayout.storage.stream import (
-        FrameDecoder,
-        StreamAborted,
-        StreamReceiver,
-        encode_abort_frame,
-        encode_chunk_frame,
-        encode_manifest_frame,
-        iter_checkpoint_frames,
-    )
-
-# name -> the submodule that defines it
+# name -> the submodule that defines it (import from the submodule itself where a type checker should see it)
 _EXPORTS = {
     **dict.fromkeys(("CheckpointReader", "CheckpointWriter"), "checkpoint"),
     **dict.fromkeys(("chunk_hash", "pack_kv", "unpack_kv"), "chunks"),
@@ -49,13 +26,7 @@ _EXPORTS = {
                      "encode_manifest_frame", "iter_checkpoint_frames"), "stream"),
 }
 
-__all__ = [
-    "CODECS", "CheckpointNotFound", "CheckpointReader", "CheckpointWriter", "ChunkMissing", "ChunkRef",
-    "CorruptCheckpoint", "FrameDecoder", "KVEntry", "KVGeometry", "LocalStore", "Manifest", "MemoryStore",
-    "ModelMismatch", "ModelRef", "S3Store", "SessionEntry", "StorageError", "Store", "StreamAborted",
-    "StreamReceiver", "chunk_hash", "decode", "encode", "encode_abort_frame", "encode_chunk_frame",
-    "encode_manifest_frame", "iter_checkpoint_frames", "measure_codecs", "open_store", "pack_kv", "unpack_kv",
-]
+__all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
