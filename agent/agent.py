@@ -2,8 +2,8 @@
 migration operations against them, and lists its own checkpoint store.
 
 `create_agent_app(data_dir, token)` builds the FastAPI app from one router per concern
-(agent/replicas.py, operations.py, drain.py, checkpoints.py, protect.py) over one `Agent`
-(agent/node.py); `relayout agent` serves it."""
+(agent/routes/replicas.py, operations.py, drain.py, checkpoints.py, protect.py) over one `Agent`
+(agent/node/state.py); `relayout agent` serves it."""
 
 from __future__ import annotations
 
@@ -16,13 +16,13 @@ from pathlib import Path
 from fastapi import APIRouter, Depends, FastAPI
 from fastapi.responses import PlainTextResponse
 from prometheus_client import generate_latest
-from relayout.agent.checkpoints import checkpoints_router
-from relayout.agent.drain import drain_router
-from relayout.agent.failover import HealthCheck
-from relayout.agent.node import Agent
-from relayout.agent.operations import operations_router
-from relayout.agent.protect import protect_router, protection_of
-from relayout.agent.replicas import replicas_router
+from relayout.agent.node.state import Agent
+from relayout.agent.routes.checkpoints import checkpoints_router
+from relayout.agent.routes.drain import drain_router
+from relayout.agent.routes.failover import HealthCheck
+from relayout.agent.routes.operations import operations_router
+from relayout.agent.routes.protect import protect_router, protection_of
+from relayout.agent.routes.replicas import replicas_router
 from relayout.engine import tracing, web
 
 

@@ -14,9 +14,9 @@ import json
 from pathlib import Path
 
 import typer
-from relayout.migrate.serve_cli import check_dtypes as _check_dtypes
-from relayout.migrate.serve_cli import fail as _fail
-from relayout.migrate.serve_cli import serve_command
+from relayout.migrate.replica.serve_cli import check_dtypes as _check_dtypes
+from relayout.migrate.replica.serve_cli import fail as _fail
+from relayout.migrate.replica.serve_cli import serve_command
 from relayout.storage.settings import settings
 from rich.console import Console
 from rich.markup import escape
@@ -43,7 +43,7 @@ def _check_environment() -> None:
 
 
 # ---- serving ---------------------------------------------------------------------------------------
-# the replica's flags live with the replica (one definition for `relayout serve` and `python -m relayout.migrate.serve`)
+# the replica's flags live with the replica (one definition for `relayout serve` and `python -m relayout.migrate.replica.serve`)
 app.command(name="serve")(serve_command)
 
 
@@ -57,7 +57,7 @@ def demo(
     import sys
 
     import httpx
-    from relayout.agent.demo import run_demo
+    from relayout.agent.commands.demo import run_demo
     from relayout.migrate.procs import LaunchError
 
     def write(piece: str) -> None:
@@ -93,8 +93,8 @@ def vllm_config(
     exchange's secret is written into it (mode 0600), never onto a command line; an existing one is kept."""
     import json
 
-    from relayout.engine.vllm_exchange import Exchange, ExchangeError
-    from relayout.engine.vllm_server import kv_transfer_config
+    from relayout.engine.vllm.exchange import Exchange, ExchangeError
+    from relayout.engine.vllm.server import kv_transfer_config
 
     try:
         ex = Exchange.ensure(exchange.resolve())
@@ -115,9 +115,9 @@ def rank(
     torchrun-style environment: RANK (this rank), WORLD_SIZE (checked against the driver's layout),
     LOCAL_RANK (which GPU of this host), MASTER_ADDR/MASTER_PORT (the driver's --rank-endpoint), and
     RELAYOUT_TOKEN when the driver has one. Exits 0 when the driver shuts the replica down."""
-    from relayout.engine.rank import RankConfigError, run_rank
-    from relayout.engine.rank_process import RankJoinError
-    from relayout.engine.weights import ModelNotFoundError
+    from relayout.engine.model.weights import ModelNotFoundError
+    from relayout.engine.ranks.rank import RankConfigError, run_rank
+    from relayout.engine.ranks.rank_process import RankJoinError
 
     try:
         code = run_rank(model, driver, threads, log=err.print)
@@ -141,7 +141,7 @@ def up(
     kv_dtype: str = typer.Option(None, "--kv-dtype", help="the replica's KV cache: auto or fp8_e4m3"),
 ) -> None:
     """Everything on one machine: node agent, one replica launched through it, gateway in front."""
-    from relayout.agent.up import run_up
+    from relayout.agent.commands.up import run_up
 
     _check_dtypes(dtype, kv_dtype)
     raise typer.Exit(run_up(host, port, agent_port, data_dir, model, layout, log=lambda m: err.print(f"up: {escape(m)}"),
@@ -156,7 +156,7 @@ def model_create(
     shards: int = typer.Option(1, "--shards", help="number of safetensors files"),
 ) -> None:
     """Write a builtin model as a Hugging Face format directory."""
-    from relayout.engine.builtin import create_builtin
+    from relayout.engine.model.builtin import create_builtin
 
     name = name.removeprefix("builtin:")
     try:
@@ -177,7 +177,7 @@ def gateway(
                                                           "RELAYOUT_API_KEYS, comma-separated; none: open)"),
 ) -> None:
     """The clients' OpenAI API in front of the replicas; streams survive migrations, checkpoints, failovers."""
-    from relayout.migrate.gateway import run_gateway
+    from relayout.migrate.gateway.app import run_gateway
 
     if not agent and not replica:
         _fail("give at least one --agent or --replica")
@@ -193,7 +193,7 @@ def migrate_replica(
 ) -> None:
     """Move sessions between two replicas directly (no agent), with a progress display."""
     from relayout.engine.web import env_token
-    from relayout.migrate.live import MigrationError, MigrationPlan, migrate_live
+    from relayout.migrate.protocol.live import MigrationError, MigrationPlan, migrate_live
     from rich.progress import Progress
 
     with Progress(transient=True) as bar:
@@ -436,7 +436,7 @@ def status(
 ) -> None:
     """Nodes, their replicas (layout, sessions, KV used, expert balance), the operations running now with
     their progress, and which nodes drain. Exit code 1 when an agent cannot be reached."""
-    from relayout.agent.status import gather, render
+    from relayout.agent.commands.status import gather, render
 
     st = gather(agent_url or ["http://127.0.0.1:7070"], _token(token_file))
     if as_json:
@@ -468,7 +468,7 @@ def plan(
     Exits 2 when the input breaks a rule (the message names the field), 1 when no device set fits."""
     import sys
 
-    from relayout.migrate.plan_cli import format_plan_table, plan_main
+    from relayout.migrate.placement.plan_cli import format_plan_table, plan_main
 
     try:
         text = sys.stdin.read() if input_json == "-" else Path(input_json).read_text()
@@ -495,7 +495,7 @@ def plan(
     if "error" in res:
         raise typer.Exit(1)
     if fmt == "sglang":
-        from relayout.migrate.plan_cli import sglang_expert_location
+        from relayout.migrate.placement.plan_cli import sglang_expert_location
 
         doc = sglang_expert_location(res, res.get("num_layers"), res.get("moe_layers"))
         try:
@@ -545,7 +545,7 @@ def controller(
     import threading
 
     from relayout.engine.tracing import setup_tracing
-    from relayout.migrate.policy import PolicyConfig, RelayoutPolicy
+    from relayout.migrate.placement.policy import PolicyConfig, RelayoutPolicy
 
     agent_urls = [u for u in ([agents] if agents else []) + list(agent or []) if u.strip()]
     if replica and agent_urls:
@@ -557,7 +557,7 @@ def controller(
     if interval <= 0 or consecutive < 1 or margin <= 0:
         _fail("--interval and --margin must be positive, --consecutive at least 1")
     if topology is not None:
-        from relayout.migrate.topology import Topology, TopologyError
+        from relayout.migrate.placement.topology import Topology, TopologyError
 
         try:
             topo = Topology.load(topology)
@@ -572,12 +572,12 @@ def controller(
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     line = lambda s: print(s, flush=True)  # noqa: E731
     if replica:
-        from relayout.migrate.controller import Controller, SubprocessLauncher
+        from relayout.migrate.placement.controller import Controller, SubprocessLauncher
 
         ctl = Controller(replica, SubprocessLauncher(), RelayoutPolicy(cfg), interval, dry_run=dry_run, log=line)
         watching = replica
     else:
-        from relayout.agent.fleet import FleetController
+        from relayout.agent.routes.fleet import FleetController
 
         ctl = FleetController(agent_urls, cfg, interval, dry_run=dry_run, log=line)
         watching = "the replicas of " + ", ".join(ctl.agents)

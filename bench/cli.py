@@ -94,7 +94,7 @@ def bench_vllm(
 ) -> None:
     """Live migration between stock vLLM replicas (TP1 -> TP2): stall vs the target's step, migrate time vs
     re-prefill, source decode during pre-copy, KV bytes moved vs the KV's size."""
-    from relayout.bench import vllm as bv
+    from relayout.bench.vllm.migration import migration as bv
 
     try:
         res = bv.run(model, [int(x) for x in contexts.split(",") if x.strip()], log=err.print,

@@ -2,10 +2,10 @@
 socket copy of the same bytes in the same run.
 
 The path is the product's: a process holding a KV pool cuts one session's KV as a final round does
-(in-place chunks of the pool's rows, engine.snapshot), writes them through CheckpointWriter into a
+(in-place chunks of the pool's rows, engine.moves.snapshot), writes them through CheckpointWriter into a
 FrameSink that names their entries, and sends the pieces with the frame link's `sendmsg` batches;
 this process receives them with StreamReceiver, which writes each chunk into the blocks of a target's
-pools as it arrives (engine.kv_stream; the pools split the heads as a TP target's ranks do). No
+pools as it arrives (engine.moves.kv_stream; the pools split the heads as a TP target's ranks do). No
 replica, decode step, HTTP or engine thread runs: each side's CPU per GB is the path's own, and the
 bare copy (bench.replica_client.link_copy, distinct bytes: memory of its own at both ends, as the
 round's) is what any path must spend. Every received chunk is checked against the source's KV."""
@@ -58,11 +58,11 @@ def _send(port: int, tokens: int, out: mp.Queue) -> None:
     """The source: one session's KV of `tokens` as a final round's frames, sent with the frame link's batches."""
     import resource
 
-    from relayout.engine.snapshot import _in_place_chunks, _put_chunks
-    from relayout.migrate.frame_link import _batches, _send_all
-    from relayout.migrate.frame_sink import FrameOptions, FrameSink
+    from relayout.engine.moves.snapshot import _in_place_chunks, _put_chunks
+    from relayout.migrate.transport.frame_link import _batches, _send_all
+    from relayout.migrate.transport.frame_sink import FrameOptions, FrameSink
     from relayout.storage.checkpoint import CheckpointWriter
-    from relayout.storage.manifest import KVGeometry, ModelRef
+    from relayout.storage.format.manifest import KVGeometry, ModelRef
 
     blocks = list(range(tokens // 16 + 1))
     src = _pool(HEADS, len(blocks), seed=7)
@@ -98,7 +98,7 @@ def _receive(tokens: int, split: list[int]) -> tuple[dict, dict]:
     import resource
 
     import torch
-    from relayout.engine.kv_stream import chunk_sink
+    from relayout.engine.moves.kv_stream import chunk_sink
     from relayout.storage.stores import MemoryStore
     from relayout.storage.stream import StreamReceiver
 
@@ -138,7 +138,7 @@ def _floor_send(port: int, tokens: int, out: mp.Queue) -> None:
 
     import numpy as np
     import xxhash
-    from relayout.engine.snapshot import CHUNK_TOKENS
+    from relayout.engine.moves.snapshot import CHUNK_TOKENS
 
     src = _pool(HEADS, tokens // 16 + 1, seed=7)
     chunk = 2 * CHUNK_TOKENS * HEADS * HEAD_DIM * 4  # a chunk's bytes (its K and V rows)

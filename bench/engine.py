@@ -14,9 +14,9 @@ import time
 from collections.abc import Callable
 
 import torch
-from relayout.engine.engine import LLMEngine
 from relayout.engine.kv_cache import blocks_needed
-from relayout.engine.session import SamplingParams
+from relayout.engine.runtime.engine import LLMEngine
+from relayout.engine.runtime.session import SamplingParams
 
 BATCHES = (1, 16)
 

@@ -13,7 +13,7 @@ README's example mapping comes out exactly (tests/test_planner.py checks it).
 from __future__ import annotations
 
 import numpy as np
-from relayout.migrate.dispatch_model import Placement, check_load, check_slots
+from relayout.migrate.placement.dispatch_model import Placement, check_load, check_slots
 
 __all__ = ["eplb_placement", "eplb_reference", "rebalance"]
 

@@ -50,8 +50,8 @@ from relayout.bench.replica_client import (
     split_cpus,
     tree_cpu_s,
 )
-from relayout.migrate.live import SMALL_ROUND_BYTES
-from relayout.migrate.transport import precopy_nice
+from relayout.migrate.protocol.live import SMALL_ROUND_BYTES
+from relayout.migrate.transport.base import precopy_nice
 
 SOURCE_LAYOUT = "attn_dp=1"
 TARGET_LAYOUT = "attn_tp=2"
@@ -68,8 +68,8 @@ MIN_PROBE_S = 0.5
 
 
 def kv_bytes_per_token(model: str) -> int:
-    from relayout.engine.config import ModelConfig
-    from relayout.engine.weights import resolve_model
+    from relayout.engine.model.config import ModelConfig
+    from relayout.engine.model.weights import resolve_model
 
     c = ModelConfig.from_dir(resolve_model(model))
     return c.num_layers * c.num_kv_heads * c.head_dim * 4 * 2  # fp32, K and V
@@ -85,7 +85,7 @@ def _wait_gone(url: str, sid: str | None, timeout: float = 10.0) -> None:
 
 
 def measure_move(c: Ctx, mode: str, with_second: bool) -> dict:
-    from relayout.migrate.live import MigrationPlan, migrate_live
+    from relayout.migrate.protocol.live import MigrationPlan, migrate_live
 
     def reattach(src_stream: TokenStream) -> None:
         # the moment the source's stream ends without [DONE], follow the session on the target
@@ -157,7 +157,7 @@ def measure_move(c: Ctx, mode: str, with_second: bool) -> dict:
         "stall_attached_ms": round((early.times[0] - s.times[-1]) * 1000, 2) if early and early.times else None,
         "server_stall_ms": round(res.stall_ms, 2),  # migrate_live: source hold -> target commit returned
         "final_round_ms": round(res.rounds[-1].seconds * 1000, 2),  # pause + export + transfer + import
-        # the replicas' own account of it (migrate.live.PreCopyRound.timing): the source's wait for a
+        # the replicas' own account of it (migrate.protocol.live.PreCopyRound.timing): the source's wait for a
         # step boundary and cut, each side's CPU over its part, the target's receive and import
         "final_round_timing": res.rounds[-1].timing,
         # source + target CPU over the final round (cut, frame, hash, send, receive, verify, import)

@@ -19,11 +19,11 @@ from collections.abc import Callable
 from dataclasses import replace
 
 import torch
-from relayout.engine.config import ModelConfig
-from relayout.engine.engine import LLMEngine
-from relayout.engine.layout import Layout
-from relayout.engine.session import SamplingParams
-from relayout.engine.weights import resolve_model
+from relayout.engine.model.config import ModelConfig
+from relayout.engine.model.layout import Layout
+from relayout.engine.model.weights import resolve_model
+from relayout.engine.runtime.engine import LLMEngine
+from relayout.engine.runtime.session import SamplingParams
 
 LAYOUTS = ("attn_dp=2,moe_ep=2", "attn_tp=2,moe_ep=2", "attn_dp=2,moe_ep=2,redundant")
 BATCHES = (4, 16)

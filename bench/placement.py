@@ -6,7 +6,7 @@ ids, and a bursty trace whose hot experts change from window to window, folded i
 ExpertLoad's moving average) and a trace recorded from our own engine running builtin:tiny.
 Each trace is planned on three topologies with 80 slots (or the default spare slots when the
 experts are few). Every placement is scored by the same locality-first dispatch model
-(migrate.dispatch_model): per-GPU load gives `balance` (mean/max, averaged over layers) and
+(migrate.placement.dispatch_model): per-GPU load gives `balance` (mean/max, averaged over layers) and
 `worst_layer_balance`; cross-node token copies give `cross_node_fraction` and, times the hidden
 state's bytes, `cross_node_bytes`. EPLB (bench/eplb.py) runs both policies with 8 expert groups.
 """
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from relayout.bench.eplb import eplb_placement
-from relayout.migrate.planner import (
+from relayout.migrate.placement.planner import (
     DEFAULT_LOCALITY_WEIGHT,
     ExpertLoad,
     Placement,
@@ -106,9 +106,9 @@ def synthetic(name: str, s: float, *, experts: int = 64, layers: int = 8, tokens
 def engine_trace(prompts: int = 6, max_tokens: int = 8) -> Trace:
     """Routing recorded from LLMEngine('builtin:tiny'): counts from expert_stats(), co-activation
     by watching the router's top-k picks."""
-    from relayout.engine.engine import LLMEngine
-    from relayout.engine.moe import SparseMoE
-    from relayout.engine.session import SamplingParams
+    from relayout.engine.model.moe import SparseMoE
+    from relayout.engine.runtime.engine import LLMEngine
+    from relayout.engine.runtime.session import SamplingParams
 
     eng = LLMEngine("builtin:tiny")
     E, L = eng.cfg.num_experts, eng.cfg.num_layers

@@ -1,5 +1,5 @@
 """`relayout bench placement --engine`: a planned placement run in a real multi-rank replica, its
-measured balance and cross-rank traffic next to what the planner's model (migrate.dispatch_model)
+measured balance and cross-rank traffic next to what the planner's model (migrate.placement.dispatch_model)
 predicts for the same routed tokens (docs/benchmarks.md).
 
 A skewed workload (prompts drawn from a few hot token ids) is routed once on one rank to record each
@@ -16,10 +16,10 @@ from __future__ import annotations
 import random
 
 import numpy as np
-from relayout.engine.config import ModelConfig
-from relayout.engine.weights import resolve_model
-from relayout.migrate.dispatch_model import layer_dispatch
-from relayout.migrate.planner import plan_placement, redundant_for, to_layout
+from relayout.engine.model.config import ModelConfig
+from relayout.engine.model.weights import resolve_model
+from relayout.migrate.placement.dispatch_model import layer_dispatch
+from relayout.migrate.placement.planner import plan_placement, redundant_for, to_layout
 from rich.console import Console
 from rich.table import Table
 
@@ -36,8 +36,8 @@ def workload(sessions: int, seed: int = 0) -> list[list[int]]:
 
 
 def _run(layout, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], dict]:
-    from relayout.engine.engine import LLMEngine
-    from relayout.engine.session import SamplingParams
+    from relayout.engine.runtime.engine import LLMEngine
+    from relayout.engine.runtime.session import SamplingParams
 
     e = LLMEngine(MODEL, layout)
     try:

@@ -211,7 +211,7 @@ _SENDER = f"DISTINCT_MAX = {DISTINCT_MAX}\n" + """
 import os, socket, sys, time
 n, port, nice, seconds, mbps = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], float(sys.argv[4]), float(sys.argv[5])
 distinct = sys.argv[6] == "1"
-# as migrate.transport.background_thread lowers a pre-copy worker; not imported from there: it
+# as migrate.transport.base.background_thread lowers a pre-copy worker; not imported from there: it
 # loads torch, seconds in which a short session on the measured replica may finish decoding
 if nice == "idle":
     os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
@@ -262,7 +262,7 @@ def link_copy(nbytes: int = 512 << 20, sender_cpus: set[int] | None = None, nice
     """A plain TCP socket copy of `nbytes` (or for `seconds`, if that ends first) from another
     process (on `sender_cpus`, default anywhere) to this one, over loopback (where the bench's
     replicas talk): what the link itself moves. `nice`: both ends at that priority (a nice value,
-    or "idle" for SCHED_IDLE), as pre-copy's workers run (migrate.transport.precopy_nice): beside
+    or "idle" for SCHED_IDLE), as pre-copy's workers run (migrate.transport.base.precopy_nice): beside
     a decoding replica, what the link still moves for them. `mbps`: the sender paced at that many
     MB/s (a replication's byte rate), not as fast as it goes. `distinct`: every byte from (and into)
     memory of its own, paged in before the copy (up to DISTINCT_MAX each end), as a migration's
@@ -270,7 +270,7 @@ def link_copy(nbytes: int = 512 << 20, sender_cpus: set[int] | None = None, nice
     cache (what the plain probe sends: the link's best case)."""
     import socket
 
-    from relayout.migrate.transport import background_thread
+    from relayout.migrate.transport.base import background_thread
 
     res: dict[str, float | int] = {}
     with socket.create_server(("127.0.0.1", 0)) as srv:

@@ -18,11 +18,10 @@ import time
 from collections.abc import Callable
 
 import torch
-from relayout.engine.config import ModelConfig
-from relayout.engine.engine import LLMEngine
-from relayout.engine.placer import restore
-from relayout.engine.session import SamplingParams
-from relayout.engine.snapshot import (
+from relayout.engine.model.config import ModelConfig
+from relayout.engine.model.weights import resolve_model
+from relayout.engine.moves.placer import restore
+from relayout.engine.moves.snapshot import (
     CHUNK_TOKENS,
     SessionSnapshot,
     checkpoint,
@@ -32,10 +31,11 @@ from relayout.engine.snapshot import (
     take_snapshot,
     write_snapshot,
 )
-from relayout.engine.weights import resolve_model
+from relayout.engine.runtime.engine import LLMEngine
+from relayout.engine.runtime.session import SamplingParams
 from relayout.storage.checkpoint import CheckpointReader, CheckpointWriter
-from relayout.storage.chunks import pack_kv
-from relayout.storage.codecs import CODECS, measure_codecs
+from relayout.storage.format.chunks import pack_kv
+from relayout.storage.format.codecs import CODECS, measure_codecs
 from relayout.storage.stores import MemoryStore
 
 CODEC_SAMPLE_BYTES = 32 * 2**20  # zstd at ~0.3-1 GB/s on 2 cores: a sample keeps the bench short

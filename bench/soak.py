@@ -136,7 +136,7 @@ def run(count: int = 20, layouts: tuple[str, str] = ("attn_dp=1", "attn_tp=2"), 
     `count` times, checking every output against an undisturbed run; then compare RSS, open file
     descriptors, processes and KV blocks of both replicas with their baseline (taken after
     `warmup` migrations, once allocators and caches have settled)."""
-    from relayout.migrate.live import MigrationError, MigrationPlan, migrate_live
+    from relayout.migrate.protocol.live import MigrationError, MigrationPlan, migrate_live
 
     if count < 1 or sessions < 1:
         raise ValueError("count and sessions must be >= 1")

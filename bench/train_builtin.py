@@ -1,12 +1,12 @@
 """Train the builtin models' weights so a completion reads as words: `python -m relayout.bench.train_builtin`.
 
-The builtin models are byte-level (engine/builtin.py: 256 bytes, BOS, EOS). Random weights answer
+The builtin models are byte-level (engine/model/builtin.py: 256 bytes, BOS, EOS). Random weights answer
 "hello" with control bytes, which looks broken to a person trying the product. This script trains
 `builtin:tiny` and `builtin:tiny-mixtral` (their shapes unchanged: the tests' KV sizes and the benches
 stay comparable) on short stories it generates itself from a fixed word list (deterministic seed; no
 download), with transformers' own implementation of each architecture, starting from the builtin
-random initialisation; it writes `engine/builtin_weights/NAME.safetensors` (float32, under 1 MB
-each), which engine/builtin.py loads in place of the random weights. A few minutes on 2 CPU cores.
+random initialisation; it writes `engine/model/builtin_weights/NAME.safetensors` (float32, under 1 MB
+each), which engine/model/builtin.py loads in place of the random weights. A few minutes on 2 CPU cores.
 
 `builtin:bench` stays random: at its shapes (8 layers, hidden 512, 16 experts) the weights are ~160 MB,
 not package data, and it exists to measure KV movement, not to be read. The untrained tiny model stays
@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 NAMES = ("tiny", "tiny-mixtral")
-OUT = Path(__file__).resolve().parent.parent / "engine" / "builtin_weights"
+OUT = Path(__file__).resolve().parent.parent / "engine" / "model" / "builtin_weights"
 SEED = 20261207
 
 _NAMES = ["Tom", "Lily", "Max", "Anna", "Ben", "Sue", "Mia", "Sam"]
@@ -62,7 +62,7 @@ def corpus(n_stories: int, seed: int = SEED) -> bytes:
 
 
 def train(name: str, steps: int, seq: int = 1024, batch: int = 6, lr: float = 3e-3, log=print) -> dict:
-    from relayout.engine.builtin import create_builtin
+    from relayout.engine.model.builtin import create_builtin
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(SEED)

@@ -193,7 +193,7 @@ class KVCache:
         self.block_size = block_size
         self.compute_dtype = compute_dtype or dtype  # what attention reads
         shape = (num_blocks, block_size, kv_heads, head_dim)
-        # `tensors`: K and V per layer already allocated (zeroed), e.g. in shared memory (engine.shared_kv)
+        # `tensors`: K and V per layer already allocated (zeroed), e.g. in shared memory (engine.ranks.shared_kv)
         self.k = tensors[0] if tensors else [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = tensors[1] if tensors else [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         # float8 pools: a float32 scale per token per KV head beside them (value = fp8 * scale). Per token
@@ -319,7 +319,7 @@ class KVCache:
                     scale_out: torch.Tensor | None = None, hasher: Hasher | None = None) -> None:
         """K, V of one layer, tokens [tok_lo, tok_hi), into `out` ([2, kv_heads, tokens, head_dim], any
         device/dtype): straight from the pool, one copy per run of consecutive blocks and K/V, no
-        staging. A token-major `out` (a chunk, see storage.chunks.new_kv_chunk) makes each of those
+        staging. A token-major `out` (a chunk, see storage.format.chunks.new_kv_chunk) makes each of those
         one contiguous memcpy, the pool's rows being [tokens, heads, head_dim] too. A quantised pool
         also needs `scale_out` ([2, kv_heads, tokens], float32): the values are copied as stored.
         `hasher` (a CPU, token-major `out`): fed all of `out`'s bytes in memory order, each piece of

@@ -3,7 +3,7 @@ that launches a replica, agent, gateway or rank child and reads the URL it print
 Used by the agent, the re-layout controller, `relayout up`, the benches and the tests.
 
 Every child is started through an entry point of the layer it belongs to: replicas with
-`python -m relayout.migrate.serve`, gateways with `python -m relayout.migrate.gateway`, agents
+`python -m relayout.migrate.replica.serve`, gateways with `python -m relayout.migrate.gateway.app`, agents
 (and `relayout up`) with `python -m relayout.agent.cli`."""
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-REPLICA_MODULE = "relayout.migrate.serve"  # the replica server's entry point (flags as `relayout serve`)
-GATEWAY_MODULE = "relayout.migrate.gateway"
+REPLICA_MODULE = "relayout.migrate.replica.serve"  # the replica server's entry point (flags as `relayout serve`)
+GATEWAY_MODULE = "relayout.migrate.gateway.app"
 CLI_MODULE = "relayout.agent.cli"  # agents (`agent`) and `relayout up`
-RANK_MODULE = "relayout.engine.rank"  # one remote rank of a multi-host replica
+RANK_MODULE = "relayout.engine.ranks.rank"  # one remote rank of a multi-host replica
 
 # The line every relayout server prints once it is listening, e.g. "relayout serving builtin:tiny on
 # http://127.0.0.1:8000", "relayout agent on http://...", "relayout gateway on http://..."; group 1 is its URL.
@@ -238,13 +238,13 @@ def agent(*args: str, env: Mapping[str, str | None] | None = None, **kw) -> Proc
 
 
 def gateway(*args: str, env: Mapping[str, str | None] | None = None, **kw) -> Proc:
-    """A gateway: `python -m relayout.migrate.gateway *args` (e.g. "--agent", URL, "--port", "0")."""
+    """A gateway: `python -m relayout.migrate.gateway.app *args` (e.g. "--agent", URL, "--port", "0")."""
     kw.setdefault("what", "gateway")
     return start(GATEWAY_MODULE, *args, env=env, **kw)
 
 
 def rank(*args: str, env: Mapping[str, str | None] | None = None, **kw) -> Proc:
-    """One remote rank of a multi-host replica (`python -m relayout.engine.rank *args`, torchrun-style `env`). It prints
+    """One remote rank of a multi-host replica (`python -m relayout.engine.ranks.rank *args`, torchrun-style `env`). It prints
     no URL: started without waiting (pass `wait=True` and a `ready` pattern to wait for a line)."""
     kw.setdefault("wait", False)
     kw.setdefault("what", "rank")

@@ -16,11 +16,11 @@ from typing import Any
 # name -> the submodule that defines it (import from the submodule itself where a type checker should see it)
 _EXPORTS = {
     **dict.fromkeys(("CheckpointReader", "CheckpointWriter"), "checkpoint"),
-    **dict.fromkeys(("chunk_hash", "pack_kv", "unpack_kv"), "chunks"),
-    **dict.fromkeys(("CODECS", "decode", "encode", "measure_codecs"), "codecs"),
+    **dict.fromkeys(("chunk_hash", "pack_kv", "unpack_kv"), "format.chunks"),
+    **dict.fromkeys(("CODECS", "decode", "encode", "measure_codecs"), "format.codecs"),
     **dict.fromkeys(("CheckpointNotFound", "ChunkMissing", "CorruptCheckpoint", "ModelMismatch", "StorageError"),
                     "errors"),
-    **dict.fromkeys(("ChunkRef", "KVEntry", "KVGeometry", "Manifest", "ModelRef", "SessionEntry"), "manifest"),
+    **dict.fromkeys(("ChunkRef", "KVEntry", "KVGeometry", "Manifest", "ModelRef", "SessionEntry"), "format.manifest"),
     **dict.fromkeys(("LocalStore", "MemoryStore", "S3Store", "Store", "open_store"), "stores"),
     **dict.fromkeys(("FrameDecoder", "StreamAborted", "StreamReceiver", "encode_abort_frame", "encode_chunk_frame",
                      "encode_manifest_frame", "iter_checkpoint_frames"), "stream"),

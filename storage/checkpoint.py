@@ -15,11 +15,18 @@ from types import TracebackType
 from typing import Any
 
 import torch
-from relayout.storage.chunks import dtype_name, kv_scaled_view, kv_view, pack_kv, parallel_map
 from relayout.storage.errors import CorruptCheckpoint, ModelMismatch
-from relayout.storage.manifest import KVEntry, KVGeometry, Manifest, ModelRef, SessionEntry, coverage_gap
-from relayout.storage.pieces import ChunkPieces, pack_in_place
-from relayout.storage.store_base import Store, check_id
+from relayout.storage.format.chunks import dtype_name, kv_scaled_view, kv_view, pack_kv, parallel_map
+from relayout.storage.format.manifest import (
+    KVEntry,
+    KVGeometry,
+    Manifest,
+    ModelRef,
+    SessionEntry,
+    coverage_gap,
+)
+from relayout.storage.format.pieces import ChunkPieces, pack_in_place
+from relayout.storage.stores.base import Store, check_id
 
 ProgressFn = Callable[[int], None]  # called with the cumulative bytes written
 
@@ -301,7 +308,7 @@ class CheckpointReader:
 
     def kv_stored(self, session_id: str, layer: int, head_lo: int, head_hi: int) -> Iterator[tuple[KVEntry, bytes]]:
         """kv_pieces' entries (range and coverage checked) with their chunks' stored bytes, NOT verified:
-        for a caller that hashes each chunk as it copies it (storage.chunks.kv_stream_view) and checks
+        for a caller that hashes each chunk as it copies it (storage.format.chunks.kv_stream_view) and checks
         the hash before it uses what it copied; read-only."""
         return ((e, self.store.get_chunk(e.chunk.hash)) for e in self._covering(session_id, layer, head_lo, head_hi))
 

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pydantic import ValidationError
-from relayout.storage.chunks import new_buffer, verify_chunk
 from relayout.storage.errors import ChunkMissing, CorruptCheckpoint, StorageError
-from relayout.storage.manifest import MAX_MANIFEST_BYTES, ChunkRef, Manifest
-from relayout.storage.store_base import Store
+from relayout.storage.format.chunks import new_buffer, verify_chunk
+from relayout.storage.format.manifest import MAX_MANIFEST_BYTES, ChunkRef, Manifest
+from relayout.storage.stores.base import Store
 
 MAGIC_CHUNK = b"RLC1"
 MAGIC_MANIFEST = b"RLM1"
@@ -54,7 +54,7 @@ class Frame:
 
 class PayloadSink(Protocol):
     """Where a chunk frame's payload goes instead of a buffer of its own, as it arrives (a KV pool's
-    rows: engine.kv_stream). The sink hashes what it is given; `finish` refuses bytes that do not
+    rows: engine.moves.kv_stream). The sink hashes what it is given; `finish` refuses bytes that do not
     hash to the chunk's reference (CorruptCheckpoint), and until then nothing may use them."""
 
     def want(self) -> memoryview: ...  # where the payload's next bytes go (not empty while any remain)

@@ -3,7 +3,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from relayout.engine.rank_channel import free_port
+from relayout.engine.ranks.rank_channel import free_port
 
 # Keep 2-core CI machines responsive; every test process is small.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))

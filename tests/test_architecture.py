@@ -4,8 +4,12 @@ Every .py under engine/, storage/, migrate/, agent/ and bench/ is parsed with `a
 every `import x` / `from x import y` (also those inside functions and `if TYPE_CHECKING:`) and every
 `importlib.import_module("...")` with a literal name. Checked:
 - layering: agent -> migrate -> engine -> storage, bench on top; nothing imports upward;
-- no import cycle among the modules, counting load-time imports only;
-- no source or test file over MAX_LINES lines, agent/cli.py excepted.
+- within a layer, the subsystems (its subpackages, and the modules at its top) import only those
+  SUBSYSTEMS allows, and that table has no cycle: each concern lives in one folder and leans on
+  the ones below it;
+- no folder holds more than MAX_MODULES modules at its top; every package is in pyproject's list;
+- no product function (engine, storage, migrate, agent) over MAX_FUNCTION_LINES lines;
+- no import cycle among the modules, counting load-time imports only.
 The walker is also run on small synthetic trees, so each check is shown to fail when it should.
 """
 
@@ -22,9 +26,52 @@ ROOT = Path(__file__).resolve().parents[1]
 DIST = "relayout"
 # Lowest layer first: a package may import its own modules and those of lower layers only.
 LAYERS = ("storage", "engine", "migrate", "agent", "bench")
-MAX_LINES = 450
-SIZE_EXEMPT = {"agent/cli.py"}  # one function per sub-command; long by nature, flat by design
-SIZE_CHECKED = (*LAYERS, "tests")
+PRODUCT = ("storage", "engine", "migrate", "agent")  # bench is tooling: layered, not held to the rest
+MAX_MODULES = 15  # .py files at a folder's top, __init__ included
+MAX_FUNCTION_LINES = 80
+# Which subsystem of a layer may import which other of the same layer (beside itself): a subsystem
+# is a subpackage (engine.model) or a module at the layer's top (engine.web). Lower layers are
+# always allowed (the layering above); a new subsystem must be added here to exist.
+SUBSYSTEMS: dict[str, set[str]] = {
+    # storage: the format's values, then where they are kept, then checkpoints and streams of both
+    "storage": set(),  # __init__: lazy names only (importlib, not a literal import)
+    "storage.errors": set(),
+    "storage.settings": set(),
+    "storage.format": {"storage.errors", "storage.settings"},
+    "storage.stores": {"storage.errors", "storage.format"},
+    "storage.checkpoint": {"storage.errors", "storage.format", "storage.stores"},
+    "storage.stream": {"storage.errors", "storage.format", "storage.stores"},
+    # engine: the shared toolkit, the model, its ranks, the serving loop, sessions moving, the faces
+    "engine": set(),
+    "engine.web": set(),
+    "engine.tracing": set(),
+    "engine.kv_cache": set(),
+    "engine.model": {"engine.kv_cache", "engine.tracing"},
+    "engine.ranks": {"engine.kv_cache", "engine.tracing", "engine.model"},
+    "engine.runtime": {"engine.kv_cache", "engine.tracing", "engine.model", "engine.ranks"},
+    "engine.moves": {"engine.kv_cache", "engine.tracing", "engine.model", "engine.ranks", "engine.runtime"},
+    "engine.api": {"engine.web", "engine.kv_cache", "engine.tracing", "engine.model", "engine.ranks",
+                   "engine.runtime", "engine.moves"},
+    "engine.vllm": {"engine.web", "engine.tracing", "engine.model", "engine.ranks", "engine.runtime",
+                    "engine.moves", "engine.api"},
+    # migrate: transports carry the protocol's rounds; protection and placement use the protocol;
+    # a replica process assembles them all; the gateway stands apart
+    "migrate": set(),
+    "migrate.procs": set(),
+    "migrate.transport": set(),
+    "migrate.protocol": {"migrate.procs", "migrate.transport"},
+    "migrate.protection": {"migrate.procs", "migrate.transport", "migrate.protocol"},
+    "migrate.placement": {"migrate.procs", "migrate.protocol"},
+    "migrate.replica": {"migrate.procs", "migrate.transport", "migrate.protocol", "migrate.protection"},
+    "migrate.gateway": {"migrate.procs"},
+    # agent: its node's state, the routes over it, the REST clients, and the app and CLI on top
+    "agent": set(),
+    "agent.node": set(),
+    "agent.routes": {"agent.node"},
+    "agent.commands": {"agent.node"},
+    "agent.agent": {"agent.node", "agent.routes"},
+    "agent.cli": {"agent.node", "agent.routes", "agent.commands", "agent.agent"},
+}
 # Imports that the layering allows although they run upward: none. The CLI's bench commands and
 # `relayout plan`'s EPLB yardstick come in through entry points, loaded by name.
 ALLOWED_UPWARD: set[tuple[str, str]] = set()  # none: plugins come in through entry points
@@ -161,15 +208,64 @@ def import_cycle(imports: list[Import]) -> list[str] | None:
     return None
 
 
-def oversized(root: Path, dirs: tuple[str, ...] = SIZE_CHECKED, limit: int = MAX_LINES,
-              exempt: set[str] = SIZE_EXEMPT) -> list[str]:
+def subsystem_of(root: Path, module: str) -> str | None:
+    """relayout.engine.model.moe -> engine.model; relayout.engine.web -> engine.web (a top module)."""
+    parts = module.split(".")
+    if len(parts) < 2 or parts[0] != DIST or parts[1] not in PRODUCT:
+        return None
+    if len(parts) == 2:
+        return parts[1]
+    return f"{parts[1]}.{parts[2]}"
+
+
+def subsystem_violations(root: Path, imports: list[Import],
+                         table: dict[str, set[str]] = SUBSYSTEMS) -> list[str]:
+    bad = set()
+    for imp in imports:
+        src, dst = subsystem_of(root, imp.source), subsystem_of(root, imp.target)
+        if src is None:
+            continue
+        if src not in table:
+            bad.add(f"{imp.source}: subsystem {src} is not in SUBSYSTEMS (say what it may import)")
+            continue
+        if dst is None or dst == src or dst.split(".")[0] != src.split(".")[0] or dst == dst.split(".")[0]:
+            continue  # another layer (the layering's business), itself, or its layer's package
+        if dst not in table[src]:
+            bad.add(f"{imp.source}:{imp.line} imports {imp.target} ({src} may not import {dst})")
+    return sorted(bad)
+
+
+def table_cycle(table: dict[str, set[str]] = SUBSYSTEMS) -> list[str] | None:
+    try:
+        graphlib.TopologicalSorter(table).prepare()
+    except graphlib.CycleError as e:
+        return list(e.args[1])
+    return None
+
+
+def crowded_folders(root: Path, dirs: tuple[str, ...] = LAYERS, limit: int = MAX_MODULES) -> list[str]:
+    folders = {p.parent for p in source_files(root, dirs)}
+    out = []
+    for d in sorted(folders):
+        n = len(list(d.glob("*.py")))
+        if n > limit:
+            out.append(f"{d.relative_to(root).as_posix()}/: {n} modules")
+    return out
+
+
+def long_functions(root: Path, dirs: tuple[str, ...] = PRODUCT, limit: int = MAX_FUNCTION_LINES) -> list[str]:
     out = []
     for path in source_files(root, dirs):
-        rel = path.relative_to(root).as_posix()
-        n = len(path.read_text().splitlines())
-        if n > limit and rel not in exempt:
-            out.append(f"{rel}: {n} lines")
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > limit:
+                    out.append(f"{path.relative_to(root).as_posix()}:{node.lineno} {node.name}: {n} lines")
     return out
+
+
+def packages_on_disk(root: Path, dirs: tuple[str, ...] = LAYERS) -> set[str]:
+    return {module_name(root, p) for p in source_files(root, dirs) if p.name == "__init__.py"}
 
 
 # ---- the repository ---------------------------------------------------------------------------------
@@ -182,9 +278,9 @@ def test_walker_sees_the_tree(repo_imports):
     # a walker that found nothing would pass every check below
     sources = {imp.source for imp in repo_imports}
     assert {layer_of(s) for s in sources} == set(LAYERS)
-    assert any(imp.source == "relayout.agent.cli" and imp.target.startswith("relayout.migrate.plan_cli")
+    assert any(imp.source == "relayout.agent.cli" and imp.target.startswith("relayout.migrate.placement.plan_cli")
                and not imp.load_time for imp in repo_imports)  # an import inside a function
-    assert any(imp.source == "relayout.engine.engine" and imp.target == "relayout.engine.workers"
+    assert any(imp.source == "relayout.engine.runtime.engine" and imp.target == "relayout.engine.ranks.workers"
                and not imp.load_time for imp in repo_imports)  # under `if TYPE_CHECKING:`
 
 
@@ -205,9 +301,36 @@ def test_no_import_cycles(repo_imports):
     assert cycle is None, "load-time import cycle: " + " -> ".join(cycle)
 
 
-def test_no_file_over_the_size_limit():
-    big = oversized(ROOT)
-    assert not big, f"files over {MAX_LINES} lines (split them by concern):\n" + "\n".join(big)
+def test_subsystems_import_only_what_the_table_allows(repo_imports):
+    bad = subsystem_violations(ROOT, repo_imports)
+    assert not bad, "imports across subsystems that SUBSYSTEMS does not allow:\n" + "\n".join(bad)
+
+
+def test_the_subsystem_table_has_no_cycle_and_names_what_exists():
+    assert table_cycle() is None, table_cycle()
+    on_disk = {subsystem_of(ROOT, module_name(ROOT, p)) for p in source_files(ROOT, PRODUCT)}
+    assert on_disk == set(SUBSYSTEMS), (on_disk ^ set(SUBSYSTEMS))
+
+
+def test_each_product_folder_holds_subpackages_and_few_modules_at_its_top():
+    for layer in PRODUCT:
+        subs = [d for d in (ROOT / layer).iterdir() if (d / "__init__.py").is_file()]
+        assert len(subs) >= 2, f"{layer}/ holds {len(subs)} subpackage(s)"
+    crowded = crowded_folders(ROOT)
+    assert not crowded, f"folders with more than {MAX_MODULES} modules at their top (split by concern):\n" + \
+        "\n".join(crowded)
+
+
+def test_no_product_function_over_the_limit():
+    long = long_functions(ROOT)
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines (split into stages):\n" + "\n".join(long)
+
+
+def test_every_package_is_installed():
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    assert listed == packages_on_disk(ROOT)
 
 
 # ---- the checks themselves, on synthetic trees ------------------------------------------------------------
@@ -262,7 +385,29 @@ def test_cycle_check_finds_load_time_cycles_only(tmp_path):
     assert import_cycle(walk_imports(root)) is None
 
 
-def test_size_check_lists_offenders(tmp_path):
-    root = _tree(tmp_path, {"engine/big.py": "x = 1\n" * 451, "engine/ok.py": "x = 1\n" * 450,
-                            "agent/cli.py": "x = 1\n" * 900, "tests/test_big.py": "x = 1\n" * 500})
-    assert oversized(root) == ["engine/big.py: 451 lines", "tests/test_big.py: 500 lines"]
+def test_subsystem_check_flags_sideways_imports_and_cycles(tmp_path):
+    root = _tree(tmp_path, {
+        "engine/__init__.py": "", "engine/web.py": "",
+        "engine/model/__init__.py": "", "engine/model/moe.py": "from relayout.engine.runtime import engine\n",
+        "engine/runtime/__init__.py": "", "engine/runtime/engine.py": "from relayout.engine.model.moe import M\n"
+                                                                         "from relayout.engine import web\n",
+        "engine/extra/__init__.py": "", "engine/extra/x.py": "from relayout.storage import errors\n",
+    })
+    table = {"engine": set(), "engine.web": set(), "engine.model": set(), "engine.runtime": {"engine.model"}}
+    bad = subsystem_violations(root, walk_imports(root), table)
+    assert any(b.startswith("relayout.engine.model.moe:1 imports relayout.engine.runtime") for b in bad), bad
+    assert any("relayout.engine.runtime.engine:2 imports relayout.engine.web" in b for b in bad), bad
+    assert any("subsystem engine.extra is not in SUBSYSTEMS" in b for b in bad), bad
+    assert len(bad) == 3, bad
+    assert table_cycle({"a": {"b"}, "b": {"a"}}) is not None and table_cycle(table) is None
+
+
+def test_folder_and_function_checks_list_offenders(tmp_path):
+    body = "def f():\n" + "    x = 1\n" * 80  # 81 lines
+    files = {f"engine/m{i}.py": "" for i in range(15)} | {"migrate/ok.py": "def g():\n    pass\n",
+                                                          "migrate/long.py": body, "bench/long.py": body}
+    root = _tree(tmp_path, files)
+    assert crowded_folders(root) == []
+    (root / "engine/m15.py").write_text("")
+    assert crowded_folders(root) == ["engine/: 16 modules"]
+    assert long_functions(root) == ["migrate/long.py:1 f: 81 lines"]  # bench is not product

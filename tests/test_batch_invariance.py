@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from relayout.engine.batch_invariant import linear
-from relayout.engine.engine import LLMEngine
-from relayout.engine.session import SamplingParams
+from relayout.engine.model.batch_invariant import linear
+from relayout.engine.runtime.engine import LLMEngine
+from relayout.engine.runtime.session import SamplingParams
 
 N = 16
 # joins: engine steps run before each next session is added (all at once, then staggered)

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from relayout.engine.engine import LLMEngine
-from relayout.engine.placer import restore
-from relayout.engine.session import SamplingParams
-from relayout.engine.snapshot import SessionSnapshot, geometry, model_ref, take_snapshot, write_snapshot
+from relayout.engine.moves.placer import restore
+from relayout.engine.moves.snapshot import SessionSnapshot, geometry, model_ref, take_snapshot, write_snapshot
+from relayout.engine.runtime.engine import LLMEngine
+from relayout.engine.runtime.session import SamplingParams
 from relayout.storage.checkpoint import CheckpointReader, CheckpointWriter
-from relayout.storage.chunks import chunk_hash
+from relayout.storage.format.chunks import chunk_hash
 from relayout.storage.stores import LocalStore
 
 PROMPTS = [[1, 5, 9], [7] * 20, list(range(10, 47)), [42, 43], list(range(60, 75))]
@@ -141,7 +141,7 @@ def test_bf16_restore(engines, undisturbed, src, dst, tmp_path):
 def test_fp8_checkpoint_into_a_multi_rank_replica_is_refused_untouched(engines, tmp_path):
     """fp8 KV (values with their scales) moves only into a one-rank CPU replica for now: a multi-rank
     target refuses it with the reason, before any block is taken."""
-    from relayout.engine.snapshot import RestoreError, checkpoint
+    from relayout.engine.moves.snapshot import RestoreError, checkpoint
 
     fp8 = LLMEngine("builtin:tiny", kv_dtype="fp8_e4m3", max_prefill_tokens=16)
     try:

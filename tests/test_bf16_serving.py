@@ -9,7 +9,7 @@ import shutil
 
 import httpx
 import pytest
-from relayout.engine.weights import resolve_model
+from relayout.engine.model.weights import resolve_model
 from relayout.migrate import procs
 
 from tests.helpers.migration import finish_moved, idle, migrate_with_streams, reference, replica_state

@@ -7,11 +7,11 @@ import threading
 import httpx
 import pytest
 from openai import OpenAI
-from relayout.engine.builtin import create_builtin
-from relayout.engine.chat import ChatTemplate, load_chat_template
-from relayout.engine.engine import RequestError
+from relayout.engine.api.chat import ChatTemplate, load_chat_template
+from relayout.engine.model.builtin import create_builtin
+from relayout.engine.runtime.engine import RequestError
 from relayout.migrate import procs
-from relayout.migrate.live import migrate_live
+from relayout.migrate.protocol.live import migrate_live
 
 # exercises what transformers' environment adds: namespace, loop controls, tojson, raise_exception,
 # the generation tag, the special tokens, trim_blocks / lstrip_blocks

@@ -4,11 +4,11 @@ import itertools
 import json
 
 import pytest
-from relayout.engine.engine import LLMEngine
-from relayout.engine.layout import Layout
-from relayout.engine.placer import restore
-from relayout.engine.session import SamplingParams
-from relayout.engine.snapshot import RestoreError, checkpoint
+from relayout.engine.model.layout import Layout
+from relayout.engine.moves.placer import restore
+from relayout.engine.moves.snapshot import RestoreError, checkpoint
+from relayout.engine.runtime.engine import LLMEngine
+from relayout.engine.runtime.session import SamplingParams
 from relayout.storage.checkpoint import CheckpointReader, CheckpointWriter
 from relayout.storage.errors import ChunkMissing, CorruptCheckpoint, ModelMismatch
 from relayout.storage.stores import LocalStore, S3Store

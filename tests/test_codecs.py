@@ -11,11 +11,11 @@ import torch
 import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from relayout.storage import codecs
-from relayout.storage.chunks import chunk_hash, pack_kv, unpack_kv
-from relayout.storage.codecs import CODECS, PLANES_MARK, decode, encode, measure_codecs
 from relayout.storage.errors import CorruptCheckpoint
-from relayout.storage.manifest import ChunkRef
+from relayout.storage.format import codecs
+from relayout.storage.format.chunks import chunk_hash, pack_kv, unpack_kv
+from relayout.storage.format.codecs import CODECS, PLANES_MARK, decode, encode, measure_codecs
+from relayout.storage.format.manifest import ChunkRef
 
 
 def old_zstd_planes(raw: bytes, itemsize: int) -> bytes:

@@ -1,4 +1,4 @@
-"""GPU checks of the KV stager (engine/staging.py); skipped without CUDA.
+"""GPU checks of the KV stager (engine/ranks/staging.py); skipped without CUDA.
 
 deploy/gpu/run_gpu_checks.sh runs these on a CUDA machine (`pytest -m cuda`). Figures go to
 stdout and, when RELAYOUT_GPU_RESULTS names a file, one JSON line per test into it.
@@ -43,7 +43,7 @@ def make_kv(layers=4, blocks=256, heads=4, dim=64, dtype=torch.float32, seed=0):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_export_import_bit_exact(dtype):
-    from relayout.engine.staging import KVStager
+    from relayout.engine.ranks.staging import KVStager
 
     kv = make_kv(dtype=dtype)
     st = KVStager(DEV, max_bytes=1 << 28, chunk_bytes=1 << 16)  # small chunks: many copies per layer
@@ -72,10 +72,10 @@ def test_export_import_bit_exact(dtype):
 def test_runner_snapshot_restore_roundtrip_on_cuda():
     """The engine's own path (ModelRunner.export_kv/import_kv through the stager): a checkpoint
     restored into a second replica continues with the same tokens."""
-    from relayout.engine.engine import LLMEngine
-    from relayout.engine.placer import restore
-    from relayout.engine.session import SamplingParams
-    from relayout.engine.snapshot import checkpoint, new_checkpoint_id
+    from relayout.engine.moves.placer import restore
+    from relayout.engine.moves.snapshot import checkpoint, new_checkpoint_id
+    from relayout.engine.runtime.engine import LLMEngine
+    from relayout.engine.runtime.session import SamplingParams
     from relayout.storage.checkpoint import CheckpointReader, CheckpointWriter
     from relayout.storage.stores import MemoryStore
 
@@ -119,7 +119,7 @@ def _gbps(nbytes: int, fn, reps: int = 5) -> float:
 def test_d2h_gbps_stager_vs_raw_pinned_copy():
     """Stager export (gather + D2H into pinned staging, waited for) vs a raw pinned `copy_` of
     the same bytes from one contiguous device tensor; the old path (index + .cpu()) for contrast."""
-    from relayout.engine.staging import KVStager
+    from relayout.engine.ranks.staging import KVStager
 
     layers, heads, dim = 8, 8, 128  # builtin:bench's KV geometry: 64 KiB per token in float32
     tokens = 16384  # 1 GiB
@@ -171,9 +171,9 @@ def test_d2h_gbps_stager_vs_raw_pinned_copy():
 def test_decode_continues_while_snapshot_drains():
     """Decode steps on the compute stream while a 2 GiB export drains on the copy stream: steps
     complete before the export does, and their time is compared with steps without one."""
-    from relayout.engine.engine import LLMEngine
-    from relayout.engine.session import SamplingParams
-    from relayout.engine.staging import KVStager
+    from relayout.engine.ranks.staging import KVStager
+    from relayout.engine.runtime.engine import LLMEngine
+    from relayout.engine.runtime.session import SamplingParams
 
     eng = LLMEngine("builtin:bench", device="cuda", kv_cache_bytes=3 << 30)
     try:

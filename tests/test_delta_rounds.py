@@ -1,17 +1,17 @@
-"""Protection rounds as deltas (engine.receive + storage's SessionEntry.kv_from): each round lists a
+"""Protection rounds as deltas (engine.moves.receive + storage's SessionEntry.kv_from): each round lists a
 session's KV from what the receiver holds on; the receiver imports a chain of them into the same
 blocks, and refuses a round that does not continue what it holds, reserving nothing."""
 
 from __future__ import annotations
 
 import pytest
-from relayout.engine.engine import LLMEngine
-from relayout.engine.receive import abort_incoming, receive_round
-from relayout.engine.session import SamplingParams
-from relayout.engine.snapshot import RestoreError, geometry, model_ref, take_snapshot, write_snapshot
+from relayout.engine.moves.receive import abort_incoming, receive_round
+from relayout.engine.moves.snapshot import RestoreError, geometry, model_ref, take_snapshot, write_snapshot
+from relayout.engine.runtime.engine import LLMEngine
+from relayout.engine.runtime.session import SamplingParams
 from relayout.storage.checkpoint import CheckpointWriter
 from relayout.storage.errors import CorruptCheckpoint
-from relayout.storage.manifest import Manifest
+from relayout.storage.format.manifest import Manifest
 from relayout.storage.stores import MemoryStore
 
 from tests.helpers.migration import Incoming

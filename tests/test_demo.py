@@ -1,4 +1,4 @@
-"""`relayout demo` (agent/demo.py): the tour a new user runs. Its check is real (the streamed text against an
+"""`relayout demo` (agent/commands/demo.py): the tour a new user runs. Its check is real (the streamed text against an
 undisturbed run of the same request), the move happens mid-stream, and Ctrl-C leaves nothing running."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_the_demo_moves_the_story_mid_stream_and_its_text_equals_an_undisturbed_run():
-    from relayout.agent.demo import run_demo
+    from relayout.agent.commands.demo import run_demo
 
     shown: list[str] = []
     res = run_demo(shown.append, lambda m: None)

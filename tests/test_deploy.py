@@ -302,7 +302,7 @@ def test_k8s_controller_and_gateway(rendered):
 
 def test_k8s_topology_example_parses():
     """The ConfigMap's topology.yaml is a valid fleet topology (when the planner's model is present)."""
-    topology = pytest.importorskip("relayout.migrate.topology")
+    topology = pytest.importorskip("relayout.migrate.placement.topology")
     cm = _one(render(K8S_BASE), "ConfigMap", "relayout-config")
     topo = topology.Topology.from_dict(yaml.safe_load(cm["data"]["topology.yaml"]))
     assert len(topo.devices()) == 16

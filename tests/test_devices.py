@@ -1,4 +1,4 @@
-"""Each replica its own accelerators (agent/devices.py): dealt from the node's free set for the
+"""Each replica its own accelerators (agent/node/devices.py): dealt from the node's free set for the
 layout's world size, refused (409) naming need and have, freed when the replica stops. The node's
 device list is injected (`RELAYOUT_DEVICES`): this machine has none."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from relayout.agent.devices import plan_devices
+from relayout.agent.node.devices import plan_devices
 from relayout.engine.web import HTTPError
 
 from tests.helpers.agents import TOKEN, H, start_agent, stop

@@ -6,7 +6,7 @@ sessions finish on the target with exactly the tokens of an undisturbed run."""
 from __future__ import annotations
 
 import pytest
-from relayout.migrate.live import MigrationPlan, migrate_live
+from relayout.migrate.protocol.live import MigrationPlan, migrate_live
 
 from tests.helpers.migration import Moved, finish_moved, idle, port_of, reference, replica_pair, streams_on
 from tests.helpers.proxy import Proxy

@@ -1,6 +1,6 @@
-"""The dispatch rule is one rule: the engine's per-rank candidate tables (engine.dispatch) moved token
+"""The dispatch rule is one rule: the engine's per-rank candidate tables (engine.model.dispatch) moved token
 by token give exactly the per-device loads and cross-node copies the planner's model
-(migrate.dispatch_model.layer_dispatch) predicts; and in a real 2-rank replica a placement with a copy
+(migrate.placement.dispatch_model.layer_dispatch) predicts; and in a real 2-rank replica a placement with a copy
 of every expert on every rank sends no token across ranks, with tokens equal to world-1's."""
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ import random
 
 import numpy as np
 import pytest
-from relayout.engine.dispatch import candidate_slots
-from relayout.migrate.dispatch_model import layer_dispatch
+from relayout.engine.model.dispatch import candidate_slots
+from relayout.migrate.placement.dispatch_model import layer_dispatch
 
 
 def _simulate(row: list[int], load: list[int], D: int, node_of: list[int]) -> tuple[np.ndarray, float]:
     """Every device starts with load[e] / D tokens of each expert e and sends each over its candidate
-    slots round-robin, token by token, as engine.moe does."""
+    slots round-robin, token by token, as engine.model.moe does."""
     spd = len(row) // D
     per_dev = np.zeros(D)
     cross = 0
@@ -60,9 +60,9 @@ def test_replica_with_every_expert_on_every_rank_keeps_tokens_on_their_rank():
     a2a_bytes off the diagonal stay zero, and greedy and seeded tokens equal world-1's."""
     import json
 
-    from relayout.engine.engine import LLMEngine
-    from relayout.engine.layout import Layout
-    from relayout.engine.session import SamplingParams
+    from relayout.engine.model.layout import Layout
+    from relayout.engine.runtime.engine import LLMEngine
+    from relayout.engine.runtime.session import SamplingParams
 
     def run(layout: Layout | str) -> tuple[list[list[int]], dict]:
         e = LLMEngine("builtin:tiny", layout)
@@ -75,8 +75,8 @@ def test_replica_with_every_expert_on_every_rank_keeps_tokens_on_their_rank():
         finally:
             e.shutdown()
 
-    from relayout.engine.config import ModelConfig
-    from relayout.engine.weights import resolve_model
+    from relayout.engine.model.config import ModelConfig
+    from relayout.engine.model.weights import resolve_model
 
     cfg = ModelConfig.from_dir(resolve_model("builtin:tiny"))
     E = cfg.num_experts

@@ -4,10 +4,10 @@ names refused, fp8 KV against bf16 KV. (bfloat16 checkpoints across layouts: tes
 import pytest
 import torch
 from relayout.storage.checkpoint import CheckpointReader, CheckpointWriter
-from relayout.storage.chunks import chunk_hash, kv_view, new_kv_chunk, pack_kv, unpack_kv
-from relayout.storage.codecs import CODECS
 from relayout.storage.errors import CorruptCheckpoint
-from relayout.storage.manifest import KVGeometry, ModelRef
+from relayout.storage.format.chunks import chunk_hash, kv_view, new_kv_chunk, pack_kv, unpack_kv
+from relayout.storage.format.codecs import CODECS
+from relayout.storage.format.manifest import KVGeometry, ModelRef
 from relayout.storage.stores import MemoryStore
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
@@ -105,8 +105,8 @@ def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.mark.parametrize("arch,dtype", [("qwen3moe", torch.bfloat16), ("mixtral", torch.bfloat16),
                                         ("qwen3moe", torch.float16)], ids=str)
 def test_reduced_precision_parity_with_transformers(hf_models, arch, dtype):
-    from relayout.engine.engine import LLMEngine
-    from relayout.engine.session import SamplingParams
+    from relayout.engine.runtime.engine import LLMEngine
+    from relayout.engine.runtime.session import SamplingParams
     from transformers import AutoModelForCausalLM
 
     path = hf_models[arch]
@@ -158,8 +158,8 @@ def test_reduced_precision_parity_with_transformers(hf_models, arch, dtype):
 
 
 def test_unknown_dtypes_are_refused_naming_the_allowed_values():
-    from relayout.engine.config import check_dtype, parse_dtype, parse_kv_dtype
-    from relayout.engine.engine import LLMEngine
+    from relayout.engine.model.config import check_dtype, parse_dtype, parse_kv_dtype
+    from relayout.engine.runtime.engine import LLMEngine
 
     assert parse_dtype(None, "cpu") == torch.float32 and parse_dtype(None, "cuda") == torch.bfloat16
     assert parse_dtype("float16") == torch.float16 and check_dtype(None) is None
@@ -178,7 +178,7 @@ def test_fp8_kv_refused_on_a_device_that_cannot_hold_it():
     import subprocess
     import sys
 
-    from relayout.engine.engine import LLMEngine
+    from relayout.engine.runtime.engine import LLMEngine
 
     with pytest.raises(ValueError, match="kv_dtype fp8_e4m3 needs a CPU or CUDA device, not meta"):
         LLMEngine("builtin:tiny", device="meta", kv_dtype="fp8_e4m3")
@@ -234,10 +234,10 @@ def test_fp8_kv_greedy_agreement_with_bf16_kv():
     model's top-2 margins are small, so one flipped token sends a sequence elsewhere)."""
     import random
 
-    from relayout.engine.engine import LLMEngine
     from relayout.engine.kv_cache import FP8_KV
-    from relayout.engine.session import SamplingParams
-    from relayout.engine.snapshot import checkpoint
+    from relayout.engine.moves.snapshot import checkpoint
+    from relayout.engine.runtime.engine import LLMEngine
+    from relayout.engine.runtime.session import SamplingParams
 
     rnd = random.Random(0)
     prompts = [[rnd.randrange(1, 250) for _ in range(rnd.randrange(4, 60))] for _ in range(32)]

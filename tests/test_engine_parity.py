@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-from relayout.engine.engine import LLMEngine
-from relayout.engine.session import SamplingParams
+from relayout.engine.runtime.engine import LLMEngine
+from relayout.engine.runtime.session import SamplingParams
 
 PROMPTS = [[1, 5, 9], [7] * 20, list(range(10, 47)), [3, 1, 4, 1, 5, 9, 2, 6], [42], list(range(100, 170)),
            [8, 8, 9, 9, 10], list(range(200, 213))]

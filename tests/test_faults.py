@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
-from relayout.migrate.live import MigrationError, MigrationPlan, migrate_live
 from relayout.migrate.procs import alive, children_of, launch, rank_processes
+from relayout.migrate.protocol.live import MigrationError, MigrationPlan, migrate_live
 
 from tests.helpers.faults import fault_kit
 from tests.helpers.migration import (
@@ -395,8 +395,8 @@ def test_disk_full_store_enospc():
 
     import torch
     from relayout.storage.checkpoint import CheckpointWriter
-    from relayout.storage.chunks import pack_kv  # noqa: F401 - imported for the writer
-    from relayout.storage.manifest import KVGeometry, ModelRef
+    from relayout.storage.format.chunks import pack_kv  # noqa: F401 - imported for the writer
+    from relayout.storage.format.manifest import KVGeometry, ModelRef
     from relayout.storage.stores import MemoryStore
 
     class Full(MemoryStore):
@@ -418,7 +418,7 @@ def test_parallel_map_failure_waits_for_running_calls():
     temp files behind after the caller cleaned up (a clean-clone CI saw one on a full tmpfs)."""
 
     import torch
-    from relayout.storage.chunks import parallel_map
+    from relayout.storage.format.chunks import parallel_map
 
     finished: list[int] = []
     started = threading.Barrier(2, timeout=10)

@@ -11,10 +11,10 @@ import threading
 
 import httpx
 import pytest
-from relayout.agent.fleet import FleetController
-from relayout.engine.layout import Layout
+from relayout.agent.routes.fleet import FleetController
+from relayout.engine.model.layout import Layout
 from relayout.migrate import procs
-from relayout.migrate.policy import PolicyConfig
+from relayout.migrate.placement.policy import PolicyConfig
 
 from tests.helpers.agents import TOKEN, H, start_agent, stop
 from tests.test_policy import MAX_TOKENS, PROMPTS, SKEWED_MODEL, _complete_all, _signal_group, _stream

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from relayout.engine.engine import LLMEngine
-from relayout.engine.placer import restore
-from relayout.engine.session import SamplingParams
-from relayout.engine.snapshot import checkpoint
+from relayout.engine.moves.placer import restore
+from relayout.engine.moves.snapshot import checkpoint
+from relayout.engine.runtime.engine import LLMEngine
+from relayout.engine.runtime.session import SamplingParams
 from relayout.storage.checkpoint import CheckpointReader, CheckpointWriter
-from relayout.storage.manifest import FORMAT_VERSION
+from relayout.storage.format.manifest import FORMAT_VERSION
 from relayout.storage.stores import LocalStore
 from safetensors.torch import load as st_load
 

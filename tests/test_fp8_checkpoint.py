@@ -3,13 +3,13 @@ checkpointed and restored into another fp8 replica continues token-for-token."""
 
 import pytest
 import torch
-from relayout.engine.engine import LLMEngine
-from relayout.engine.placer import kv_conversion, restore
-from relayout.engine.session import SamplingParams
-from relayout.engine.snapshot import RestoreError, checkpoint
+from relayout.engine.moves.placer import kv_conversion, restore
+from relayout.engine.moves.snapshot import RestoreError, checkpoint
+from relayout.engine.runtime.engine import LLMEngine
+from relayout.engine.runtime.session import SamplingParams
 from relayout.storage.checkpoint import CheckpointReader, CheckpointWriter
-from relayout.storage.chunks import kv_scaled_view, pack_kv
 from relayout.storage.errors import CorruptCheckpoint
+from relayout.storage.format.chunks import kv_scaled_view, pack_kv
 from relayout.storage.stores import LocalStore, MemoryStore
 
 PROMPTS = [[1, 5, 9], list(range(10, 47)), list(range(60, 75)) * 20]

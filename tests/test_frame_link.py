@@ -12,9 +12,9 @@ import threading
 
 import httpx
 import pytest
-from relayout.engine.rank_channel import free_port
-from relayout.migrate.frame_link import CHALLENGE_BYTES, LINK_MAGIC, LINK_PATH, link_mac
-from relayout.migrate.live import MigrationError, MigrationPlan, migrate_live
+from relayout.engine.ranks.rank_channel import free_port
+from relayout.migrate.protocol.live import MigrationError, MigrationPlan, migrate_live
+from relayout.migrate.transport.frame_link import CHALLENGE_BYTES, LINK_MAGIC, LINK_PATH, link_mac
 
 from tests.helpers.migration import (
     Moved,
@@ -214,8 +214,8 @@ def test_the_link_address_is_asked_once_and_asked_again_when_it_moved():
     import asyncio
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from relayout.migrate.frame_link import GO_ON, TcpTransport, _reply_bytes
-    from relayout.migrate.transport import RoundFrames
+    from relayout.migrate.transport.base import RoundFrames
+    from relayout.migrate.transport.frame_link import GO_ON, TcpTransport, _reply_bytes
 
     link = socket.create_server(("127.0.0.1", 0))
     asked, rounds = [], []

@@ -14,9 +14,9 @@ import torch
 import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from relayout.storage.chunks import chunk_hash, pack_kv, unpack_kv
 from relayout.storage.errors import CorruptCheckpoint
-from relayout.storage.manifest import ChunkRef, Manifest
+from relayout.storage.format.chunks import chunk_hash, pack_kv, unpack_kv
+from relayout.storage.format.manifest import ChunkRef, Manifest
 from relayout.storage.stream import MAGIC_CHUNK, encode_chunk_frame, encode_manifest_frame
 
 IMPORT_LIMIT = 2 << 20
@@ -24,9 +24,9 @@ IMPORT_LIMIT = 2 << 20
 
 @pytest.fixture(scope="module")
 def app_client(tmp_path_factory):
-    from relayout.engine.async_engine import AsyncEngine
-    from relayout.engine.engine import LLMEngine
-    from relayout.migrate.serve import create_replica_app
+    from relayout.engine.runtime.async_engine import AsyncEngine
+    from relayout.engine.runtime.engine import LLMEngine
+    from relayout.migrate.replica.serve import create_replica_app
     from starlette.testclient import TestClient
 
     root = tmp_path_factory.mktemp("hostile")
@@ -57,8 +57,8 @@ def refused(r, *codes: int) -> dict:
 
 # ---- a well-formed transfer, to corrupt --------------------------------------------------------------
 def _manifest_bytes(c, sid: str, n_tokens: int, entries: list[dict], ckpt: str = "m1") -> bytes:
-    from relayout.engine.snapshot import geometry, model_ref
-    from relayout.storage.manifest import KVEntry, Manifest, SessionEntry
+    from relayout.engine.moves.snapshot import geometry, model_ref
+    from relayout.storage.format.manifest import KVEntry, Manifest, SessionEntry
 
     eng = c.engine
     m = Manifest(checkpoint_id=ckpt, created_at=0.0, model=model_ref(eng), source_layout={}, kv=geometry(eng),
@@ -68,14 +68,14 @@ def _manifest_bytes(c, sid: str, n_tokens: int, entries: list[dict], ckpt: str =
 
 
 def _state(sid: str, n: int) -> dict:
-    from relayout.engine.session import SamplingParams, SessionState
+    from relayout.engine.runtime.session import SamplingParams, SessionState
 
     st_ = SessionState(session_id=sid, prompt_token_ids=[5] * max(n, 1), sampling=SamplingParams(max_tokens=4))
     return st_.to_dict()
 
 
 def test_manifest_helper_is_valid(app_client):
-    from relayout.storage.manifest import Manifest
+    from relayout.storage.format.manifest import Manifest
 
     m = Manifest.parse(_manifest_bytes(app_client, "s", 0, []))
     assert m.sessions[0].session_id == "s"
@@ -154,7 +154,7 @@ def test_import_crafted_to_exhaust_memory_refused_before_decoding(app_client):
 
 def test_restore_crafted_checkpoint_refused_before_decoding(app_client):
     """The same bomb as a stored checkpoint: the restore route checks room before verify()."""
-    from relayout.storage.store_local import LocalStore
+    from relayout.storage.stores.local import LocalStore
 
     c = app_client
     eng = c.engine

@@ -6,10 +6,10 @@ import time
 
 import pytest
 import torch
-from relayout.engine.engine import LLMEngine
-from relayout.engine.layout import Layout, LayoutError
-from relayout.engine.session import SamplingParams
-from relayout.engine.workers import RankFailure
+from relayout.engine.model.layout import Layout, LayoutError
+from relayout.engine.ranks.workers import RankFailure
+from relayout.engine.runtime.engine import LLMEngine
+from relayout.engine.runtime.session import SamplingParams
 
 PROMPTS = [[1, 5, 9], [7] * 20, list(range(10, 47)), [42], list(range(60, 75))]
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)

@@ -4,8 +4,8 @@ so its sessions are paused before the standby may promote them; and the bench's 
 from __future__ import annotations
 
 import pytest
-from relayout.migrate.replication import LEASE_S, WATCH_S, ProtectConfig, Replicator
-from relayout.migrate.standby import PROMOTE_MARGIN_S, promote_after
+from relayout.migrate.protection.replication import LEASE_S, WATCH_S, ProtectConfig, Replicator
+from relayout.migrate.protection.standby import PROMOTE_MARGIN_S, promote_after
 
 
 def _replicator(lease_s: float, step_s: float) -> Replicator:

@@ -5,8 +5,8 @@ import httpx
 import pytest
 import torch
 from openai import OpenAI
-from relayout.engine.engine import LLMEngine
-from relayout.engine.session import SamplingParams, SessionState
+from relayout.engine.runtime.engine import LLMEngine
+from relayout.engine.runtime.session import SamplingParams, SessionState
 from relayout.migrate import procs
 
 PROMPTS = [[1, 5, 9], list(range(10, 47)), [42]]

@@ -1,5 +1,5 @@
 """A round's buffers, allocated on one thread and freed on another, are reused by the next round
-rather than page-faulted in anew (storage.chunks.one_malloc_arena + keep_freed_memory), as a
+rather than page-faulted in anew (storage.format.chunks.one_malloc_arena + keep_freed_memory), as a
 replica and its ranks set them up. Run in a fresh process: mallopt is process-wide."""
 
 from __future__ import annotations
@@ -9,14 +9,14 @@ import subprocess
 import sys
 
 import pytest
-from relayout.storage import chunks
+from relayout.storage.format import chunks
 
 pytestmark = pytest.mark.skipif(chunks._mallopt is None or not sys.platform.startswith("linux"),
                                 reason="glibc's mallopt on Linux only")
 
 ROUND = """
 import json, resource, sys, threading
-from relayout.storage.chunks import keep_freed_memory, new_buffer, one_malloc_arena
+from relayout.storage.format.chunks import keep_freed_memory, new_buffer, one_malloc_arena
 
 arena = one_malloc_arena()
 N, SIZE = 128, 2 << 20  # a 256 MiB round of 2 MiB chunks, as a link reader receives them

@@ -9,9 +9,15 @@ import threading
 import httpx
 import pytest
 from openai import OpenAI
-from relayout.engine.snapshot import CHUNK_TOKENS
+from relayout.engine.moves.snapshot import CHUNK_TOKENS
 from relayout.migrate import procs
-from relayout.migrate.live import SLICE_GRAIN, MigrationError, MigrationPlan, migrate_live, round_slice_tokens
+from relayout.migrate.protocol.live import (
+    SLICE_GRAIN,
+    MigrationError,
+    MigrationPlan,
+    migrate_live,
+    round_slice_tokens,
+)
 
 
 def launch(*args: str) -> tuple[subprocess.Popen, str]:

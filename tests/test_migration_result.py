@@ -11,8 +11,8 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from relayout.migrate.live import MigrationPlan, migrate_live
-from relayout.migrate.protocol import FINISHED_ON_SOURCE
+from relayout.migrate.protocol.live import MigrationPlan, migrate_live
+from relayout.migrate.protocol.states import FINISHED_ON_SOURCE
 
 from tests.helpers.migration import reference, replica_pair, replica_state, streams_on
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from relayout.engine.builtin import BUILTIN_NAMES, builtin_tensors, create_builtin
-from relayout.engine.config import ModelConfig
-from relayout.engine.tokenizer import ByteTokenizer, HFTokenizer, IncrementalDetokenizer, load_tokenizer
-from relayout.engine.weights import (
+from relayout.engine.model.builtin import BUILTIN_NAMES, builtin_tensors, create_builtin
+from relayout.engine.model.config import ModelConfig
+from relayout.engine.model.tokenizer import ByteTokenizer, HFTokenizer, IncrementalDetokenizer, load_tokenizer
+from relayout.engine.model.weights import (
     ModelNotFoundError,
     load_weight_slice,
     load_weights,
@@ -218,7 +218,7 @@ def test_tokenizer_json_is_used(made, tmp_path):
 
 
 def test_config_defaults_and_refusals(made):
-    from relayout.engine.config import ModelConfigError
+    from relayout.engine.model.config import ModelConfigError
 
     hf = json.loads((made["tiny-mixtral"] / "config.json").read_text())
     for k in ("rope_parameters", "rms_norm_eps", "max_position_embeddings"):
@@ -256,9 +256,9 @@ def test_trained_builtins_write_words_of_their_training_text(name):
     import re
 
     from relayout.bench.train_builtin import corpus
-    from relayout.engine.builtin import TRAINED_DIR
-    from relayout.engine.engine import LLMEngine
-    from relayout.engine.session import SamplingParams
+    from relayout.engine.model.builtin import TRAINED_DIR
+    from relayout.engine.runtime.engine import LLMEngine
+    from relayout.engine.runtime.session import SamplingParams
 
     assert (TRAINED_DIR / f"{name}.safetensors").exists()
     e = LLMEngine(f"builtin:{name}")

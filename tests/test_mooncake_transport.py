@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from relayout.migrate.live import MigrationError, MigrationPlan, migrate_live
-from relayout.migrate.mooncake_transport import DISABLE_ENV, MOONCAKE_PATH, unavailable
+from relayout.migrate.protocol.live import MigrationError, MigrationPlan, migrate_live
+from relayout.migrate.transport.mooncake import DISABLE_ENV, MOONCAKE_PATH, unavailable
 
 from tests.helpers.migration import Moved, finish_moved, idle, reference, replica_pair, streams_on
 

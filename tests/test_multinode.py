@@ -14,12 +14,12 @@ import time
 import httpx
 import pytest
 import torch
-from relayout.engine.engine import LLMEngine
-from relayout.engine.rank_channel import ChannelClosed, ChannelError, RankChannel, free_port
-from relayout.engine.rank_process import RankJoinError, rank_main
+from relayout.engine.model.weights import resolve_model
+from relayout.engine.ranks.rank_channel import ChannelClosed, ChannelError, RankChannel, free_port
+from relayout.engine.ranks.rank_process import RankJoinError, rank_main
+from relayout.engine.ranks.workers import RankFailure, RankPlacement
+from relayout.engine.runtime.engine import LLMEngine
 from relayout.engine.web import bearer_headers
-from relayout.engine.weights import resolve_model
-from relayout.engine.workers import RankFailure, RankPlacement
 from relayout.migrate import procs
 
 from tests.test_layouts import run
@@ -135,7 +135,7 @@ def test_ranks_on_two_launchers_match_world1():
     try:
         t.join(180)
         eng = out["engine"]
-        from relayout.engine.session import SamplingParams
+        from relayout.engine.runtime.session import SamplingParams
 
         eng.add_session([1, 2, 3], SamplingParams(max_tokens=400, ignore_eos=True))
         eng.step()

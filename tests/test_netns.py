@@ -167,8 +167,8 @@ print("RESULT " + json.dumps({"status": r.status_code, "ids": r.json()["choices"
 def test_replica_ranks_span_two_hosts(hosts, tmp_path):
     """One replica, attn_tp=2: the driver and rank 0 on host A, rank 1 (`relayout rank`) on host B. The
     attention all-reduce and the experts' all-to-all cross the veth; tokens equal a single-device run."""
-    from relayout.engine.engine import LLMEngine
-    from relayout.engine.session import SamplingParams
+    from relayout.engine.runtime.engine import LLMEngine
+    from relayout.engine.runtime.session import SamplingParams
 
     (ns_a, ns_b), (veth_a, veth_b) = hosts["ns"], hosts["veth"]
     exe = str(Path(sys.executable).with_name("relayout"))

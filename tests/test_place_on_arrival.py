@@ -1,7 +1,7 @@
 """A live round's data path without copies it does not need (issue 29): a final round's chunks are
-the source pool's own rows, hashed where they lie (storage.pieces), and a target writes each chunk
+the source pool's own rows, hashed where they lie (storage.format.pieces), and a target writes each chunk
 frame that names its entry into the blocks reserved for its session as it arrives, hash-checked
-piece by piece (engine.kv_stream); the round's import then skips exactly those chunks."""
+piece by piece (engine.moves.kv_stream); the round's import then skips exactly those chunks."""
 
 from __future__ import annotations
 
@@ -11,16 +11,16 @@ import time
 
 import pytest
 import torch
-from relayout.engine.engine import LLMEngine
 from relayout.engine.kv_cache import KVCache
-from relayout.engine.kv_stream import chunk_sink
-from relayout.engine.session import SamplingParams
-from relayout.migrate.engine_ops import EngineThreadOps
-from relayout.migrate.frame_sink import FrameOptions
-from relayout.migrate.transfers import TransferTable
-from relayout.storage.chunks import chunk_hash, new_kv_chunk, pack_kv
+from relayout.engine.moves.kv_stream import chunk_sink
+from relayout.engine.runtime.engine import LLMEngine
+from relayout.engine.runtime.session import SamplingParams
+from relayout.migrate.protocol.engine_ops import EngineThreadOps
+from relayout.migrate.protocol.transfers import TransferTable
+from relayout.migrate.transport.frame_sink import FrameOptions
 from relayout.storage.errors import CorruptCheckpoint
-from relayout.storage.pieces import in_place_chunk, pack_in_place
+from relayout.storage.format.chunks import chunk_hash, new_kv_chunk, pack_kv
+from relayout.storage.format.pieces import in_place_chunk, pack_in_place
 from relayout.storage.stores import MemoryStore
 from relayout.storage.stream import MAGIC_CHUNK, StreamReceiver, chunk_frame_header, frame_head
 
@@ -226,9 +226,9 @@ def test_a_final_round_sent_in_place_and_placed_on_arrival_continues_the_session
 def test_a_placed_chunk_the_manifest_does_not_list_so_refuses_the_round():
     """A sink checks a chunk's bytes against the hash its frame names; only the manifest says what the
     round is: a placed chunk it does not list (or lists with other bytes) refuses the round."""
-    from relayout.engine.receive import check_placed
+    from relayout.engine.moves.receive import check_placed
     from relayout.storage.checkpoint import CheckpointWriter
-    from relayout.storage.manifest import KVGeometry, ModelRef
+    from relayout.storage.format.manifest import KVGeometry, ModelRef
 
     w = CheckpointWriter(MemoryStore(), "r1")
     kv = torch.randn(2, H, 32, D)
@@ -295,8 +295,8 @@ def test_a_final_rounds_in_place_chunks_are_made_one_at_a_time_by_the_sending_th
     of it; a pre-copy round's chunks are copies and are not marked so."""
     import threading
 
-    import relayout.engine.snapshot as snapshot
-    from relayout.migrate.transport import RoundFrames
+    import relayout.engine.moves.snapshot as snapshot
+    from relayout.migrate.transport.base import RoundFrames
 
     made = [0]
     real = snapshot.in_place_chunk

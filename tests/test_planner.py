@@ -9,10 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from relayout.bench.eplb import eplb_reference, rebalance
 from relayout.bench.placement import TOPOLOGIES, default_traces, evaluate
-from relayout.engine.config import ModelConfig
-from relayout.migrate.placeable import NotPlaceable, ReplicaNeeds, find_placeable_sets
-from relayout.migrate.plan_cli import format_plan_table, plan_main
-from relayout.migrate.planner import (
+from relayout.engine.model.config import ModelConfig
+from relayout.migrate.placement.placeable import NotPlaceable, ReplicaNeeds, find_placeable_sets
+from relayout.migrate.placement.plan_cli import format_plan_table, plan_main
+from relayout.migrate.placement.planner import (
     ExpertLoad,
     Placement,
     PlanError,
@@ -23,7 +23,7 @@ from relayout.migrate.planner import (
     redundant_for,
     to_layout,
 )
-from relayout.migrate.topology import Device, Node, Topology, TopologyError
+from relayout.migrate.placement.topology import Device, Node, Topology, TopologyError
 
 
 def _cfg(experts: int, layers: int, dense: tuple[int, ...] = ()) -> ModelConfig:
@@ -295,7 +295,7 @@ def test_relayout_plan_beats_both_eplb_policies_on_plain_traces(kind, s):
     without co-activation): balance >= EPLB-global's at cross-node <= 0.8 x EPLB-hierarchical's."""
     import numpy as np
     from relayout.bench.eplb import eplb_placement
-    from relayout.migrate.planner import balance as bal
+    from relayout.migrate.placement.planner import balance as bal
 
     rng = np.random.default_rng(int(s * 10))
     load = []
@@ -336,7 +336,7 @@ def test_plan_exports_sglang_expert_locations_that_read_back_with_the_same_struc
         l2p = {e: [p for p, x in enumerate(row) if x == e] for e in range(8)}
         assert all(l2p[e] for e in range(8)) and set(row) == set(range(8))
     assert "--ep-num-redundant-experts" in r.output
-    from relayout.migrate.plan_cli import sglang_expert_location
+    from relayout.migrate.placement.plan_cli import sglang_expert_location
 
     full = sglang_expert_location(plan, num_layers=4, moe_layers=[1, 3])  # dense layers: SGLang's trivial rows
     rows = full["physical_to_logical_map"]

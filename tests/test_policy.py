@@ -11,13 +11,13 @@ import threading
 import httpx
 import numpy as np
 import pytest
-from relayout.engine.config import ModelConfig
-from relayout.engine.layout import Layout
-from relayout.engine.weights import resolve_model
+from relayout.engine.model.config import ModelConfig
+from relayout.engine.model.layout import Layout
+from relayout.engine.model.weights import resolve_model
 from relayout.migrate import procs
-from relayout.migrate.controller import Controller, SubprocessLauncher
-from relayout.migrate.planner import Placement, balance
-from relayout.migrate.policy import Observation, PolicyConfig, RelayoutPolicy, current_placement
+from relayout.migrate.placement.controller import Controller, SubprocessLauncher
+from relayout.migrate.placement.planner import Placement, balance
+from relayout.migrate.placement.policy import Observation, PolicyConfig, RelayoutPolicy, current_placement
 from relayout.migrate.procs import stop_process
 
 from tests.helpers.sse import DONE, sse_data

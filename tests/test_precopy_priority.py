@@ -1,4 +1,4 @@
-"""Pre-copy workers (migrate.transport.background_thread) run at RELAYOUT_PRECOPY_NICE: a nice
+"""Pre-copy workers (migrate.transport.base.background_thread) run at RELAYOUT_PRECOPY_NICE: a nice
 value, or `idle` for SCHED_IDLE; only the calling thread is lowered, never its process."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import os
 import threading
 
 import pytest
-from relayout.migrate.transport import background_thread, precopy_nice
+from relayout.migrate.transport.base import background_thread, precopy_nice
 from relayout.storage.settings import SettingsError
 
 

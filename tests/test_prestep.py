@@ -1,15 +1,15 @@
 """The target's pre-step (LLMEngine.prestep): sessions a migration's final round placed, held until
 the commit, compute their next token in the target's next step; the token is kept back until the
 commit (then it is the session's next token, exactly the undisturbed one) and dies with the
-session if the migration aborts instead. Real engines, the real final round (engine.receive)."""
+session if the migration aborts instead. Real engines, the real final round (engine.moves.receive)."""
 
 from __future__ import annotations
 
 import pytest
-from relayout.engine.engine import LLMEngine
-from relayout.engine.receive import abort_incoming, commit_incoming, receive_round
-from relayout.engine.session import SamplingParams, SessionStatus
-from relayout.engine.snapshot import geometry, model_ref, take_snapshot, write_snapshot
+from relayout.engine.moves.receive import abort_incoming, commit_incoming, receive_round
+from relayout.engine.moves.snapshot import geometry, model_ref, take_snapshot, write_snapshot
+from relayout.engine.runtime.engine import LLMEngine
+from relayout.engine.runtime.session import SamplingParams, SessionStatus
 from relayout.storage.checkpoint import CheckpointWriter
 from relayout.storage.stores import MemoryStore
 

@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterator
 import httpx
 import pytest
 import torch
-from relayout.engine.sampling import advance_rng, new_rng_state, sample
-from relayout.engine.session import SamplingParams, SessionState
+from relayout.engine.runtime.sampling import advance_rng, new_rng_state, sample
+from relayout.engine.runtime.session import SamplingParams, SessionState
 from relayout.migrate import procs
 
 from tests.helpers.faults import kill_tree

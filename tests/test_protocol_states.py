@@ -1,4 +1,4 @@
-"""The protocol's vocabulary (migrate/protocol.py): states equal to their wire strings, the legal
+"""The protocol's vocabulary (migrate/protocol/states.py): states equal to their wire strings, the legal
 moves between them checked per state class."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 def test_protocol_states_are_their_wire_strings_and_moves_are_checked():
     import json
 
-    from relayout.migrate.protocol import (
+    from relayout.migrate.protocol.states import (
         IllegalTransition,
         IncomingState,
         OutgoingState,
@@ -30,7 +30,7 @@ def test_protocol_states_are_their_wire_strings_and_moves_are_checked():
 def test_abort_and_expiry_during_pre_copy_end_the_transfer():
     """The moves every transfer makes: active -> aborted / expired (pre-copy), one class's "active" not
     confused with another's (the states are equal to their wire strings)."""
-    from relayout.migrate.protocol import TRANSITIONS, OutgoingState, ProtectionState, check_transition
+    from relayout.migrate.protocol.states import TRANSITIONS, OutgoingState, ProtectionState, check_transition
 
     assert OutgoingState.ACTIVE == ProtectionState.ACTIVE  # why TRANSITIONS is keyed per class
     assert check_transition(OutgoingState.ACTIVE, OutgoingState.ABORTED) is OutgoingState.ABORTED

@@ -1,14 +1,14 @@
-"""A target's staging of incoming rounds (migrate/received.py): bytes go once imported, hashes stay,
+"""A target's staging of incoming rounds (migrate/protocol/received.py): bytes go once imported, hashes stay,
 and the same bytes arriving again (another session's identical chunk) are held anew."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from relayout.migrate.received import ReceivedChunks
+from relayout.migrate.protocol.received import ReceivedChunks
 from relayout.storage.checkpoint import CheckpointWriter
 from relayout.storage.errors import ChunkMissing
-from relayout.storage.manifest import KVGeometry, ModelRef
+from relayout.storage.format.manifest import KVGeometry, ModelRef
 
 
 def _round(store: ReceivedChunks, kv: torch.Tensor, sessions: list[str]):

@@ -1,11 +1,11 @@
-"""`migrate.relocate`: the one sweep loop of the controller, the fleet and a drain, driven here by a
+"""`migrate.protocol.relocate`: the one sweep loop of the controller, the fleet and a drain, driven here by a
 scripted source (what it lists on each pass, how each move ends); the real moves are tested with
 replicas in test_policy, test_fleet_controller and test_drain."""
 
 from __future__ import annotations
 
-from relayout.migrate.live import FINISHED_ON_SOURCE, MigrationError, MigrationResult
-from relayout.migrate.relocate import relocate
+from relayout.migrate.protocol.live import FINISHED_ON_SOURCE, MigrationError, MigrationResult
+from relayout.migrate.protocol.relocate import relocate
 
 
 class Source:

@@ -1,4 +1,4 @@
-"""migrate.round_post.RoundPoster against a real uvicorn server on loopback: a protection's rounds
+"""migrate.protection.round_post.RoundPoster against a real uvicorn server on loopback: a protection's rounds
 reuse one connection, survive the server closing it while idle, and hand back error responses as
 they came."""
 
@@ -14,8 +14,8 @@ import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from relayout.engine.rank_channel import free_port
-from relayout.migrate.round_post import RoundPoster
+from relayout.engine.ranks.rank_channel import free_port
+from relayout.migrate.protection.round_post import RoundPoster
 
 
 @pytest.fixture(scope="module")

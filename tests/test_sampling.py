@@ -5,8 +5,8 @@ generator seeded once draws."""
 from __future__ import annotations
 
 import torch
-from relayout.engine.sampling import new_rng_state, sample
-from relayout.engine.session import SamplingParams, SessionState
+from relayout.engine.runtime.sampling import new_rng_state, sample
+from relayout.engine.runtime.session import SamplingParams, SessionState
 
 
 def test_sampling_through_the_sessions_state_bytes_is_one_seeded_generator():

@@ -10,9 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from relayout.engine.async_engine import AsyncEngine, EngineDeadError
-from relayout.engine.engine import LLMEngine, RequestError
-from relayout.engine.session import SamplingParams, SessionStatus
+from relayout.engine.runtime.async_engine import AsyncEngine, EngineDeadError
+from relayout.engine.runtime.engine import LLMEngine, RequestError
+from relayout.engine.runtime.session import SamplingParams, SessionStatus
 from relayout.migrate import procs
 
 from tests.helpers.sse import sse as sse_events
@@ -146,8 +146,8 @@ def test_resume_past_the_generated_tokens_waits_for_them(server):
 
 
 def test_stop_text_hold_back():
-    from relayout.engine.server import StopTextStream
-    from relayout.engine.tokenizer import ByteTokenizer
+    from relayout.engine.api.server import StopTextStream
+    from relayout.engine.model.tokenizer import ByteTokenizer
 
     ts = StopTextStream(ByteTokenizer(), ["abc", "zz"])
     assert ts.add(list(b"xxab")) == "xx"  # "ab" may start "abc": held back

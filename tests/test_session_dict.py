@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from relayout.engine.session import SamplingParams, SessionState, SessionStatus
+from relayout.engine.runtime.session import SamplingParams, SessionState, SessionStatus
 
 
 def test_to_dict_is_asdicts_rendering_and_shares_nothing_with_the_session():

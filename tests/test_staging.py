@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 from relayout.engine.kv_cache import KVCache
-from relayout.engine.staging import MIN_CLASS, KVStager, size_class, token_slots
-from relayout.engine.stream_ops import HostEvent, HostOps, StreamOps
+from relayout.engine.ranks.staging import MIN_CLASS, KVStager, size_class, token_slots
+from relayout.engine.ranks.stream_ops import HostEvent, HostOps, StreamOps
 
 L, NB, H, D, BS = 3, 24, 2, 8, 16
 
@@ -353,9 +353,9 @@ def test_pool_cap_waits_for_inflight_buffers_then_overflows():
 
 # ---- wiring ---------------------------------------------------------------------------------------
 def test_runner_uses_stager_only_on_cuda_and_both_paths_agree():
-    from relayout.engine.engine import LLMEngine
-    from relayout.engine.session import SamplingParams
-    from relayout.engine.snapshot import take_snapshot
+    from relayout.engine.moves.snapshot import take_snapshot
+    from relayout.engine.runtime.engine import LLMEngine
+    from relayout.engine.runtime.session import SamplingParams
 
     eng = LLMEngine("builtin:tiny", device="cpu", kv_cache_bytes=4 << 20)
     try:

@@ -5,14 +5,14 @@ a checkpoint. The states here are a real engine's, cut round after round as the 
 from __future__ import annotations
 
 import pytest
-from relayout.engine.engine import LLMEngine
-from relayout.engine.session import SamplingParams
-from relayout.engine.snapshot import geometry, model_ref, take_snapshot, write_snapshot
-from relayout.migrate.frame_sink import FrameSink
-from relayout.migrate.replication import SyncedSession
+from relayout.engine.moves.snapshot import geometry, model_ref, take_snapshot, write_snapshot
+from relayout.engine.runtime.engine import LLMEngine
+from relayout.engine.runtime.session import SamplingParams
+from relayout.migrate.protection.replication import SyncedSession
+from relayout.migrate.transport.frame_sink import FrameSink
 from relayout.storage.checkpoint import CheckpointReader, CheckpointWriter
 from relayout.storage.errors import CorruptCheckpoint
-from relayout.storage.manifest import KVGeometry, Manifest
+from relayout.storage.format.manifest import KVGeometry, Manifest
 from relayout.storage.stores import MemoryStore
 
 from tests.helpers.checkpoints import LAYOUT, MODEL, D, H, L, kv_tensor

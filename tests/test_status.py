@@ -12,7 +12,7 @@ import time
 
 import httpx
 import pytest
-from relayout.engine.rank_channel import free_port
+from relayout.engine.ranks.rank_channel import free_port
 from relayout.migrate import procs
 
 from tests.helpers.agents import TOKEN, H, lower_priority, start_agent, stop, wait_op
@@ -82,7 +82,7 @@ def test_status_follows_a_drain(two_agents):
         assert text in table.stdout, table.stdout
     # the running drain's row and its progress bar ("━"), as the table renders the snapshot that showed
     # it running (the CLI's own run, a second later, may find a quick drain already done)
-    from relayout.agent.status import render
+    from relayout.agent.commands.status import render
     from rich.console import Console
 
     con = Console(width=240, record=True, file=io.StringIO())
@@ -125,7 +125,7 @@ def _three_replicas_and_a_migration() -> dict:
 def test_status_fits_its_terminal_without_cutting_a_cell(width):
     """A node with three replicas and one running migration at 80 and 160 columns: the node as a heading,
     short ids (two that share `r-3c` stay apart), compact layouts, no cell cut with an ellipsis."""
-    from relayout.agent.status import render
+    from relayout.agent.commands.status import render
     from rich.console import Console
 
     con = Console(width=width, record=True, file=io.StringIO())
@@ -139,7 +139,7 @@ def test_status_fits_its_terminal_without_cutting_a_cell(width):
 
 
 def test_status_wide_shows_everything():
-    from relayout.agent.status import render
+    from relayout.agent.commands.status import render
     from rich.console import Console
 
     con = Console(width=200, record=True, file=io.StringIO())

@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 from relayout.storage.checkpoint import CheckpointReader, CheckpointWriter
-from relayout.storage.chunks import chunk_hash
-from relayout.storage.codecs import CODECS, measure_codecs
 from relayout.storage.errors import (
     CheckpointNotFound,
     CorruptCheckpoint,
 )
-from relayout.storage.manifest import KVGeometry
+from relayout.storage.format.chunks import chunk_hash
+from relayout.storage.format.codecs import CODECS, measure_codecs
+from relayout.storage.format.manifest import KVGeometry
 from relayout.storage.stores import LocalStore, MemoryStore, open_store
 
 from tests.helpers.checkpoints import LAYOUT, MODEL, D, H, L, kv_tensor, write_checkpoint

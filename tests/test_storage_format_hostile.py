@@ -12,8 +12,6 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from relayout.storage.checkpoint import CheckpointReader
-from relayout.storage.chunks import pack_kv, unpack_kv
-from relayout.storage.codecs import CODECS, decode, encode
 from relayout.storage.errors import (
     CheckpointNotFound,
     ChunkMissing,
@@ -21,7 +19,9 @@ from relayout.storage.errors import (
     ModelMismatch,
     StorageError,
 )
-from relayout.storage.manifest import MAX_MANIFEST_BYTES, ChunkRef, Manifest
+from relayout.storage.format.chunks import pack_kv, unpack_kv
+from relayout.storage.format.codecs import CODECS, decode, encode
+from relayout.storage.format.manifest import MAX_MANIFEST_BYTES, ChunkRef, Manifest
 from relayout.storage.stores import LocalStore, MemoryStore
 from relayout.storage.stream import (
     FrameDecoder,

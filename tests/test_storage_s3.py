@@ -6,7 +6,7 @@ import pytest
 import torch
 from relayout.storage.checkpoint import CheckpointReader, CheckpointWriter
 from relayout.storage.errors import CheckpointNotFound, ChunkMissing, CorruptCheckpoint
-from relayout.storage.manifest import KVGeometry, ModelRef
+from relayout.storage.format.manifest import KVGeometry, ModelRef
 from relayout.storage.stores import S3Store, open_store
 
 from tests.conftest import S3_BUCKET

@@ -15,7 +15,7 @@ BOUND_MIB = 24
 
 MIGRATOR = r"""
 import json, resource, sys
-from relayout.migrate.live import MigrationPlan, migrate_live
+from relayout.migrate.protocol.live import MigrationPlan, migrate_live
 import httpx  # noqa: F401  (imports done before the baseline)
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 res = migrate_live(sys.argv[1], sys.argv[2], plan=MigrationPlan(max_rounds=2, small_bytes=0))

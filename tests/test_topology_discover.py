@@ -1,4 +1,4 @@
-"""migrate.topology.discover() parsing NVML answers, with a fake pynvml module (no GPU needed)."""
+"""migrate.placement.topology.discover() parsing NVML answers, with a fake pynvml module (no GPU needed)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 from types import SimpleNamespace
 
 import pytest
-from relayout.migrate import topology as T
+from relayout.migrate.placement import topology as T
 
 
 class NVMLError(Exception):
@@ -138,7 +138,7 @@ def test_two_separate_nvlink_pairs():
 
 
 def test_no_nvml_no_driver_no_gpu(monkeypatch, caplog):
-    caplog.set_level(logging.INFO, logger="relayout.migrate.topology")
+    caplog.set_level(logging.INFO, logger="relayout.migrate.placement.topology")
     monkeypatch.setitem(sys.modules, "pynvml", None)  # import fails
     assert T.discover() is None
     assert "nvidia-ml-py is not installed" in T.last_discover_reason

@@ -17,7 +17,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from relayout.engine import tracing
 from relayout.migrate import procs
-from relayout.migrate.live import MigrationPlan, migrate_live
+from relayout.migrate.protocol.live import MigrationPlan, migrate_live
 
 from tests.helpers.agents import TOKEN, H, start_agent, stop, wait_op
 from tests.helpers.migration import streams_on, wait_for
@@ -171,8 +171,8 @@ def test_decode_path_never_loads_opentelemetry():
     """Nil overhead on decode without an OTLP endpoint, by construction: the engine and its decode
     loop never import OpenTelemetry (only the HTTP front ends do, and their spans are no-ops then)."""
     code = ("import sys\n"
-            "from relayout.engine.engine import LLMEngine\n"
-            "from relayout.engine.session import SamplingParams\n"
+            "from relayout.engine.runtime.engine import LLMEngine\n"
+            "from relayout.engine.runtime.session import SamplingParams\n"
             "e = LLMEngine('builtin:tiny')\n"
             "out = e.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0))\n"
             "e.shutdown()\n"

@@ -1,4 +1,4 @@
-"""The live-migration protocol's state machine (migrate.transfers.TransferTable), in one process
+"""The live-migration protocol's state machine (migrate.protocol.transfers.TransferTable), in one process
 with a fake clock: leases, the two-phase commit, aborts in every phase, the sweeper's verdicts
 on transfers left in doubt. Frames are real (a source table's export feeds a target table's
 import); the engine is a recording fake (a real builtin:tiny LLMEngine: test_transfers_engine.py)."""
@@ -10,10 +10,9 @@ from collections.abc import AsyncIterator, Iterable
 
 import pytest
 import torch
-from relayout.engine.session import SamplingParams, SessionState
-from relayout.engine.snapshot import SessionSnapshot
-from relayout.migrate.frame_sink import FrameSink
-from relayout.migrate.transfers import (
+from relayout.engine.moves.snapshot import SessionSnapshot
+from relayout.engine.runtime.session import SamplingParams, SessionState
+from relayout.migrate.protocol.transfers import (
     ImportTooLarge,
     Incoming,
     RoundCut,
@@ -24,9 +23,10 @@ from relayout.migrate.transfers import (
     UnknownSession,
     UnknownTransfer,
 )
+from relayout.migrate.transport.frame_sink import FrameSink
 from relayout.storage.checkpoint import CheckpointWriter
 from relayout.storage.errors import CorruptCheckpoint
-from relayout.storage.manifest import KVGeometry, ModelRef
+from relayout.storage.format.manifest import KVGeometry, ModelRef
 from relayout.storage.stores import MemoryStore
 from relayout.storage.stream import FrameDecoder, StreamReceiver
 

@@ -1,4 +1,4 @@
-"""The live-migration protocol's state machine (migrate.transfers.TransferTable) driving two real
+"""The live-migration protocol's state machine (migrate.protocol.transfers.TransferTable) driving two real
 builtin:tiny engines in this process, the engine operations called directly: pre-copy round,
 final round (a delta), release, commit."""
 
@@ -7,11 +7,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Iterable
 
-from relayout.engine.engine import LLMEngine
-from relayout.engine.session import SamplingParams, SessionStatus
-from relayout.migrate.engine_ops import EngineThreadOps
-from relayout.migrate.transfers import TransferTable
-from relayout.storage.manifest import Manifest
+from relayout.engine.runtime.engine import LLMEngine
+from relayout.engine.runtime.session import SamplingParams, SessionStatus
+from relayout.migrate.protocol.engine_ops import EngineThreadOps
+from relayout.migrate.protocol.transfers import TransferTable
+from relayout.storage.format.manifest import Manifest
 from relayout.storage.stream import FrameDecoder
 
 

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from openai import OpenAI
-from relayout.engine.rank_channel import free_port
+from relayout.engine.ranks.rank_channel import free_port
 from relayout.migrate import procs
 from relayout.migrate.procs import alive, process_tree
 

@@ -1,5 +1,5 @@
 """A live round's chunks are hashed once, as the target's import copies them into the pool
-(migrate.received.ReceivedChunks holds them unverified until then): a chunk whose bytes changed
+(migrate.protocol.received.ReceivedChunks holds them unverified until then): a chunk whose bytes changed
 on the way is refused before anything is placed; a cut round's chunks are hashed on the cut, so
 its resume is told only of chunks that are whole."""
 
@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 import torch
 import xxhash
-from relayout.engine.engine import LLMEngine
 from relayout.engine.kv_cache import KVCache, import_hashed_rows
-from relayout.engine.session import SamplingParams
-from relayout.migrate.engine_ops import EngineThreadOps
-from relayout.migrate.protocol import RoundCut
-from relayout.migrate.transfers import TransferTable
-from relayout.storage.chunks import chunk_hash
+from relayout.engine.runtime.engine import LLMEngine
+from relayout.engine.runtime.session import SamplingParams
+from relayout.migrate.protocol.engine_ops import EngineThreadOps
+from relayout.migrate.protocol.transfers import TransferTable
+from relayout.migrate.transport.base import RoundCut
 from relayout.storage.errors import CorruptCheckpoint
+from relayout.storage.format.chunks import chunk_hash
 from relayout.storage.stream import MAGIC_CHUNK
 
 

@@ -145,8 +145,8 @@ def test_checkpoint_to_s3_restores_into_tp2_imported_not_recomputed(tp1, tp2, re
 
 
 def test_live_migration_tp2_to_tp1_keeps_the_stream(tp1, tp2, reference):
-    from relayout.migrate.live import MigrationPlan, migrate_live
-    from relayout.migrate.protocol import FINISHED_ON_SOURCE
+    from relayout.migrate.protocol.live import MigrationPlan, migrate_live
+    from relayout.migrate.protocol.states import FINISHED_ON_SOURCE
 
     for _attempt in range(3):  # vLLM decodes the session in a few seconds: it may end before the move
         before = _local_compute(tp1)  # (asked first: the move starts as soon as the session decodes)
@@ -179,9 +179,9 @@ def test_seeded_sampled_session_is_not_moved_and_unchanged(tp1):
 
 
 def test_restore_of_another_model_is_refused_and_the_target_serves(tp1, root, reference):
-    from relayout.engine.engine import LLMEngine
-    from relayout.engine.session import SamplingParams
-    from relayout.engine.snapshot import checkpoint
+    from relayout.engine.moves.snapshot import checkpoint
+    from relayout.engine.runtime.engine import LLMEngine
+    from relayout.engine.runtime.session import SamplingParams
     from relayout.storage.checkpoint import CheckpointWriter
     from relayout.storage.stores import open_store
 
@@ -203,9 +203,9 @@ def test_restore_of_another_model_is_refused_and_the_target_serves(tp1, root, re
 
 def test_builtin_checkpoint_continues_in_vllm(tp1, model_dir, reference, root):
     """One format for every engine: the builtin engine's checkpoint of the same model files restores into vLLM."""
-    from relayout.engine.engine import LLMEngine
-    from relayout.engine.session import SamplingParams
-    from relayout.engine.snapshot import checkpoint
+    from relayout.engine.moves.snapshot import checkpoint
+    from relayout.engine.runtime.engine import LLMEngine
+    from relayout.engine.runtime.session import SamplingParams
     from relayout.storage.checkpoint import CheckpointWriter
     from relayout.storage.stores import open_store
 
@@ -324,7 +324,7 @@ def test_agents_live_migrate_a_vllm_session_to_tp2_under_a_gateway_stream(model_
         s.t.join(60)
         if not entry["sessions_moved"]:
             # it ended on B before the drain reached it (with vLLM at nice 5 the drain's answer took 2.5-2.8 s
-            # in 3 of 5 timed runs: vLLM's spinning ranks starved the replica; engine.vllm_server CPU_NICE).
+            # in 3 of 5 timed runs: vLLM's spinning ranks starved the replica; engine.vllm.server CPU_NICE).
             # Nothing moved, nothing is reported lost (above), and its client got every token from B
             assert entry["sessions_finished_here"] in ([], [s.sid]) and s.ids == reference, op
         else:
@@ -344,7 +344,7 @@ def test_agents_live_migrate_a_vllm_session_to_tp2_under_a_gateway_stream(model_
 def test_bench_vllm_figures_on_the_running_replicas(tp1, tp2, root):
     """`relayout bench vllm`'s per-context measurement on this module's replicas: the session moved
     token-exact, its KV carried (once, not recomputed on the target), every documented figure present."""
-    from relayout.bench.vllm import measure_context
+    from relayout.bench.vllm.migration import measure_context
 
     per_tok = httpx.get(f"{tp1}/v1/replica", timeout=30).json()["kv_bytes_per_token"]
     r = measure_context(tp1, tp2, 256, per_tok)
@@ -354,7 +354,7 @@ def test_bench_vllm_figures_on_the_running_replicas(tp1, tp2, root):
     for k in ("target_step_ms", "reprefill_ms", "migrate_ms", "migrate_vs_reprefill", "live_stall_ms",
               "live_stall_steps", "decode_during_precopy_ratio"):
         assert k in r, k
-    from relayout.bench.vllm import measure_step_during_export
+    from relayout.bench.vllm.migration import measure_step_during_export
 
     e = measure_step_during_export(tp1, root / "bench-exports")
     assert e["exports"] > 0 and e["step_during_export_ratio"] is not None, e  # the exports ran beside decoding

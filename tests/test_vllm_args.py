@@ -1,10 +1,10 @@
-"""The vLLM settings relayout refuses before vLLM starts (engine/vllm_args.py), in both spellings vLLM
+"""The vLLM settings relayout refuses before vLLM starts (engine/vllm/args.py), in both spellings vLLM
 takes (`--flag value`, `--flag=value`) and by their short aliases; what it lets through."""
 
 from __future__ import annotations
 
 import pytest
-from relayout.engine.vllm_args import VllmArgsError, check_vllm_args
+from relayout.engine.vllm.args import VllmArgsError, check_vllm_args
 
 
 @pytest.mark.parametrize("args, named", [
@@ -38,7 +38,7 @@ def test_settings_it_can_move_under_pass(args):
 
 
 def test_the_agent_answers_400_naming_the_flag_before_anything_starts():
-    from relayout.agent.schema import EngineChoice
+    from relayout.agent.node.schema import EngineChoice
     from relayout.engine.web import HTTPError
 
     with pytest.raises(HTTPError) as e:

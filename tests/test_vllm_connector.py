@@ -21,8 +21,8 @@ class _Blocks:
 
 
 def _side_and_request(tmp_path, sid: str = "s1", serve: bool = False, params: dict | None = None):
-    from relayout.engine.vllm_connector import SchedulerSide
-    from relayout.engine.vllm_exchange import Exchange
+    from relayout.engine.vllm.connector import SchedulerSide
+    from relayout.engine.vllm.exchange import Exchange
     from vllm import SamplingParams
     from vllm.v1.request import Request, RequestStatus
 
@@ -63,7 +63,7 @@ def test_an_export_of_a_running_request_is_answered_at_the_next_step(tmp_path):
 
 
 def test_an_export_whose_request_ends_while_it_waits_is_answered_finished_without_a_step(tmp_path):
-    from relayout.engine.vllm_exchange import ExchangeError, control
+    from relayout.engine.vllm.exchange import ExchangeError, control
     from vllm.v1.request import RequestStatus
 
     side, req = _side_and_request(tmp_path, serve=True)
@@ -102,7 +102,7 @@ def test_an_export_of_a_request_that_is_not_running_is_a_failure_not_an_end(tmp_
 def test_only_params_signed_by_this_exchange_and_used_once_name_a_session(tmp_path):
     """Any client of vLLM's port can send kv_transfer_params: unsigned, forged, another launch's or a
     replayed body is a plain request (it claims no session, loads nothing, cannot take over an export)."""
-    from relayout.engine.vllm_exchange import LOAD_KEY, SESSION_KEY, Exchange
+    from relayout.engine.vllm.exchange import LOAD_KEY, SESSION_KEY, Exchange
     from vllm import SamplingParams
     from vllm.v1.request import Request
 
@@ -152,8 +152,8 @@ def test_a_resumed_request_recomputes_instead_of_reading_blocks_that_hold_nothin
 
 def _worker(tmp_path, layers: int = 2, heads: int = 2, dim: int = 4, blocks: int = 8, bs: int = 4):
     import torch
-    from relayout.engine.vllm_exchange import Exchange
-    from relayout.engine.vllm_kv import WorkerSide
+    from relayout.engine.vllm.exchange import Exchange
+    from relayout.engine.vllm.kv import WorkerSide
 
     ex = Exchange.init(tmp_path / "ex")
     cfg = SimpleNamespace(cache_config=SimpleNamespace(block_size=bs), device_config=SimpleNamespace(device_type="x"),
@@ -170,8 +170,8 @@ def test_a_failed_load_is_reported_as_blocks_to_recompute_never_raised(tmp_path)
     get_block_ids_with_load_errors (vLLM recomputes them), `<load id>.failed` says why, and the cache
     is untouched. A good file loads exactly."""
     import torch
-    from relayout.engine.vllm_exchange import damage_staged, write_kv
-    from relayout.engine.vllm_kv import LoadSpec, RelayoutMetadata
+    from relayout.engine.vllm.exchange import damage_staged, write_kv
+    from relayout.engine.vllm.kv import LoadSpec, RelayoutMetadata
 
     planted = tmp_path / "planted.safetensors"  # our own format, outside the exchange
     kv = torch.randn(2, 2, 2, 8, 4)
@@ -207,9 +207,9 @@ def test_exports_copy_off_the_forward_path_and_hold_blocks_until_done(tmp_path, 
     import threading
 
     import torch
-    from relayout.engine import vllm_kv
-    from relayout.engine.vllm_exchange import KVFile
-    from relayout.engine.vllm_kv import ExportSpec, RelayoutMetadata, copy_blocks_out
+    from relayout.engine.vllm import kv as vllm_kv
+    from relayout.engine.vllm.exchange import KVFile
+    from relayout.engine.vllm.kv import ExportSpec, RelayoutMetadata, copy_blocks_out
 
     w, ex, caches = _worker(tmp_path, blocks=8, bs=4)
     for c in caches:

@@ -61,9 +61,9 @@ def references(model_dir):
 @pytest.fixture(scope="module")
 def checkpoint_uri(model_dir, root, references):
     """Three sessions decoded DONE_BEFORE tokens by the builtin engine on the same files, checkpointed."""
-    from relayout.engine.engine import LLMEngine
-    from relayout.engine.session import SamplingParams
-    from relayout.engine.snapshot import checkpoint
+    from relayout.engine.moves.snapshot import checkpoint
+    from relayout.engine.runtime.engine import LLMEngine
+    from relayout.engine.runtime.session import SamplingParams
     from relayout.storage.checkpoint import CheckpointWriter
     from relayout.storage.stores import open_store
 
@@ -184,7 +184,7 @@ def test_kv_transfer_params_from_any_client_of_vllm_load_and_take_nothing(tight,
     plain request: its tokens are those vLLM computes anyway, and the session it named keeps its
     request (its checkpoint still cuts it, and its stream ends with transformers' tokens)."""
     import torch
-    from relayout.engine.vllm_exchange import LOAD_KEY, NONCE_KEY, SESSION_KEY, SIG_KEY, write_kv
+    from relayout.engine.vllm.exchange import LOAD_KEY, NONCE_KEY, SESSION_KEY, SIG_KEY, write_kv
 
     planted = root / "planted.safetensors"
     write_kv(planted, torch.randn(2, 2, 2, 99, 64) * 50, 0, 2, 0, 99)  # KV that would change every token
@@ -224,7 +224,7 @@ def _shm_bytes() -> int:
 def test_nothing_staged_is_left_after_four_moves(tight, tight_cached, references):
     """Three sessions moved live four times back and forth, then finished: /dev/shm (where the
     exchanges are) holds what it held before (within 1 MiB), and every session kept its tokens."""
-    from relayout.migrate.live import MigrationPlan, migrate_live
+    from relayout.migrate.protocol.live import MigrationPlan, migrate_live
 
     before = _shm_bytes()
     streams = [Stream(tight, {"prompt": PROMPTS[k], "max_tokens": N, "temperature": 0, "ignore_eos": True})
@@ -253,9 +253,9 @@ def test_nothing_staged_is_left_after_four_moves(tight, tight_cached, references
 def test_kv_of_another_dtype_is_refused_before_anything_moves_naming_both(tight, model_dir, root):
     """vLLM's kv_cache_config says the cache is float32 here; a bfloat16 checkpoint is refused (never
     cast), naming both dtypes, and the replica serves on."""
-    from relayout.engine.engine import LLMEngine
-    from relayout.engine.session import SamplingParams
-    from relayout.engine.snapshot import checkpoint
+    from relayout.engine.moves.snapshot import checkpoint
+    from relayout.engine.runtime.engine import LLMEngine
+    from relayout.engine.runtime.session import SamplingParams
     from relayout.storage.checkpoint import CheckpointWriter
     from relayout.storage.stores import open_store
 
@@ -284,9 +284,9 @@ def test_attach_to_a_vllm_the_user_started_and_move_sessions_both_ways(model_dir
     import subprocess
     import sys
 
-    from relayout.engine.rank_channel import free_port
-    from relayout.engine.vllm_server import CPU_NICE, lower_priority
-    from relayout.migrate.live import MigrationPlan, migrate_live
+    from relayout.engine.ranks.rank_channel import free_port
+    from relayout.engine.vllm.server import CPU_NICE, lower_priority
+    from relayout.migrate.protocol.live import MigrationPlan, migrate_live
 
     exchange = root / "sidecar-exchange"
     cfg = subprocess.run([sys.executable, "-m", "relayout.agent.cli", "vllm-config", "--exchange", str(exchange)],
@@ -312,7 +312,7 @@ def test_attach_to_a_vllm_the_user_started_and_move_sessions_both_ways(model_dir
         wrong = root / "not-its-exchange"
         subprocess.run([sys.executable, "-m", "relayout.agent.cli", "vllm-config", "--exchange", str(wrong)],
                        capture_output=True, timeout=120, check=True)
-        bad = subprocess.run([sys.executable, "-m", "relayout.migrate.serve", "--engine", "vllm", "--attach", url,
+        bad = subprocess.run([sys.executable, "-m", "relayout.migrate.replica.serve", "--engine", "vllm", "--attach", url,
                               "--exchange", str(wrong), "--model", str(model_dir), "--port", "0"],
                              capture_output=True, text=True, timeout=300)
         assert bad.returncode != 0 and "does not run relayout's connector" in bad.stderr, bad.stderr[-2000:]
@@ -393,5 +393,5 @@ def test_protection_leaves_a_seeded_session_unprotected_and_the_standby_frees_it
 
 
 def _staged_files() -> int:
-    """Load files staged in the exchanges of this machine's vLLM replicas (engine.vllm_exchange)."""
+    """Load files staged in the exchanges of this machine's vLLM replicas (engine.vllm.exchange)."""
     return sum(1 for d in Path("/dev/shm").glob("relayout-vllm-*") for _ in d.glob("s-*.safetensors"))

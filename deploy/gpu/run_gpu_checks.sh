@@ -6,7 +6,7 @@
 #      PYTHONPATH, its missing dependencies from carried wheels (.whl/, see fetch_wheels.sh)
 #      or, where an index is reachable, `pip install -e .[test,cuda]` constrained to the
 #      installed torch (never reinstalled);
-#   2. env: GPU, torch, and migrate.topology.discover() through NVML;
+#   2. env: GPU, torch, and migrate.placement.topology.discover() through NVML;
 #   3. pytest -m cuda tests/test_cuda.py (stager bit-exactness, engine snapshot/restore on
 #      CUDA, stager D2H GB/s vs a raw pinned copy_, decode steps while a snapshot drains);
 #   4. relayout bench snapshot --json;  5. relayout bench migration --quick --json;
@@ -46,7 +46,7 @@ step() {
 # from the carried wheels when there are some, else from an index, else the python already has it.
 {
   echo "# setup"
-  if "$PY" -c 'import relayout.migrate.topology' >/dev/null 2>&1; then
+  if "$PY" -c 'import relayout.migrate.placement.topology' >/dev/null 2>&1; then
     echo "relayout already importable by $PY ($("$PY" -c 'import relayout, os; print(os.path.dirname(relayout.__file__))'))"
   else
     rm -rf /tmp/relayout-gpu-venv

@@ -100,7 +100,7 @@ def main() -> int:
         if a.model:
             model = Path(a.model)
         else:
-            from relayout.bench.vllm_model import make_tiny_qwen3_moe
+            from relayout.bench.vllm.model import make_tiny_qwen3_moe
 
             model = make_tiny_qwen3_moe(root / "tiny-qwen3-moe")
         main_replica = replica(model, root, tp, base)
@@ -110,7 +110,7 @@ def main() -> int:
             # recomputed (|diff| ~4e-6, tokens unchanged): asserted on CUDA, reported here
             record("round_trip", exact if cuda else None, tp=tp, device="cuda" if cuda else "cpu", max_abs_diff=diff)
             refs = [complete(main_replica.url, p, 1000) for p in PROMPTS]  # undisturbed runs
-            from relayout.bench.vllm import measure_step_during_export
+            from relayout.bench.vllm.migration import measure_step_during_export
 
             e = measure_step_during_export(main_replica.url, root / "exports", max_model_len=1100)
             ratio = e["step_during_export_ratio"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 from relayout.storage.checkpoint import CheckpointWriter
-from relayout.storage.manifest import KVGeometry, Manifest, ModelRef
+from relayout.storage.format.manifest import KVGeometry, Manifest, ModelRef
 from relayout.storage.stores import Store
 
 L, H, D = 2, 4, 8

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
-from relayout.engine.rank_channel import free_port
+from relayout.engine.ranks.rank_channel import free_port
 from relayout.migrate.procs import kill_tree as kill_tree  # the tests kill -9 with it
 from relayout.migrate.procs import replica
 

@@ -14,14 +14,14 @@ import pytest
 
 # the same clients the soak bench uses: one copy, in relayout.bench.soak
 from relayout.bench.soak import Stream, port_of, reference, replica_state, wait_for  # noqa: F401 - re-exported to the tests
-from relayout.migrate.live import MigrationPlan, MigrationResult, migrate_live
 from relayout.migrate.procs import Proc, replica
+from relayout.migrate.protocol.live import MigrationPlan, MigrationResult, migrate_live
 from relayout.storage.stores import MemoryStore
 
 
 @dataclass
 class Incoming:
-    """What engine.receive.receive_round keeps of one incoming transfer (engine.receive.IncomingKV),
+    """What engine.moves.receive.receive_round keeps of one incoming transfer (engine.moves.receive.IncomingKV),
     for tests that drive rounds between engines in one process."""
 
     store: MemoryStore = field(default_factory=MemoryStore)
@@ -128,7 +128,7 @@ def transfers_on(url: str, ids: list[str]) -> list[str]:
 def record_transfer_ids(monkeypatch: pytest.MonkeyPatch, seen: list[str]) -> None:
     """From now on, append to `seen` (emptied first) the id of every transfer migrate_live starts in
     this process (its result and its MigrationError carry the id too)."""
-    import relayout.migrate.live as live
+    import relayout.migrate.protocol.live as live
 
     real = live.new_transfer_id
     seen.clear()

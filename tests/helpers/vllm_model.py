@@ -1,4 +1,4 @@
-"""The vLLM tests' model (relayout.bench.vllm_model: a tiny Qwen3-MoE vLLM's CPU build runs) and its
+"""The vLLM tests' model (relayout.bench.vllm.model: a tiny Qwen3-MoE vLLM's CPU build runs) and its
 yardstick: transformers' greedy tokens on the same weights."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from relayout.bench.vllm_model import make_tiny_qwen3_moe  # noqa: F401 - re-exported to the tests
+from relayout.bench.vllm.model import make_tiny_qwen3_moe  # noqa: F401 - re-exported to the tests
 
 
 def reference_tokens(model_dir: Path, prompt: list[int], n: int) -> list[int]:

@@ -1,0 +1,1 @@
+"""Commands that talk to agents over REST: up, demo, status."""

@@ -1,0 +1,1 @@
+"""The node agent's REST routes: replicas, checkpoints, operations, protection, drain, fleet."""

@@ -1,0 +1,1 @@
+"""`relayout bench vllm`: live migration and protection between stock vLLM replicas."""

@@ -1,0 +1,1 @@
+"""The replica's OpenAI-compatible HTTP API: completions, chat, streaming."""

@@ -1,0 +1,1 @@
+"""The model a replica runs: its config, weights, tokenizer, layout, and the MoE transformer."""

@@ -1,0 +1,1 @@
+"""A replica's ranks: the executor, each rank's runner, rank processes and their channels."""

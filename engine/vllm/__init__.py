@@ -1,0 +1,1 @@
+"""Stock vLLM as a replica's engine: its server, relayout's KV connector, the session surface."""

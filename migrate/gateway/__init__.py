@@ -1,0 +1,1 @@
+"""The clients' OpenAI front door: streams kept whole across moves and failovers."""

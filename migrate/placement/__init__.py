@@ -1,0 +1,1 @@
+"""Placement and re-layout: topology, the planner, the policy and its controller."""

@@ -1,0 +1,1 @@
+"""Protection: continuous replication of a replica's sessions to a standby."""

@@ -1,0 +1,1 @@
+"""The live-migration protocol: its states, the migrator, each replica's transfers."""

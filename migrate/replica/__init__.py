@@ -1,0 +1,1 @@
+"""A whole replica process: its routes, its command line, and process management."""

@@ -1,0 +1,386 @@
+"""A raw framed TCP link between replicas for live-migration rounds (the default transport, `tcp`).
+
+The frames of storage.stream travel over a plain TCP connection instead of a chunked HTTP body,
+so no HTTP parser, event loop or intermediate buffer touches the KV bytes: the source writes each
+frame piece (a chunk buffer straight out of the copy from its pool) with `sendall` from the
+thread that produced it, and the target reads each chunk's bytes with `recv_into` straight into
+the buffer it keeps them in (storage.stream.StreamReceiver.receive_from), on a thread of its own.
+The target listens on an extra port (started on first use, on the address its HTTP request
+arrived on; `GET LINK_PATH`, behind the replica's bearer token, names it). The wire:
+
+    target -> source   LINK_MAGIC + 16 random bytes (a challenge)
+    source -> target   4-byte length + JSON {"transfer", "final", "source", "mac"}
+                       mac = HMAC-SHA256(token, challenge + transfer id), hex ("" without a token)
+    target -> source   a reply with status 100 (go on), or the refusal (as below)
+    source -> target   the round's frames, ending with its MANIFEST frame (or an ABORT frame)
+    target -> source   4-byte status (HTTP's codes) + 4-byte length + JSON (the import reply, or {"error"})
+
+A connection that ends before the manifest is a cut round (kept for a resume, as an interrupted
+HTTP body is); so is one silent for RELAYOUT_LINK_IDLE_S (default 30) seconds. The target answers
+as soon as it refuses a round and reads on until the source stops, so the source learns why even
+while it is still sending."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import os
+import select
+import socket
+import struct
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from urllib.parse import urlsplit
+
+import httpx
+from relayout.engine.tracing import continued_span, inject
+from relayout.engine.web import bearer_headers, error_message, tls_context
+from relayout.migrate.transport.base import in_thread
+from relayout.storage.settings import settings
+
+LINK_PATH = "/v1/sessions/import/link"
+LINK_MAGIC = b"RLK2"  # 2: frames follow the go-ahead unsegmented (RLK1 wrapped them in length segments)
+CHALLENGE_BYTES = 16
+MAX_HELLO_BYTES = 8192
+MAX_REPLY_BYTES = 1 << 20
+MAX_CONNECTIONS = 16  # link connections served at once (each a thread); more are closed unanswered
+HELLO_TIMEOUT_S = 30.0
+GO_ON = 100  # the target accepted the hello: send the round
+SEND_BATCH_BYTES = 1 << 20  # pieces gathered into one sendmsg
+MAX_IOV = 512  # pieces per sendmsg (Linux takes up to 1024)
+_LEN = struct.Struct(">I")
+_REPLY = struct.Struct(">II")
+
+# (transfer, read_into, final, source) -> the import reply; raises as TransferTable.import_round does
+ImportRound = Callable[[str, Callable[[memoryview], int], bool, str | None], Awaitable[dict]]
+# an exception raised by an import -> (status, message)
+Classify = Callable[[BaseException], tuple[int, str]]
+
+
+def link_mac(token: str | None, challenge: bytes, transfer: str) -> str:
+    if not token:
+        return ""
+    return hmac.new(token.encode(), challenge + transfer.encode(), hashlib.sha256).hexdigest()
+
+
+def link_address(port: int, entries: bool = True) -> dict:
+    """What `GET LINK_PATH` answers: the link's port, or RELAYOUT_LINK_ADVERTISE's HOST:PORT where
+    sources reach it through a forwarded port (NAT, a Kubernetes Service, a test's proxy)."""
+    adv = settings().link_advertise  # HOST:PORT, checked by its declaration
+    # entries: this target writes chunk frames that name their entry into its pool as they arrive
+    if not adv:
+        return {"port": port, "entries": entries}
+    host, _, p = adv.rpartition(":")
+    return {"host": host.strip("[]"), "port": int(p), "entries": entries}
+
+
+def idle_timeout() -> float:
+    return settings().link_idle_s
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if not k:
+            raise ConnectionError("the peer closed the link")
+        got += k
+    return bytes(buf)
+
+
+def _batches(pieces: Iterator[bytes], max_bytes: int = SEND_BATCH_BYTES) -> Iterator[list[memoryview]]:
+    """The pieces in groups of about `max_bytes`, each group one `sendmsg`: a frame's small head and
+    header pieces travel with the payload after them instead of as a syscall (and a packet) each."""
+    batch: list[memoryview] = []
+    n = 0
+    for p in pieces:
+        v = memoryview(p).cast("B")
+        batch.append(v)
+        n += v.nbytes
+        if n >= max_bytes or len(batch) >= MAX_IOV:
+            yield batch
+            batch, n = [], 0
+    if batch:
+        yield batch
+
+
+def _send_all(sock: socket.socket, views: list[memoryview]) -> None:
+    """sendmsg until every byte of `views` is sent (sendmsg may send part of them)."""
+    while views:
+        sent = sock.sendmsg(views)
+        while views and sent >= views[0].nbytes:
+            sent -= views[0].nbytes
+            views = views[1:]
+        if sent:
+            views[0] = views[0][sent:]
+
+
+def _reply_bytes(status: int, body: object) -> bytes:
+    data = json.dumps(body).encode()
+    return _REPLY.pack(status, len(data)) + data
+
+
+def _read_reply(sock: socket.socket) -> tuple[int, object]:
+    status, n = _REPLY.unpack(_recv_exact(sock, _REPLY.size))
+    if n > MAX_REPLY_BYTES:
+        raise ConnectionError("link reply too large")
+    try:
+        return status, json.loads(_recv_exact(sock, n))
+    except ValueError:
+        return status, None
+
+
+class FrameLinkServer:
+    """The target's listener: each connection carries one authenticated round into `import_round`,
+    read on a thread of its own (blocking `recv_into`); the import itself runs on the event loop
+    that started the listener."""
+
+    def __init__(self, token: str | None, import_round: ImportRound, classify: Classify,
+                 check_transfer: Callable[[str], object], cut: type[BaseException]):
+        self.token, self.import_round, self.classify = token, import_round, classify
+        self.check_transfer, self.cut = check_transfer, cut
+        self.sock: socket.socket | None = None
+        self.port: int | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._lock = asyncio.Lock()
+
+    async def ensure(self, host: str) -> int:
+        """The port, listening on `host` (started by the first caller)."""
+        async with self._lock:
+            if self.sock is None:
+                self._loop = asyncio.get_running_loop()
+                port = settings().link_port
+                self.sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+                self.port = self.sock.getsockname()[1]
+                threading.Thread(target=self._accept, args=(self.sock,), name="frame-link", daemon=True).start()
+        return self.port  # type: ignore[return-value]
+
+    def _accept(self, lsock: socket.socket) -> None:
+        while True:
+            try:
+                conn, _ = lsock.accept()
+            except OSError:
+                return  # closed
+            if not self._slots.acquire(blocking=False):
+                conn.close()
+                continue
+            threading.Thread(target=self._serve, args=(conn,), name="frame-link-round", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            with conn:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                conn.settimeout(HELLO_TIMEOUT_S)
+                challenge = os.urandom(CHALLENGE_BYTES)
+                conn.sendall(LINK_MAGIC + challenge)
+                status, body = self._round(conn, challenge)
+                if status:
+                    conn.sendall(_reply_bytes(status, body))
+                    if status >= 300:
+                        _drain(conn)  # a refusal mid-round: read on, so the sender sees the answer, not a reset
+        except (OSError, ConnectionError):
+            pass  # the source went away: nobody to answer
+        finally:
+            self._slots.release()
+
+    def _round(self, conn: socket.socket, challenge: bytes) -> tuple[int, object]:
+        try:
+            (n,) = _LEN.unpack(_recv_exact(conn, _LEN.size))
+            if n > MAX_HELLO_BYTES:
+                return 400, _err("link hello too large")
+            hello = json.loads(_recv_exact(conn, n))
+            tid, final, source = hello["transfer"], bool(hello.get("final")), hello.get("source")
+            if not isinstance(tid, str) or not isinstance(hello.get("mac"), str):
+                raise ValueError("transfer and mac must be strings")
+            if source is not None and not isinstance(source, str):
+                raise ValueError("source must be a string")
+        except (TimeoutError, ValueError, KeyError, TypeError):
+            return 400, _err("bad link hello")
+        if not hmac.compare_digest(hello["mac"], link_mac(self.token, challenge, tid)):
+            return 401, _err("link authentication failed")
+        try:
+            self.check_transfer(tid)
+        except Exception as e:  # noqa: BLE001 - refused before any frame is read
+            return self.classify(e)[0], _err(self.classify(e)[1])
+        conn.sendall(_reply_bytes(GO_ON, {}))
+        conn.settimeout(idle_timeout())  # a source silent this long has cut the round
+        cut, got = self.cut, [0]
+
+        def read_into(view: memoryview) -> int:
+            try:
+                k = conn.recv_into(view)
+            except OSError:  # a timeout, a reset
+                raise cut() from None
+            if not k:
+                raise cut()  # the manifest ends a round: an end before it is a cut
+            got[0] += k
+            return k
+
+        assert self._loop is not None
+        # the round's span continues the source's export (as the HTTP import route's does)
+        with continued_span("LINK /v1/sessions/import", hello.get("traceparent"), transfer=tid, final=final) as sp:
+            try:
+                reply = asyncio.run_coroutine_threadsafe(self.import_round(tid, read_into, final, source),
+                                                         self._loop).result()
+                status, body = 200, reply
+            except self.cut:
+                status, body = 0, {}  # the source cut the round: nobody reads an answer
+            except Exception as e:  # noqa: BLE001 - refused: the source is told why, as over HTTP
+                status, msg = self.classify(e)
+                body = _err(msg)
+            sp.set_attribute("relayout.bytes", got[0])
+            sp.set_attribute("relayout.status", status)
+        return status, body
+
+    async def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+
+
+def _drain(conn: socket.socket, limit_s: float = 5.0) -> None:
+    """Read and drop what the source still sends (for up to `limit_s`), then close: closing with
+    unread bytes would reset the connection and the source could lose the answer."""
+    deadline = time.monotonic() + limit_s
+    buf = bytearray(1 << 20)
+    try:
+        conn.shutdown(socket.SHUT_WR)
+        while (left := deadline - time.monotonic()) > 0:
+            conn.settimeout(left)
+            if not conn.recv_into(buf):
+                return
+    except OSError:
+        pass
+
+
+def _err(msg: str) -> dict:
+    return {"error": {"message": msg}}
+
+
+class _OtherVersion(Exception):
+    """The target's link speaks another version of the wire."""
+
+
+class _NotConnected(Exception):
+    """Nobody listens at the link's address (e.g. a cached one, the target restarted since)."""
+
+
+class TcpTransport:
+    """Pushes a round over the target's frame link (see the module docstring), from a thread that
+    writes each frame piece as the round's producer hands it over; https targets, which the raw
+    link would not encrypt, go over `fallback` (HTTP)."""
+
+    def __init__(self, token: str | None, fallback, push_failed: type[Exception]):
+        self.token, self.fallback, self.failed = token, fallback, push_failed
+        # target URL -> its link's (host, port) and whether it places chunks as they arrive, as its last
+        # round found it: a round, the final one above all (part of the stall), need not ask again; any
+        # failure forgets it
+        self.links: dict[str, tuple[str, int, bool]] = {}
+
+    async def _address(self, target: str) -> tuple[str, int, bool] | None:
+        """The target's link (None: it has none, it is older than the link: push over HTTP)."""
+        if target in self.links:
+            return self.links[target]
+        try:
+            async with httpx.AsyncClient(verify=tls_context(), timeout=30.0) as c:
+                resp = await c.get(f"{target.rstrip('/')}{LINK_PATH}", headers=bearer_headers(self.token))
+        except httpx.TransportError as e:
+            raise self.failed(f"target link: {type(e).__name__}: {e or 'no detail'}", True) from None
+        if resp.status_code == 404:
+            return None
+        if resp.status_code >= 400:
+            raise self.failed(f"target link: HTTP {resp.status_code}: {error_message(resp)}", False)
+        addr = resp.json()
+        port, host = addr.get("port"), addr.get("host") or urlsplit(target).hostname or "127.0.0.1"
+        if not isinstance(port, int) or not isinstance(host, str):
+            raise self.failed("target link: no port in the answer", False)
+        self.links[target] = (host, port, addr.get("entries") is True)
+        return self.links[target]
+
+    async def push(self, target: str, transfer: str, frames, *, final: bool, source: str | None,
+                   timeout_s: float) -> dict:
+        u = urlsplit(target)
+        blocking = getattr(frames, "blocking", None)
+        if u.scheme != "http" or blocking is None:
+            return await self.fallback.push(target, transfer, frames, final=final, source=source, timeout_s=timeout_s)
+        stop = threading.Event()
+        try:
+            hello = inject({"transfer": transfer, "final": final, "source": source})  # + the export's traceparent
+            # a pre-copy round's thread (copying out of the pool, hashing, sending) is a pre-copy worker
+            background = bool(getattr(frames, "background", False))
+            while True:  # twice at most: a kept address nobody listens at any more is asked again
+                cached = target in self.links
+                addr = await self._address(target)
+                options = getattr(frames, "options", None)
+                if options is not None:  # chunk frames name their entries only for a target that places them
+                    options.entries = bool(addr and addr[2])
+                if addr is None:  # a target older than the link: HTTP it is
+                    return await self.fallback.push(target, transfer, frames, final=final, source=source,
+                                                    timeout_s=timeout_s)
+                try:
+                    status, body = await in_thread(self._push, *addr[:2], hello, blocking(), timeout_s, stop,
+                                                   background=background)
+                    break
+                except _NotConnected:  # (nothing of the round was produced yet)
+                    self.links.pop(target, None)
+                    if not cached:
+                        raise self.failed("target import: the link refused the connection", True) from None
+                    # the target restarted since (another port): ask it again
+                except _OtherVersion:  # (nothing of the round was produced yet) a target of another link version
+                    self.links.pop(target, None)
+                    if options is not None:
+                        options.entries = False
+                    return await self.fallback.push(target, transfer, frames, final=final, source=source,
+                                                    timeout_s=timeout_s)
+                except BaseException:
+                    self.links.pop(target, None)
+                    raise
+        finally:
+            stop.set()  # cancelled (the transfer ended): the sending thread stops at its next piece
+            await frames.aclose()
+        if status >= 400:
+            self.links.pop(target, None)  # (a target rolled back to another build at the same address: ask again)
+            msg = body.get("error", {}).get("message", "") if isinstance(body, dict) else ""
+            raise self.failed(f"target import: HTTP {status}: {msg}", False)
+        if not isinstance(body, dict):
+            raise self.failed("target import: the answer is not a JSON object", False)
+        return body
+
+    def _push(self, host: str, port: int, hello: dict, pieces: Iterator[bytes], timeout_s: float,
+              stop: threading.Event) -> tuple[int, object]:
+        try:
+            try:
+                sock = socket.create_connection((host, port), timeout=timeout_s)
+            except ConnectionRefusedError:
+                raise _NotConnected() from None
+            with sock:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                head = _recv_exact(sock, len(LINK_MAGIC) + CHALLENGE_BYTES)
+                if not head.startswith(LINK_MAGIC):
+                    raise _OtherVersion()
+                hello = {**hello, "mac": link_mac(self.token, head[len(LINK_MAGIC):], hello["transfer"])}
+                data = json.dumps(hello).encode()
+                sock.sendall(_LEN.pack(len(data)) + data)
+                status, body = _read_reply(sock)
+                if status != GO_ON:
+                    return status, body
+                for batch in _batches(pieces):
+                    if stop.is_set():
+                        raise ConnectionError("the round was cancelled")
+                    # the target answers early only to refuse the round: its answer wins
+                    if select.select([sock], [], [], 0)[0]:
+                        break
+                    _send_all(sock, batch)
+                return _read_reply(sock)
+        except (self.failed, _OtherVersion, _NotConnected):
+            raise
+        except (OSError, ConnectionError) as e:  # refused, reset, timed out: the link failed, the round may resume
+            raise self.failed(f"target import: {type(e).__name__}: {e or 'no detail'}", True) from None
+        finally:
+            close = getattr(pieces, "close", None)
+            if close is not None:
+                close()

@@ -1,0 +1,1 @@
+"""The checkpoint format: manifest, chunks, codecs, and the stream framing of both."""
