@@ -32,7 +32,7 @@ import httpx
 from relayout.engine.tracing import inject_hooks
 from relayout.engine.web import bearer_headers, check_response, tls_context
 from relayout.migrate.protocol.observe import phase_boundary, round_bytes, traced_migration
-from relayout.migrate.protocol.states import FINISHED_ON_SOURCE, IncomingState, Phase
+from relayout.migrate.protocol.states import FINISHED_ON_SOURCE, IncomingState, Phase, check_transition
 
 PRECOPY_ROUND_BYTES = 256 << 20  # a pre-copy round's KV over all its sessions (the target stages about a round)
 # pre-copy is caught up once a round moves at most this: the stop-and-copy round then carries about
@@ -247,6 +247,145 @@ class _Link:
             pass
 
 
+@dataclass
+class MigrationRun:
+    """One migration while it runs: what each stage reads and leaves for the next."""
+
+    link: _Link
+    plan: MigrationPlan
+    res: MigrationResult
+    ids: list[str] | None  # the sessions to move (None: all, named by the first stage)
+    progress: Progress | None
+    on_phase: OnPhase | None
+    label: str = str(Phase.PRE_COPY)  # what a failure says it failed during
+    paused: list[str] = field(default_factory=list)  # what an abort resumes on the source
+    committed: bool = False  # the source released the sessions: they belong to the target
+    t_hold: float = 0.0  # when the sessions stopped on the source (the stall starts)
+
+    def at(self, name: str) -> None:
+        name = str(name)  # a Phase is its wire string; spans and callers get plain str
+        phase_boundary(name)
+        if self.on_phase:
+            self.on_phase(name)
+
+    def count(self, n: int, seconds: float, final: bool) -> None:
+        self.res.rounds.append(PreCopyRound(len(self.res.rounds), n, seconds, final, dict(self.link.timing)))
+        round_bytes(n, seconds)
+        self.res.bytes_total += n
+
+
+def _ms_since(t0: float) -> float:
+    return round((time.perf_counter() - t0) * 1000, 2)
+
+
+def precopy(run: MigrationRun) -> Phase:
+    """Name the sessions, then bounded pre-copy rounds (none when cold) while the source keeps decoding."""
+    link, plan, res = run.link, run.plan, run.res
+    slice_tokens = plan.precopy_slice_tokens
+    size_rounds = plan.mode == "live" and slice_tokens is None  # from the source's KV size
+    rep = (check_response(link.client.get(f"{link.src}/v1/replica", headers=link.headers()), "source replica")
+           if run.ids is None or size_rounds else {})
+    if run.ids is None:  # name them now, so an abort knows exactly what to resume
+        run.ids = [s["id"] for s in rep["sessions"]]
+    if size_rounds:
+        slice_tokens = round_slice_tokens(plan.precopy_round_bytes, rep.get("kv_bytes_per_token"), len(run.ids))
+    for i in range(plan.max_rounds if plan.mode == "live" else 0):
+        run.at(f"{Phase.PRE_COPY}:{i}")
+        t0 = time.perf_counter()
+        # bounded slices per round: the source's decoding never waits on a long copy
+        n = link.precopy_round(run.ids, slice_tokens, res)
+        run.count(n, time.perf_counter() - t0, False)
+        if run.progress:
+            run.progress(run.label, res.bytes_total)
+        if n <= plan.small_bytes or not run.ids:
+            break
+    return Phase.STOP_AND_COPY
+
+
+def stop_and_copy(run: MigrationRun) -> Phase:
+    """The final round: the source pauses the sessions and sends the rest and their state; then the
+    target must still hold exactly them (a target that died after its acknowledgement is caught here)."""
+    run.label = str(Phase.STOP_AND_COPY)
+    run.at(Phase.STOP_AND_COPY)
+    link, res, ids = run.link, run.res, run.ids or []
+    run.t_hold = time.perf_counter()
+    run.paused = list(ids)
+    reply, n, named = link.round(ids, True)
+    res.sessions = run.paused = list(reply.get("placed", reply["sessions"]))
+    res.not_moved = named or {}
+    # every session asked for is either placed on the target or named with the source's reason
+    # (an older source names none: then only the placed ones are checked)
+    unnamed = set(ids) - set(res.sessions) - set(res.not_moved) if named is not None else set()
+    if unnamed or not set(res.sessions) <= set(ids):
+        raise RuntimeError(f"the final round placed {sorted(res.sessions)} for {sorted(ids)}; "
+                           f"{sorted(unnamed)} neither moved nor named by the source")
+    run.count(n, time.perf_counter() - run.t_hold, True)
+    run.label = "commit"
+    t_c = time.perf_counter()
+    st = link.target_state("target check")
+    res.commit_timing["target_check_ms"] = _ms_since(t_c)
+    if st.get("incoming") != IncomingState.PLACED or sorted(st.get("placed", [])) != sorted(res.sessions):
+        raise RuntimeError(f"target no longer holds the transfer ({st.get('incoming')})")
+    return Phase.PREPARED
+
+
+def release(run: MigrationRun) -> Phase:
+    """The commit point: the source releases the sessions to the target."""
+    run.at(Phase.PREPARED)
+    link, res = run.link, run.res
+    t_c = time.perf_counter()
+    check_response(link.client.post(f"{link.src}/v1/sessions/release", headers=link.headers(), json={
+        "sessions": res.sessions, "migrated_to": link.push_to, "transfer": link.transfer}), "source release")
+    run.committed = True
+    res.commit_timing["release_ms"] = _ms_since(t_c)
+    return Phase.COMMITTED
+
+
+def resume_on_target(run: MigrationRun) -> Phase:
+    """The target resumes the sessions; the source's record of the transfer is tidied away."""
+    run.at(Phase.COMMITTED)
+    link, res = run.link, run.res
+    t_c = time.perf_counter()
+    link.commit_target()
+    res.commit_timing["commit_ms"] = _ms_since(t_c)
+    res.stall_ms = (time.perf_counter() - run.t_hold) * 1000
+    try:  # tidy-up only: the source already forgot the transfer when it released it
+        link.client.request("DELETE", f"{link.src}/v1/sessions/transfers/{link.transfer}", headers=link.headers(),
+                            timeout=5)
+    except httpx.HTTPError:
+        pass  # e.g. the source died right after the commit; the sessions run on the target
+    if run.progress:
+        run.progress(str(Phase.DONE), res.bytes_total)
+    return Phase.DONE
+
+
+# The migrator's phases in the order states.TRANSITIONS[Phase] allows: each stage returns the next phase
+STAGES: dict[Phase, Callable[[MigrationRun], Phase]] = {
+    Phase.PRE_COPY: precopy,
+    Phase.STOP_AND_COPY: stop_and_copy,
+    Phase.PREPARED: release,
+    Phase.COMMITTED: resume_on_target,
+}
+
+
+def run_stages(run: MigrationRun) -> MigrationResult:
+    phase = Phase.PRE_COPY
+    try:
+        while phase in STAGES:
+            phase = check_transition(phase, STAGES[phase](run))
+        run.at(Phase.DONE)
+        return run.res
+    except Exception as e:
+        t = run.res.transfer_id
+        if run.committed:
+            # the target owns the sessions; it holds them paused until told to resume
+            raise MigrationError(run.label, f"{e} (sessions committed to the target; it resumes them by itself "
+                                            "once its transfer lease sees the source's release)",
+                                 committed_sessions=run.res.sessions, transfer_id=t) from e
+        run.link.abort(run.paused)
+        raise MigrationError(run.label, f"{e}; the sessions continue on the source", transfer_id=t) from e
+
+
 @traced_migration  # the migration's trace: a span per phase (migrate.protocol.observe)
 def migrate_live(source_url: str, target_url: str, sessions: list[str] | None = None, *,
                  plan: MigrationPlan | None = None, token: str | None = None,
@@ -258,91 +397,7 @@ def migrate_live(source_url: str, target_url: str, sessions: list[str] | None = 
     plan = plan or MigrationPlan()
     src, dst = source_url.rstrip("/"), target_url.rstrip("/")
     res = MigrationResult(transfer_id=plan.transfer_id or new_transfer_id())
-    t = res.transfer_id
-    phase: str = Phase.PRE_COPY
-    paused: list[str] = []
-    committed = False
-
-    def at(name: str) -> None:
-        name = str(name)  # a Phase is its wire string; spans and callers get plain str
-        phase_boundary(name)
-        if on_phase:
-            on_phase(name)
-
-    def count(n: int, seconds: float, final: bool) -> None:
-        res.rounds.append(PreCopyRound(len(res.rounds), n, seconds, final, dict(link.timing)))
-        round_bytes(n, seconds)
-        res.bytes_total += n
     with httpx.Client(verify=tls_context(), timeout=plan.timeout_s, event_hooks=inject_hooks()) as client:
         link = _Link(client, src, dst, (plan.target_for_source or dst).rstrip("/"), plan.source_for_target or src,
-                     t, plan, token)
-        try:
-            ids = sessions
-            slice_tokens = plan.precopy_slice_tokens
-            size_rounds = plan.mode == "live" and slice_tokens is None  # from the source's KV size
-            rep = (check_response(client.get(f"{src}/v1/replica", headers=link.headers()), "source replica")
-                   if ids is None or size_rounds else {})
-            if ids is None:  # name them now, so an abort knows exactly what to resume
-                ids = [s["id"] for s in rep["sessions"]]
-            if size_rounds:
-                slice_tokens = round_slice_tokens(plan.precopy_round_bytes, rep.get("kv_bytes_per_token"), len(ids))
-            for i in range(plan.max_rounds if plan.mode == "live" else 0):
-                at(f"{Phase.PRE_COPY}:{i}")
-                t0 = time.perf_counter()
-                # bounded slices per round: the source's decoding never waits on a long copy
-                n = link.precopy_round(ids, slice_tokens, res)
-                count(n, time.perf_counter() - t0, False)
-                if progress:
-                    progress(phase, res.bytes_total)
-                if n <= plan.small_bytes or not ids:
-                    break
-            phase = Phase.STOP_AND_COPY
-            at(phase)
-            t_hold = time.perf_counter()
-            paused = list(ids)
-            reply, n, named = link.round(ids, True)
-            res.sessions = paused = list(reply.get("placed", reply["sessions"]))
-            res.not_moved = named or {}
-            # every session asked for is either placed on the target or named with the source's reason
-            # (an older source names none: then only the placed ones are checked)
-            unnamed = set(ids) - set(res.sessions) - set(res.not_moved) if named is not None else set()
-            if unnamed or not set(res.sessions) <= set(ids):
-                raise RuntimeError(f"the final round placed {sorted(res.sessions)} for {sorted(ids)}; "
-                                   f"{sorted(unnamed)} neither moved nor named by the source")
-            count(n, time.perf_counter() - t_hold, True)
-            phase = "commit"
-            # the target must still hold them right before the commit (narrows the window in which
-            # a target that died after its acknowledgement would take the sessions with it)
-            t_c = time.perf_counter()
-            st = link.target_state("target check")
-            res.commit_timing["target_check_ms"] = round((time.perf_counter() - t_c) * 1000, 2)
-            if st.get("incoming") != IncomingState.PLACED or sorted(st.get("placed", [])) != sorted(res.sessions):
-                raise RuntimeError(f"target no longer holds the transfer ({st.get('incoming')})")
-            at(Phase.PREPARED)
-            t_c = time.perf_counter()
-            check_response(client.post(f"{src}/v1/sessions/release",
-                                       json={"sessions": res.sessions, "migrated_to": link.push_to, "transfer": t},
-                                       headers=link.headers()), "source release")
-            committed = True
-            res.commit_timing["release_ms"] = round((time.perf_counter() - t_c) * 1000, 2)
-            at(Phase.COMMITTED)
-            t_c = time.perf_counter()
-            link.commit_target()
-            res.commit_timing["commit_ms"] = round((time.perf_counter() - t_c) * 1000, 2)
-            res.stall_ms = (time.perf_counter() - t_hold) * 1000
-            try:  # tidy-up only: the source already forgot the transfer when it released it
-                client.request("DELETE", f"{src}/v1/sessions/transfers/{t}", headers=link.headers(), timeout=5)
-            except httpx.HTTPError:
-                pass  # e.g. the source died right after the commit; the sessions run on the target
-            if progress:
-                progress(str(Phase.DONE), res.bytes_total)
-            at(Phase.DONE)
-            return res
-        except Exception as e:
-            if committed:
-                # the target owns the sessions; it holds them paused until told to resume
-                raise MigrationError(phase, f"{e} (sessions committed to the target; it resumes them by itself "
-                                            "once its transfer lease sees the source's release)",
-                                     committed_sessions=res.sessions, transfer_id=t) from e
-            link.abort(paused)
-            raise MigrationError(phase, f"{e}; the sessions continue on the source", transfer_id=t) from e
+                     res.transfer_id, plan, token)
+        return run_stages(MigrationRun(link, plan, res, sessions, progress, on_phase))

@@ -68,6 +68,9 @@ TRANSITIONS: dict[type[_Wire], dict[_Wire, frozenset[_Wire]]] = {
                                                         IncomingState.EXPIRED}),
                     IncomingState.PLACED: frozenset({IncomingState.COMMITTED, IncomingState.ABORTED,
                                                      IncomingState.EXPIRED})},
+    # the migrator's own run (migrate.protocol.live.STAGES: one stage function per phase, each naming the next)
+    Phase: {Phase.PRE_COPY: frozenset({Phase.STOP_AND_COPY}), Phase.STOP_AND_COPY: frozenset({Phase.PREPARED}),
+            Phase.PREPARED: frozenset({Phase.COMMITTED}), Phase.COMMITTED: frozenset({Phase.DONE})},
     ProtectionState: {ProtectionState.ACTIVE: frozenset({ProtectionState.FENCED, ProtectionState.LOST,
                                                          ProtectionState.STOPPED}),
                       ProtectionState.FENCED: frozenset({ProtectionState.ACTIVE, ProtectionState.LOST,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -60,7 +61,7 @@ from relayout.migrate.transport.base import (
 )
 from relayout.migrate.transport.frame_link import LINK_PATH, FrameLinkServer, TcpTransport, link_address
 from relayout.migrate.transport.frame_sink import FrameOptions
-from relayout.migrate.transport.mooncake import MooncakeTransport, install_mooncake_routes
+from relayout.migrate.transport.mooncake import MooncakeReceiver, MooncakeTransport, mooncake_router
 from relayout.migrate.transport.mooncake import unavailable as mooncake_unavailable
 from relayout.storage.checkpoint import CheckpointReader, CheckpointWriter
 from relayout.storage.errors import StorageError
@@ -270,85 +271,116 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(400, f"{type(e).__name__}: {e}", "checkpoint_error")
 
 
+@dataclass
+class ReplicaMoves:
+    """What the session-moving routes act on (the app's `state.moves`): the engine and its operations,
+    the replica's transfer table, the transports a round may be pushed by, the frame link's server."""
+
+    aengine: AsyncEngine
+    ops: EngineOps
+    table: TransferTable
+    transports: dict[str, Transport]
+    transport: Transport  # the default (RELAYOUT_TRANSPORT)
+    link: FrameLinkServer
+
+
+def moves(request: Request) -> ReplicaMoves:
+    return request.app.state.moves
+
+
+router = APIRouter()  # mounted behind the replica's bearer check by install_replica_routes
+
+
+@router.post("/v1/sessions/checkpoint")
+async def checkpoint_route(body: CheckpointBody, m: ReplicaMoves = Depends(moves)):
+    return await checkpoint_sessions(m.ops, m.aengine, m.table, body)
+
+
+@router.post("/v1/sessions/restore")
+async def restore_route(body: RestoreBody, m: ReplicaMoves = Depends(moves)):
+    return await restore_sessions(m.ops, body)
+
+
+@router.post("/v1/sessions/export")
+async def export_route(body: ExportBody, m: ReplicaMoves = Depends(moves)):
+    return await export_sessions(m.table, m.transports, m.transport, body)
+
+
+@router.post(IMPORT_PATH)
+async def import_route(request: Request, transfer: str, final: bool = False, source: str | None = None,
+                       m: ReplicaMoves = Depends(moves)):
+    check_id(transfer, "transfer id")
+    if source is not None and (len(source) > 2048 or not URL_RE.fullmatch(source)):
+        raise HTTPError(400, "source must be the source replica's http(s) URL")
+    cl = request.headers.get("content-length")
+    declared = int(cl) if cl is not None and cl.isdigit() else None
+    try:
+        return await m.table.import_round(transfer, _cut_pieces(request), final, source, declared)
+    except RoundCut:
+        raise ClientDisconnect() from None
+
+
+@router.get(LINK_PATH)
+async def link_route(request: Request, m: ReplicaMoves = Depends(moves)):
+    """The port of this replica's raw frame link (migrate.transport.frame_link), listening on the address
+    this request arrived on."""
+    host = (request.scope.get("server") or ("127.0.0.1", 0))[0]
+    port = await m.link.ensure(host)
+    return link_address(port, entries=hasattr(m.ops, "placer"))  # (a vLLM replica's import stages every chunk)
+
+
+@router.post("/v1/sessions/transfers/{transfer}/commit")
+async def commit_incoming(transfer: str, m: ReplicaMoves = Depends(moves)):
+    """Target: the source has released the sessions; they run here from now on."""
+    return await m.table.commit(check_id(transfer, "transfer id"))
+
+
+@router.get("/v1/sessions/transfers/{transfer}")
+async def transfer_state(transfer: str, m: ReplicaMoves = Depends(moves)):
+    return m.table.state(check_id(transfer, "transfer id"))
+
+
+@router.delete("/v1/sessions/transfers/{transfer}")
+async def abort_transfer(transfer: str, m: ReplicaMoves = Depends(moves)):
+    await m.table.abort(check_id(transfer, "transfer id"))
+    return {"aborted": transfer}
+
+
+@router.post("/v1/sessions/release")
+async def release_route(body: SessionsBody, m: ReplicaMoves = Depends(moves)):
+    """Source, two-phase commit: the target holds the sessions now; free them here. With
+    `transfer`, refused (409) unless that transfer is still live here (not expired)."""
+    check_ids(body.sessions)
+    if body.transfer is not None:
+        check_id(body.transfer, "transfer id")
+    await m.table.release(body.sessions, body.transfer, body.migrated_to)
+    return {"sessions": body.sessions}
+
+
+@router.post("/v1/sessions/resume")
+async def resume_route(body: SessionsBody, m: ReplicaMoves = Depends(moves)):
+    check_ids(body.sessions)
+    await m.aengine.call(lambda e: e.resume(body.sessions))
+    return {"sessions": body.sessions}
+
+
 def install_replica_routes(app: FastAPI, aengine: AsyncEngine, token: str | None = None) -> TransferTable:
     """Mount the session-moving routes on a replica's app; returns the replica's TransferTable."""
     token = token if token is not None else env_token()
     ops = engine_ops_for(aengine, defer_copy=True)  # builtin or vLLM: the only place that differs
     import_limit, frame_limit = ops.import_limits(aengine.engine)
     table = TransferTable(ops, source_asker(token), import_limit=import_limit, frame_limit=frame_limit)
-    r = APIRouter(dependencies=[Depends(bearer_auth(token))])
     # chosen per export (`transport`, default RELAYOUT_TRANSPORT); tcp and mooncake push https targets over HTTP
     http_transport = HttpTransport(token)
     transports: dict[str, Transport] = {"http": http_transport, "tcp": TcpTransport(token, http_transport, PushFailed),
                                         "mooncake": MooncakeTransport(token, http_transport)}
-    transport = transports[settings().transport]
     link = FrameLinkServer(token, table.import_round, _classify, lambda tid: check_id(tid, "transfer id"), RoundCut)
-
-    @r.post("/v1/sessions/checkpoint")
-    async def checkpoint_route(body: CheckpointBody):
-        return await checkpoint_sessions(ops, aengine, table, body)
-
-    @r.post("/v1/sessions/restore")
-    async def restore_route(body: RestoreBody):
-        return await restore_sessions(ops, body)
-
-    @r.post("/v1/sessions/export")
-    async def export_route(body: ExportBody):
-        return await export_sessions(table, transports, transport, body)
-
-    @r.post(IMPORT_PATH)
-    async def import_route(request: Request, transfer: str, final: bool = False, source: str | None = None):
-        check_id(transfer, "transfer id")
-        if source is not None and (len(source) > 2048 or not URL_RE.fullmatch(source)):
-            raise HTTPError(400, "source must be the source replica's http(s) URL")
-        cl = request.headers.get("content-length")
-        declared = int(cl) if cl is not None and cl.isdigit() else None
-        try:
-            return await table.import_round(transfer, _cut_pieces(request), final, source, declared)
-        except RoundCut:
-            raise ClientDisconnect() from None
-
-    @r.get(LINK_PATH)
-    async def link_route(request: Request):
-        """The port of this replica's raw frame link (migrate.transport.frame_link), listening on the address
-        this request arrived on."""
-        host = (request.scope.get("server") or ("127.0.0.1", 0))[0]
-        port = await link.ensure(host)
-        return link_address(port, entries=hasattr(ops, "placer"))  # (a vLLM replica's import stages every chunk)
-
-    @r.post("/v1/sessions/transfers/{transfer}/commit")
-    async def commit_incoming(transfer: str):
-        """Target: the source has released the sessions; they run here from now on."""
-        return await table.commit(check_id(transfer, "transfer id"))
-
-    @r.get("/v1/sessions/transfers/{transfer}")
-    async def transfer_state(transfer: str):
-        return table.state(check_id(transfer, "transfer id"))
-
-    @r.delete("/v1/sessions/transfers/{transfer}")
-    async def abort_transfer(transfer: str):
-        await table.abort(check_id(transfer, "transfer id"))
-        return {"aborted": transfer}
-
-    @r.post("/v1/sessions/release")
-    async def release_route(body: SessionsBody):
-        """Source, two-phase commit: the target holds the sessions now; free them here. With
-        `transfer`, refused (409) unless that transfer is still live here (not expired)."""
-        check_ids(body.sessions)
-        if body.transfer is not None:
-            check_id(body.transfer, "transfer id")
-        await table.release(body.sessions, body.transfer, body.migrated_to)
-        return {"sessions": body.sessions}
-
-    @r.post("/v1/sessions/resume")
-    async def resume_route(body: SessionsBody):
-        check_ids(body.sessions)
-        await aengine.call(lambda e: e.resume(body.sessions))
-        return {"sessions": body.sessions}
-
-    install_mooncake_routes(r, table.import_round, _classify)
+    app.state.moves = ReplicaMoves(aengine, ops, table, transports, transports[settings().transport], link)
+    app.state.mooncake = MooncakeReceiver(table.import_round, _classify)
+    r = APIRouter(dependencies=[Depends(bearer_auth(token))])
+    r.include_router(router)
+    r.include_router(mooncake_router)
     app.include_router(r)
     app.state.body_limits.bound(lambda path: path.startswith("/v1/sessions/") and path != IMPORT_PATH, MAX_JSON_BODY)
-
     install_error_handlers(app)
     return table

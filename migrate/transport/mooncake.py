@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 import httpx
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from relayout.engine.web import URL_RE, HTTPError, bearer_headers, check_id, error_message, tls_context
 from relayout.migrate.transport.base import PushFailed, RoundCut
 from relayout.storage.settings import settings
@@ -186,17 +186,20 @@ class _Receive:
             self.close()  # the last byte is out: nothing may be written here any more (unregistering is cheap)
 
 
-def install_mooncake_routes(r: APIRouter, import_round: ImportRound, classify: Classify) -> None:
-    """The target's routes of a Mooncake round, on the replica's authenticated router."""
-    receives: dict[str, _Receive] = {}
+class MooncakeReceiver:
+    """The target's Mooncake rounds, one per transfer: the ring each writes into and the import it feeds."""
 
-    def fail(e: BaseException) -> HTTPError:
+    def __init__(self, import_round: ImportRound, classify: Classify) -> None:
+        self.import_round, self.classify = import_round, classify
+        self.receives: dict[str, _Receive] = {}
+
+    def fail(self, e: BaseException) -> HTTPError:
         if isinstance(e, RoundCut):
             return HTTPError(408, "the round was cut (the source went silent)")
-        status, msg = classify(e)
+        status, msg = self.classify(e)
         return HTTPError(status, msg)
 
-    async def outcome(rx: _Receive, waiting: asyncio.Future | None = None) -> dict | None:
+    async def outcome(self, rx: _Receive, waiting: asyncio.Future | None = None) -> dict | None:
         """Wait for `waiting` (a segment taken) or the import's end; raise the import's refusal."""
         assert rx.task is not None
         done, _ = await asyncio.wait({rx.task} | ({waiting} if waiting else set()),
@@ -208,46 +211,43 @@ def install_mooncake_routes(r: APIRouter, import_round: ImportRound, classify: C
         except asyncio.CancelledError:
             raise HTTPError(409, "the round was superseded") from None
         except Exception as e:  # noqa: BLE001 - the import's refusal, as the HTTP import route answers it
-            raise fail(e) from None
+            raise self.fail(e) from None
 
-    async def run(rx: _Receive, final: bool, source: str | None) -> dict:
+    async def run(self, rx: _Receive, final: bool, source: str | None) -> dict:
         # an ended round stays listed (its outcome answers the source's next segment or end) until
         # its end or cut is asked, the transfer opens another round, or KEEP_ENDED_S passed
         try:
-            return await import_round(rx.transfer, rx.pieces(), final, source, None)
+            return await self.import_round(rx.transfer, rx.pieces(), final, source, None)
         finally:
             rx.close()  # also when the import stopped before the end (a refused round)
             rx.ended = time.monotonic()
 
-    def forget(rx: _Receive) -> None:
-        if receives.get(rx.transfer) is rx:
-            del receives[rx.transfer]
+    def forget(self, rx: _Receive) -> None:
+        if self.receives.get(rx.transfer) is rx:
+            del self.receives[rx.transfer]
 
-    def current(transfer: str) -> _Receive:
-        rx = receives.get(check_id(transfer, "transfer id"))
+    def current(self, transfer: str) -> _Receive:
+        rx = self.receives.get(check_id(transfer, "transfer id"))
         if rx is None:
             raise HTTPError(404, f"no mooncake round of transfer {transfer} is open here")
         return rx
 
-    @r.post(f"{MOONCAKE_PATH}/open")
-    async def open_round(request: Request, transfer: str, final: bool = False, source: str | None = None,
-                         timeout_s: float = 300.0):
+    async def open(self, host: str, transfer: str, final: bool, source: str | None, timeout_s: float) -> dict:
         check_id(transfer, "transfer id")
         if source is not None and (len(source) > 2048 or not URL_RE.fullmatch(source)):
             raise HTTPError(400, "source must be the source replica's http(s) URL")
         why = unavailable()
         if why:
             raise HTTPError(400, f"transport mooncake is not available on the target: {why}")
-        for tid, x in list(receives.items()):
+        for tid, x in list(self.receives.items()):
             if x.ended is not None and time.monotonic() - x.ended > KEEP_ENDED_S:
-                del receives[tid]
-        old = receives.pop(transfer, None)
+                del self.receives[tid]
+        old = self.receives.pop(transfer, None)
         if old is not None:  # a retry after a cut the target did not notice: the old round ends as cut
             old.queue.put_nowait(RoundCut())
             await asyncio.wait({old.task})  # type: ignore[arg-type]
-        if sum(x.ended is None for x in receives.values()) >= MAX_RECEIVES:
+        if sum(x.ended is None for x in self.receives.values()) >= MAX_RECEIVES:
             raise HTTPError(429, "too many mooncake rounds in flight on the target")
-        host = (request.scope.get("server") or ("127.0.0.1", 0))[0]
         ring = _Ring.take(ring_bytes())
         try:
             engine, session = await asyncio.to_thread(ENGINE.get, host)
@@ -256,41 +256,67 @@ def install_mooncake_routes(r: APIRouter, import_round: ImportRound, classify: C
             await asyncio.to_thread(ring.release)
             ENGINE.discard(ENGINE.engine)
             raise HTTPError(503, f"mooncake on the target: {e}") from None
-        rx = receives[transfer] = _Receive(transfer, ring, SLOTS, min(max(timeout_s, 1.0), 3600.0))
-        rx.task = asyncio.ensure_future(run(rx, final, source))
+        rx = self.receives[transfer] = _Receive(transfer, ring, SLOTS, min(max(timeout_s, 1.0), 3600.0))
+        rx.task = asyncio.ensure_future(self.run(rx, final, source))
         rx.task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: answered via outcome()
         return {"session": session, "addr": ring.addr, "size": ring.size, "slots": SLOTS}
 
-    @r.post(f"{MOONCAKE_PATH}/segment")
-    async def segment(transfer: str, seq: int, slot: int, length: int):
-        rx = current(transfer)
+    async def segment(self, transfer: str, seq: int, slot: int, length: int) -> dict:
+        rx = self.current(transfer)
         if rx.task.done():  # type: ignore[union-attr]
-            forget(rx)
-            await outcome(rx)  # raises the refusal (a round cannot end well before its end)
+            self.forget(rx)
+            await self.outcome(rx)  # raises the refusal (a round cannot end well before its end)
         if seq != rx.seq or not 0 <= slot < rx.slots or not 0 < length <= rx.ring.size // rx.slots:
             raise HTTPError(400, f"bad segment (seq {seq}, expected {rx.seq}; slot {slot}; length {length})")
         rx.seq += 1
         taken = asyncio.get_running_loop().create_future()
         rx.queue.put_nowait((slot, length, taken))
-        await outcome(rx, taken)
+        await self.outcome(rx, taken)
         return {"taken": seq}
 
-    @r.post(f"{MOONCAKE_PATH}/end")
-    async def end(transfer: str):
-        rx = current(transfer)
+    async def end(self, transfer: str) -> dict | None:
+        rx = self.current(transfer)
         rx.queue.put_nowait(None)
         try:
-            return await outcome(rx)
+            return await self.outcome(rx)
         finally:
-            forget(rx)
+            self.forget(rx)
 
-    @r.post(f"{MOONCAKE_PATH}/cut")
-    async def cut(transfer: str):
-        rx = receives.pop(check_id(transfer, "transfer id"), None)
+    async def cut(self, transfer: str) -> dict:
+        rx = self.receives.pop(check_id(transfer, "transfer id"), None)
         if rx is not None:
             rx.queue.put_nowait(RoundCut())
             await asyncio.wait({rx.task})  # type: ignore[arg-type]
         return {"cut": transfer}
+
+
+def receiver(request: Request) -> MooncakeReceiver:
+    return request.app.state.mooncake
+
+
+mooncake_router = APIRouter()  # the target's routes of a Mooncake round, behind the replica's bearer check
+
+
+@mooncake_router.post(f"{MOONCAKE_PATH}/open")
+async def open_round(request: Request, transfer: str, final: bool = False, source: str | None = None,
+                     timeout_s: float = 300.0, rx: MooncakeReceiver = Depends(receiver)):
+    host = (request.scope.get("server") or ("127.0.0.1", 0))[0]
+    return await rx.open(host, transfer, final, source, timeout_s)
+
+
+@mooncake_router.post(f"{MOONCAKE_PATH}/segment")
+async def segment(transfer: str, seq: int, slot: int, length: int, rx: MooncakeReceiver = Depends(receiver)):
+    return await rx.segment(transfer, seq, slot, length)
+
+
+@mooncake_router.post(f"{MOONCAKE_PATH}/end")
+async def end(transfer: str, rx: MooncakeReceiver = Depends(receiver)):
+    return await rx.end(transfer)
+
+
+@mooncake_router.post(f"{MOONCAKE_PATH}/cut")
+async def cut(transfer: str, rx: MooncakeReceiver = Depends(receiver)):
+    return await rx.cut(transfer)
 
 
 # ---- source -----------------------------------------------------------------------------------------
