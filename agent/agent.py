@@ -16,13 +16,10 @@ from pathlib import Path
 from fastapi import APIRouter, Depends, FastAPI
 from fastapi.responses import PlainTextResponse
 from prometheus_client import generate_latest
+from relayout.agent.node.failover import HealthCheck
 from relayout.agent.node.state import Agent
-from relayout.agent.routes.checkpoints import checkpoints_router
-from relayout.agent.routes.drain import drain_router
-from relayout.agent.routes.failover import HealthCheck
-from relayout.agent.routes.operations import operations_router
-from relayout.agent.routes.protect import protect_router, protection_of
-from relayout.agent.routes.replicas import replicas_router
+from relayout.agent.routes import checkpoints, drain, operations, protect, replicas
+from relayout.agent.routes.protect import protection_of
 from relayout.engine import tracing, web
 
 
@@ -77,8 +74,8 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
         return PlainTextResponse(generate_latest(ag.m.registry).decode(), media_type="text/plain; version=0.0.4")
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(auth)])
-    for router in (replicas_router, operations_router, drain_router, checkpoints_router, protect_router):
-        v1.include_router(router(ag))
+    for routes in (replicas, operations, drain, checkpoints, protect):
+        v1.include_router(routes.router)  # each handler gets `ag` from app.state (agent_of)
     app.include_router(v1)
     return app
 

@@ -577,7 +577,7 @@ def controller(
         ctl = Controller(replica, SubprocessLauncher(), RelayoutPolicy(cfg), interval, dry_run=dry_run, log=line)
         watching = replica
     else:
-        from relayout.agent.routes.fleet import FleetController
+        from relayout.agent.commands.fleet import FleetController
 
         ctl = FleetController(agent_urls, cfg, interval, dry_run=dry_run, log=line)
         watching = "the replicas of " + ", ".join(ctl.agents)

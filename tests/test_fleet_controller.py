@@ -11,7 +11,7 @@ import threading
 
 import httpx
 import pytest
-from relayout.agent.routes.fleet import FleetController
+from relayout.agent.commands.fleet import FleetController
 from relayout.engine.model.layout import Layout
 from relayout.migrate import procs
 from relayout.migrate.placement.policy import PolicyConfig

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import httpx
+from fastapi import Request
 from relayout.agent.node.devices import node_devices, plan_devices
 from relayout.agent.node.metrics import AgentMetrics
 from relayout.agent.node.registry import Registry
@@ -298,3 +299,8 @@ def expert_balance(counts: list[list[int]] | None) -> float | None:
             b = (sum(row) / len(row)) / max(row)
             worst = b if worst is None else min(worst, b)
     return None if worst is None else round(worst, 4)
+
+
+def agent_of(request: Request) -> Agent:
+    """The agent behind a request (a dependency of every agent route): `create_agent_app` sets it."""
+    return request.app.state.agent

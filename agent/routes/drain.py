@@ -8,9 +8,9 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import httpx
-from fastapi import APIRouter
+from fastapi import APIRouter, Depends
 from relayout.agent.node.schema import OP_TIMEOUT, DrainBody, validate_layout
-from relayout.agent.node.state import Agent
+from relayout.agent.node.state import Agent, agent_of
 from relayout.engine import tracing, web
 from relayout.engine.web import HTTPError, tls_context
 
@@ -259,44 +259,43 @@ class NodeDrain:
         e["state"] = "failed" if left or e["sessions_not_moved"] else "drained"
 
 
-def drain_router(ag: Agent) -> APIRouter:
-    """`POST /v1/drain` (checks, then the drain operation) and `POST /v1/undrain`."""
-    r = APIRouter()
+router = APIRouter()  # in the agent's authenticated /v1 router (create_agent_app)
 
-    def drain_running() -> bool:
-        return ag.drain_op is not None and ag.reg.operations.get(ag.drain_op, {}).get("state") in ("pending", "running")
 
-    @r.post("/drain", status_code=202)
-    async def drain(body: DrainBody):
-        if drain_running():
-            raise HTTPError(409, f"a drain is already running: operation {ag.drain_op}")
-        target = body.target_agent.rstrip("/")
-        try:
-            async with httpx.AsyncClient(verify=tls_context(), timeout=httpx.Timeout(5.0)) as c:
-                h = (await c.get(f"{target}/healthz")).json()
-        except (httpx.HTTPError, httpx.InvalidURL, ValueError, TypeError, UnicodeError, OSError) as e:
-            raise HTTPError(400, f"target_agent {target} is unreachable: {type(e).__name__}") from None
-        if not isinstance(h, dict) or h.get("status") != "ok":
-            raise HTTPError(400, f"target_agent {target} is not a healthy relayout agent")
-        if h.get("agent_id") == ag.agent_id:
-            raise HTTPError(400, "target_agent is this agent: drain to another node")
-        if h.get("draining"):
-            raise HTTPError(409, f"target_agent {target} is draining itself")
-        layouts: dict[str, str | None] = {}
-        for rid, lay in (body.layouts or {}).items():
-            if not web.ID_RE.fullmatch(rid) or rid not in ag.reg.replicas:
-                raise HTTPError(400, f"layouts: no replica {rid!r} on this node")
-            layouts[rid] = await asyncio.to_thread(validate_layout, ag.reg.replicas[rid]["model"], lay)
-        into = await check_drain_targets(ag, target, body.target_replicas or {}, layouts)
-        ag.draining = True  # from now on: no new replicas here, and the gateways stop routing here
-        ag.drain_op = ag.new_op("drain", None, lambda op: drain_node(ag, op, target, layouts, into))
-        return {"operation_id": ag.drain_op}
+def drain_running(ag: Agent) -> bool:
+    return ag.drain_op is not None and ag.reg.operations.get(ag.drain_op, {}).get("state") in ("pending", "running")
 
-    @r.post("/undrain")
-    async def undrain():
-        if drain_running():
-            raise HTTPError(409, f"drain operation {ag.drain_op} is still running")
-        ag.draining = False
-        return {"draining": False}
 
-    return r
+@router.post("/drain", status_code=202)
+async def drain(body: DrainBody, ag: Agent = Depends(agent_of)):
+    if drain_running(ag):
+        raise HTTPError(409, f"a drain is already running: operation {ag.drain_op}")
+    target = body.target_agent.rstrip("/")
+    try:
+        async with httpx.AsyncClient(verify=tls_context(), timeout=httpx.Timeout(5.0)) as c:
+            h = (await c.get(f"{target}/healthz")).json()
+    except (httpx.HTTPError, httpx.InvalidURL, ValueError, TypeError, UnicodeError, OSError) as e:
+        raise HTTPError(400, f"target_agent {target} is unreachable: {type(e).__name__}") from None
+    if not isinstance(h, dict) or h.get("status") != "ok":
+        raise HTTPError(400, f"target_agent {target} is not a healthy relayout agent")
+    if h.get("agent_id") == ag.agent_id:
+        raise HTTPError(400, "target_agent is this agent: drain to another node")
+    if h.get("draining"):
+        raise HTTPError(409, f"target_agent {target} is draining itself")
+    layouts: dict[str, str | None] = {}
+    for rid, lay in (body.layouts or {}).items():
+        if not web.ID_RE.fullmatch(rid) or rid not in ag.reg.replicas:
+            raise HTTPError(400, f"layouts: no replica {rid!r} on this node")
+        layouts[rid] = await asyncio.to_thread(validate_layout, ag.reg.replicas[rid]["model"], lay)
+    into = await check_drain_targets(ag, target, body.target_replicas or {}, layouts)
+    ag.draining = True  # from now on: no new replicas here, and the gateways stop routing here
+    ag.drain_op = ag.new_op("drain", None, lambda op: drain_node(ag, op, target, layouts, into))
+    return {"operation_id": ag.drain_op}
+
+
+@router.post("/undrain")
+async def undrain(ag: Agent = Depends(agent_of)):
+    if drain_running(ag):
+        raise HTTPError(409, f"drain operation {ag.drain_op} is still running")
+    ag.draining = False
+    return {"draining": False}

@@ -9,9 +9,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Depends
 from relayout.agent.node.schema import OP_TIMEOUT, CheckpointBody, MigrateBody, RestoreBody, validate_layout
-from relayout.agent.node.state import Agent, check_dtypes
+from relayout.agent.node.state import Agent, agent_of, check_dtypes
 from relayout.engine import tracing, web
 from relayout.engine.web import HTTPError
 
@@ -93,70 +93,71 @@ async def run_migrate(ag: Agent, op: dict, src: dict, body: MigrateBody) -> dict
             "sessions_not_moved": [{"id": k, "error": v} for k, v in sorted(res.not_moved.items())]}
 
 
-def operations_router(ag: Agent) -> APIRouter:
-    """Routes to include in the agent's authenticated /v1 router."""
-    r = APIRouter()
+router = APIRouter()  # in the agent's authenticated /v1 router (create_agent_app)
 
-    @r.post("/replicas/{rid}/checkpoint", status_code=202)
-    async def checkpoint(rid: str, body: CheckpointBody):
-        rep = ag.running_replica(rid)
-        web.check_ids(body.sessions)
-        dest = body.destination or (ag.data_dir / "checkpoints").as_uri()
-        if body.destination:
-            from relayout.storage.stores import open_store
 
-            try:
-                if dest.startswith("file:"):
-                    open_store(dest, [Path(p) for p in ag.file_roots()])
-                elif not dest.startswith("s3://"):
-                    raise ValueError(f"unsupported destination {dest!r}: use file:///path or s3://bucket/prefix")
-            except ValueError as e:
-                raise HTTPError(400, f"destination: {e}") from None
-        return {"operation_id": ag.new_op("checkpoint", rid,
-                                          lambda op: run_checkpoint(ag, op, rid, rep["url"], dest, body))}
+@router.post("/replicas/{rid}/checkpoint", status_code=202)
+async def checkpoint(rid: str, body: CheckpointBody, ag: Agent = Depends(agent_of)):
+    rep = ag.running_replica(rid)
+    web.check_ids(body.sessions)
+    dest = body.destination or (ag.data_dir / "checkpoints").as_uri()
+    if body.destination:
+        from relayout.storage.stores import open_store
 
-    @r.post("/restore", status_code=202)
-    async def restore(body: RestoreBody):
-        from relayout.migrate.replica.routes import split_checkpoint_uri
-
-        web.check_ids(body.sessions)
         try:
-            split_checkpoint_uri(body.checkpoint)
-        except HTTPError as e:
-            raise HTTPError(400, f"checkpoint: {e.message}") from None
-        rid: str | None = None
-        new: tuple | None = None
-        if isinstance(body.replica, str):
-            ag.running_replica(body.replica)
-            rid = body.replica
-        else:
-            if ag.draining:
-                raise HTTPError(409, "agent is draining")
-            nr = body.replica
-            check_dtypes(nr.dtype, nr.kv_dtype)
-            vargs = nr.checked_vllm_args()
-            new = (nr.model, await asyncio.to_thread(validate_layout, nr.model, nr.layout, nr.engine), None, nr.dtype,
-                   nr.kv_dtype, nr.engine, vargs)
-        return {"operation_id": ag.new_op("restore", rid, lambda op: run_restore(ag, op, rid, new, body))}
+            if dest.startswith("file:"):
+                open_store(dest, [Path(p) for p in ag.file_roots()])
+            elif not dest.startswith("s3://"):
+                raise ValueError(f"unsupported destination {dest!r}: use file:///path or s3://bucket/prefix")
+        except ValueError as e:
+            raise HTTPError(400, f"destination: {e}") from None
+    return {"operation_id": ag.new_op("checkpoint", rid,
+                                      lambda op: run_checkpoint(ag, op, rid, rep["url"], dest, body))}
 
-    @r.post("/replicas/{rid}/migrate", status_code=202)
-    async def migrate(rid: str, body: MigrateBody):
-        rep = ag.running_replica(rid)
-        web.check_ids(body.sessions)
-        if body.target.replica is None and body.target.layout is None:
-            raise HTTPError(400, "target: give either replica or layout")
-        return {"operation_id": ag.new_op("migrate", rid, lambda op: run_migrate(ag, op, rep, body))}
 
-    @r.get("/operations")
-    async def list_operations():
-        return {"operations": list(ag.reg.operations.values())[-200:]}
+@router.post("/restore", status_code=202)
+async def restore(body: RestoreBody, ag: Agent = Depends(agent_of)):
+    from relayout.migrate.replica.routes import split_checkpoint_uri
 
-    @r.get("/operations/{oid}")
-    async def get_operation(oid: str):
-        web.check_id(oid, "operation", 404)
-        op = ag.reg.operations.get(oid)
-        if op is None:
-            raise HTTPError(404, f"no operation {oid!r}")
-        return op
+    web.check_ids(body.sessions)
+    try:
+        split_checkpoint_uri(body.checkpoint)
+    except HTTPError as e:
+        raise HTTPError(400, f"checkpoint: {e.message}") from None
+    rid: str | None = None
+    new: tuple | None = None
+    if isinstance(body.replica, str):
+        ag.running_replica(body.replica)
+        rid = body.replica
+    else:
+        if ag.draining:
+            raise HTTPError(409, "agent is draining")
+        nr = body.replica
+        check_dtypes(nr.dtype, nr.kv_dtype)
+        vargs = nr.checked_vllm_args()
+        new = (nr.model, await asyncio.to_thread(validate_layout, nr.model, nr.layout, nr.engine), None, nr.dtype,
+               nr.kv_dtype, nr.engine, vargs)
+    return {"operation_id": ag.new_op("restore", rid, lambda op: run_restore(ag, op, rid, new, body))}
 
-    return r
+
+@router.post("/replicas/{rid}/migrate", status_code=202)
+async def migrate(rid: str, body: MigrateBody, ag: Agent = Depends(agent_of)):
+    rep = ag.running_replica(rid)
+    web.check_ids(body.sessions)
+    if body.target.replica is None and body.target.layout is None:
+        raise HTTPError(400, "target: give either replica or layout")
+    return {"operation_id": ag.new_op("migrate", rid, lambda op: run_migrate(ag, op, rep, body))}
+
+
+@router.get("/operations")
+async def list_operations(ag: Agent = Depends(agent_of)):
+    return {"operations": list(ag.reg.operations.values())[-200:]}
+
+
+@router.get("/operations/{oid}")
+async def get_operation(oid: str, ag: Agent = Depends(agent_of)):
+    web.check_id(oid, "operation", 404)
+    op = ag.reg.operations.get(oid)
+    if op is None:
+        raise HTTPError(404, f"no operation {oid!r}")
+    return op

@@ -6,10 +6,10 @@ session's replication lag), `DELETE` stops it (the standby frees its copies)."""
 from __future__ import annotations
 
 import httpx
-from fastapi import APIRouter
+from fastapi import APIRouter, Depends
 from pydantic import BaseModel, ConfigDict, Field
 from relayout.agent.node.schema import OP_TIMEOUT
-from relayout.agent.node.state import Agent
+from relayout.agent.node.state import Agent, agent_of
 from relayout.engine import web
 from relayout.engine.web import HTTPError, tls_context
 from relayout.migrate.protection.replication import LEASE_S
@@ -75,28 +75,25 @@ async def protection_of(ag: Agent, url: str | None, timeout: float = 5.0) -> dic
     return resp.json() if resp.status_code == 200 else None
 
 
-def protect_router(ag: Agent) -> APIRouter:
-    """Routes to include in the agent's authenticated /v1 router."""
-    r = APIRouter()
+router = APIRouter()  # in the agent's authenticated /v1 router (create_agent_app)
 
-    running = ag.running_replica
 
-    @r.post("/replicas/{rid}/protect")
-    async def protect(rid: str, body: ProtectBody):
-        src = running(rid)
-        standby_id, standby_url = await _standby_url(ag, src, body.standby)
-        if standby_url.rstrip("/") == src["url"].rstrip("/"):
-            raise HTTPError(400, "a replica cannot be its own standby")
-        res = await _replica_call(ag, "POST", src["url"], {"standby": standby_url, "every_tokens": body.every_tokens,
-                                                           "every_ms": body.every_ms, "lease_s": body.lease_s})
-        return {**res, "replica": rid, "standby_replica": standby_id}
+@router.post("/replicas/{rid}/protect")
+async def protect(rid: str, body: ProtectBody, ag: Agent = Depends(agent_of)):
+    src = ag.running_replica(rid)
+    standby_id, standby_url = await _standby_url(ag, src, body.standby)
+    if standby_url.rstrip("/") == src["url"].rstrip("/"):
+        raise HTTPError(400, "a replica cannot be its own standby")
+    res = await _replica_call(ag, "POST", src["url"], {"standby": standby_url, "every_tokens": body.every_tokens,
+                                                       "every_ms": body.every_ms, "lease_s": body.lease_s})
+    return {**res, "replica": rid, "standby_replica": standby_id}
 
-    @r.get("/replicas/{rid}/protect")
-    async def protection(rid: str):
-        return await _replica_call(ag, "GET", running(rid)["url"])
 
-    @r.delete("/replicas/{rid}/protect")
-    async def unprotect(rid: str):
-        return await _replica_call(ag, "DELETE", running(rid)["url"])
+@router.get("/replicas/{rid}/protect")
+async def protection(rid: str, ag: Agent = Depends(agent_of)):
+    return await _replica_call(ag, "GET", ag.running_replica(rid)["url"])
 
-    return r
+
+@router.delete("/replicas/{rid}/protect")
+async def unprotect(rid: str, ag: Agent = Depends(agent_of)):
+    return await _replica_call(ag, "DELETE", ag.running_replica(rid)["url"])

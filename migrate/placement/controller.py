@@ -8,7 +8,7 @@ their session went). The default launcher starts replica servers (`procs.replica
 the node agent plugs its own.
 
 The per-replica decision loop (`ReplicaWatch`: policy state, model facts, dry run, feedback to the
-policy) is shared with the fleet controller (relayout.agent.routes.fleet), which plugs in another relayout
+policy) is shared with the fleet controller (relayout.agent.commands.fleet), which plugs in another relayout
 step: the replica's own agent launches the new replica and migrates onto it.
 """
 
@@ -102,7 +102,7 @@ replica, `new_replica`), `migrations`, `launch_s`, `error`."""
 
 class ReplicaWatch:
     """One replica's decision loop, shared by the single-replica controller and the fleet controller
-    (relayout.agent.routes.fleet): its policy state, the model facts the policy needs, the dry-run switch.
+    (relayout.agent.commands.fleet): its policy state, the model facts the policy needs, the dry-run switch.
     `poll` feeds one observation to the policy and, on "relayout", runs the pluggable relayout step
     and tells the policy how it went (committed, or aborted: the cooldown still applies)."""
 
