@@ -55,20 +55,19 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
     async def metrics():
         counts: dict[str, int] = {}
         for rid in list(ag.reg.replicas):
-            st = ag.refresh(rid).get("status", "unknown")
+            st = ag.refresh(rid).status
             counts[st] = counts.get(st, 0) + 1
         for st in ("running", "dead", "stopped", "starting"):
             ag.m.replicas.labels(st).set(counts.get(st, 0))
         # per-replica sessions and KV blocks, as the replicas answer now (describe() records them)
         # (briefly: a scrape must not hang on a busy replica; one that does not answer keeps its last figures)
-        await asyncio.gather(*(ag.describe(rid, timeout=2.0) for rid in list(ag.reg.replicas)
-                               if ag.reg.replicas[rid].get("status") == "running"))
-        running = [rid for rid in list(ag.reg.replicas) if ag.reg.replicas[rid].get("status") == "running"]
-        prots = await asyncio.gather(*(protection_of(ag, ag.reg.replicas[rid].get("url"), timeout=2.0)
-                                       for rid in running))
-        for rid, prot in zip(running, prots, strict=True):
+        running = [r for r in list(ag.reg.replicas.values()) if r.status == "running"]
+        await asyncio.gather(*(ag.describe(r.id, timeout=2.0) for r in running))
+        running = [r for r in running if r.status == "running"]  # one that died meanwhile shows none
+        prots = await asyncio.gather(*(protection_of(ag, r.url, timeout=2.0) for r in running))
+        for r, prot in zip(running, prots, strict=True):
             if prot and prot.get("sessions") is not None:
-                ag.m.observe_protection(rid, prot)
+                ag.m.observe_protection(r.id, prot)
         ag.m.sessions.set(sum(ag.sessions_seen.values()))
         ag.m.draining.set(1 if ag.draining else 0)
         return PlainTextResponse(generate_latest(ag.m.registry).decode(), media_type="text/plain; version=0.0.4")
@@ -98,5 +97,5 @@ def serve_agent(host: str, port: int, data_dir: Path, token: str | None) -> None
         _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)).run()
     finally:
         ag: Agent = app.state.agent
-        if any(r.get("status") == "running" and r["id"] in ag.procs for r in ag.reg.replicas.values()):
+        if any(r.status == "running" and r.id in ag.procs for r in ag.reg.replicas.values()):
             ag.stop_all()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 from relayout.agent.node.devices import plan_devices
+from relayout.agent.node.registry import ReplicaRecord
 from relayout.engine.web import HTTPError
 
 from tests.helpers.agents import TOKEN, H, start_agent, stop
@@ -15,11 +16,11 @@ NODE = [str(i) for i in range(8)]
 
 
 def test_two_tp4_replicas_share_an_8_gpu_node_and_a_third_is_refused_naming_need_and_have():
-    records: list[dict] = []
+    records: list[ReplicaRecord] = []
     for engine in ("vllm", "builtin"):
         plan = plan_devices(NODE, records, 4, engine, ["--max-model-len", "2048"])
-        records.append({"status": "running", "devices": plan.devices})
-    assert [r["devices"] for r in records] == [["0", "1", "2", "3"], ["4", "5", "6", "7"]]
+        records.append(ReplicaRecord(f"r{len(records)}", "m", engine, status="running", devices=plan.devices))
+    assert [r.devices for r in records] == [["0", "1", "2", "3"], ["4", "5", "6", "7"]]
     first = plan_devices(NODE, [], 4, "vllm", None)
     assert first.env == {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}
     assert first.vllm_args == ["--gpu-memory-utilization", "0.9"]  # the devices are its own
@@ -28,7 +29,7 @@ def test_two_tp4_replicas_share_an_8_gpu_node_and_a_third_is_refused_naming_need
     with pytest.raises(HTTPError) as e:
         plan_devices(NODE, records, 1, "vllm", None)
     assert e.value.status == 409 and "needs 1 device(s); 0 of the node's 8 are free" in str(e.value)
-    records[0]["status"] = "stopped"  # a stopped (or dead) replica's devices are free again
+    records[0].status = "stopped"  # a stopped (or dead) replica's devices are free again
     assert plan_devices(NODE, records, 2, "builtin", None).devices == ["0", "1"]
     assert plan_devices([], records, 8, "vllm", None).devices == []  # no devices on the node: none dealt
 

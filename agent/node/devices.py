@@ -16,6 +16,7 @@ import subprocess
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from relayout.agent.node.registry import ReplicaRecord
 from relayout.engine.web import HTTPError
 from relayout.storage.settings import settings
 
@@ -47,12 +48,12 @@ class DevicePlan:
     vllm_args: list[str]  # the vLLM flags the share adds (none if the caller gave its own)
 
 
-def plan_devices(node: list[str], records: Iterable[dict], world_size: int, engine: str,
+def plan_devices(node: list[str], records: Iterable[ReplicaRecord], world_size: int, engine: str,
                  vllm_args: list[str] | None) -> DevicePlan:
     """The devices a new replica of `world_size` ranks gets, or HTTPError 409 naming need and have."""
     if not node:
         return DevicePlan([], {}, [])
-    held = {d for r in records if r.get("status") in LIVE for d in r.get("devices") or []}
+    held = {d for r in records if r.status in LIVE for d in r.devices}
     free = [d for d in node if d not in held]
     if len(free) < world_size:
         raise HTTPError(409, f"this replica needs {world_size} device(s); {len(free)} of the node's {len(node)} are "

@@ -16,6 +16,7 @@ import asyncio
 import time
 
 import httpx
+from relayout.agent.node.registry import ReplicaRecord
 from relayout.agent.node.state import Agent
 from relayout.engine import web
 from relayout.migrate.protocol.states import LIVE_PROTECTION
@@ -52,7 +53,7 @@ class HealthCheck:
         r = self.ag.reg.replicas.get(rid)
         if r is None:
             return
-        status = self.ag.refresh(rid).get("status")
+        status = self.ag.refresh(rid).status
         if status == "running":
             if await self._answers(c, rid, r):
                 self.missed.pop(rid, None)
@@ -62,16 +63,16 @@ class HealthCheck:
                 return
         elif status != "dead":
             return  # starting, or stopped on purpose: nothing failed
-        prot = r.get("protected_to")
-        if prot and not r.get("failover") and rid not in self.promoting:
+        prot = r.protected_to
+        if prot and not r.failover and rid not in self.promoting:
             task = asyncio.get_running_loop().create_task(self._promote(rid, prot))
             self.promoting[rid] = task
             task.add_done_callback(lambda _t, rid=rid: self.promoting.pop(rid, None))
 
-    async def _answers(self, c: httpx.AsyncClient, rid: str, r: dict) -> bool:
+    async def _answers(self, c: httpx.AsyncClient, rid: str, r: ReplicaRecord) -> bool:
         """Whether the replica answers; records its protection (or that it has none) when it does."""
         try:
-            resp = await c.get(f"{r['url']}/v1/protection", headers=self.ag.headers())
+            resp = await c.get(f"{r.url}/v1/protection", headers=self.ag.headers())
         except httpx.HTTPError:
             return False
         if resp.status_code >= 500:
@@ -84,12 +85,9 @@ class HealthCheck:
                     prot = {"id": body["protection"], "standby": body["standby"]}
             except (ValueError, KeyError, AttributeError):
                 prot = None
-        if r.get("protected_to") != prot:
-            if prot is None:
-                r.pop("protected_to", None)
-            else:
-                r["protected_to"] = prot
-            r.pop("failover", None)  # a new protection can fail over again
+        if r.protected_to != prot:
+            r.protected_to = prot
+            r.failover = None  # a new protection can fail over again
             self.ag.reg.save()
         return True
 
@@ -113,9 +111,9 @@ class HealthCheck:
         if r is None:
             return
         if outcome["state"] in ("lease_held", "standby_unreachable"):
-            r["failover_attempt"] = {**outcome, "at": time.time()}  # tried again at the next failed check
+            r.failover_attempt = {**outcome, "at": time.time()}  # tried again at the next failed check
         else:  # promoted, or the standby will never promote (dropped, unknown): done either way
-            r["failover"] = {**outcome, "protection": prot["id"], "standby": prot["standby"], "at": time.time()}
+            r.failover = {**outcome, "protection": prot["id"], "standby": prot["standby"], "at": time.time()}
         self.ag.reg.save()
 
 

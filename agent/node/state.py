@@ -9,13 +9,15 @@ import secrets
 import signal
 import subprocess
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 from fastapi import Request
 from relayout.agent.node.devices import node_devices, plan_devices
 from relayout.agent.node.metrics import AgentMetrics
-from relayout.agent.node.registry import Registry
+from relayout.agent.node.registry import Operation, Registry, ReplicaRecord
 from relayout.agent.node.schema import OP_TIMEOUT, serve_flags
 from relayout.engine import tracing, web
 from relayout.engine.model.layout import Layout, LayoutError
@@ -96,11 +98,11 @@ class Agent:
     def startup(self) -> None:
         self.reg.load()
         for op in self.reg.operations.values():
-            if op.get("state") in ("pending", "running"):
-                op.update(state="failed", error="agent restarted", finished_at=time.time())
+            if op.live:
+                op.state, op.error, op.finished_at = "failed", "agent restarted", time.time()
         for r in self.reg.replicas.values():
-            if r.get("status") == "running" and not (_pid_alive(r.get("pid")) and self._answers(r.get("url"))):
-                r.update(status="dead", exit_code=None)
+            if r.status == "running" and not (_pid_alive(r.pid) and self._answers(r.url)):
+                r.status, r.exit_code = "dead", None
         self.reg.save()
 
     def _answers(self, url: str | None) -> bool:
@@ -111,28 +113,28 @@ class Agent:
         except httpx.HTTPError:
             return False
 
-    def refresh(self, rid: str) -> dict:
+    def refresh(self, rid: str) -> ReplicaRecord:
         r = self.reg.replicas[rid]
-        if r.get("status") != "running":
+        if r.status != "running":
             return r
         p = self.procs.get(rid)
         code = p.poll() if p is not None else None
-        if (p is not None and code is not None) or (p is None and not _pid_alive(r.get("pid"))):
-            r.update(status="dead", exit_code=code)
+        if (p is not None and code is not None) or (p is None and not _pid_alive(r.pid)):
+            r.status, r.exit_code = "dead", code
             self.reg.save()
         return r
 
-    def get_replica(self, rid: str) -> dict:
+    def get_replica(self, rid: str) -> ReplicaRecord:
         web.check_id(rid, "replica", 404)
         if rid not in self.reg.replicas:
             raise HTTPError(404, f"no replica {rid!r}")
         return self.refresh(rid)
 
-    def running_replica(self, rid: str) -> dict:
+    def running_replica(self, rid: str) -> ReplicaRecord:
         """The replica's record; 409 unless it is running."""
         r = self.get_replica(rid)
-        if r["status"] != "running":
-            raise HTTPError(409, f"replica {rid!r} is {r['status']}")
+        if r.status != "running":
+            raise HTTPError(409, f"replica {rid!r} is {r.status}")
         return r
 
     # ---- replicas ---------------------------------------------------------------------------
@@ -156,14 +158,14 @@ class Agent:
                "RELAYOUT_TOKEN": self.token, **dev.env}  # None: the replica runs without one, whatever this env says
         args = [*(["--dtype", dtype] if dtype else []), *(["--kv-dtype", kv_dtype] if kv_dtype else []),
                 *serve_flags(engine, [*(vllm_args or []), *dev.vllm_args], attach)]
-        self.reg.replicas[rid] = {"id": rid, "model": model, "engine": engine, "layout": layout, "status": "starting",
-                                  "pid": None, "url": None, "created_at": time.time(), "vllm_args": vllm_args or [],
-                                  "devices": dev.devices, **({"attach": attach[0]} if attach else {})}
+        rec = self.reg.replicas[rid] = ReplicaRecord(rid, model, engine, layout, created_at=time.time(),
+                                                     vllm_args=vllm_args or [], devices=dev.devices,
+                                                     attach=attach[0] if attach else None)
         # its own session and a log file: the replica outlives an agent restart, which adopts it again
         proc = procs.replica(layout, env, model, args, host=self.host, log=log, new_session=True, wait=False)
         p = proc.p
         self.procs[rid] = p
-        self.reg.replicas[rid]["pid"] = p.pid
+        rec.pid = p.pid
         try:
             url = await asyncio.to_thread(proc.wait_ready, launch_timeout(engine))
         except procs.LaunchError as e:
@@ -180,12 +182,12 @@ class Agent:
             lay = info.get("layout")
         except (httpx.HTTPError, ValueError):
             pass
-        self.reg.replicas[rid].update(status="running", url=url, layout=lay or layout)
+        rec.status, rec.url, rec.layout = "running", url, lay or layout
         self.reg.save()
         return {"id": rid, "url": url, "layout": lay or layout, "engine": engine}
 
     async def describe(self, rid: str, timeout: float = 5.0) -> dict:
-        r = {"engine": "builtin", **self.get_replica(rid)}  # records from before engines were recorded
+        r = self.get_replica(rid).view()  # with what the replica says now
         if r["status"] == "running":
             try:
                 async with self.client(timeout) as c:
@@ -207,10 +209,10 @@ class Agent:
     def stop_replica(self, rid: str, timeout: float = 15.0) -> None:
         r = self.reg.replicas[rid]
         p = self.procs.pop(rid, None)
-        pid = r.get("pid")
+        pid = r.pid
         if p is not None:
             stop_process(p, timeout)
-            r["exit_code"] = p.returncode
+            r.exit_code = p.returncode
         elif _pid_alive(pid):
             try:
                 os.kill(pid, signal.SIGTERM)
@@ -221,54 +223,51 @@ class Agent:
                     os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        r["status"] = "stopped"
+        r.status = "stopped"
         self.sessions_seen.pop(rid, None)
-        self.m.forget_replica(rid, r.get("model", ""))
+        self.m.forget_replica(rid, r.model)
 
     def stop_all(self) -> None:
         for rid, r in list(self.reg.replicas.items()):
-            if r.get("status") in ("running", "starting"):
+            if r.status in ("running", "starting"):
                 self.stop_replica(rid)
         self.reg.save()
 
     # ---- operations -------------------------------------------------------------------------
-    def new_op(self, kind: str, replica: str | None, work) -> str:
+    def new_op(self, kind: str, replica: str | None, work: Callable[[Operation], Awaitable[Any]]) -> str:
         if replica is not None:
             if replica in self.busy:
                 raise HTTPError(409, f"replica {replica!r} is busy with operation {self.busy[replica]}")
-        oid = f"op-{secrets.token_hex(6)}"
-        op = {"id": oid, "kind": kind, "replica": replica, "state": "pending", "phase": "queued", "bytes_done": 0,
-              "bytes_total": None, "stall_ms": None, "error": None, "result": None, "created_at": time.time()}
-        self.reg.operations[oid] = op
+        op = Operation(f"op-{secrets.token_hex(6)}", kind, replica)
+        self.reg.operations[op.id] = op
         if replica is not None:
-            self.busy[replica] = oid
+            self.busy[replica] = op.id
         self.reg.save()
 
         async def run():
-            op.update(state="running")
+            op.state = "running"
             self.m.running.labels(kind).inc()
             # the operation's trace: every request it makes carries it on (traceparent)
-            with tracing.span(kind, operation=oid, replica=replica) as sp:
+            with tracing.span(kind, operation=op.id, replica=replica) as sp:
                 try:
-                    op["result"] = await work(op)
-                    op["state"] = "succeeded"
+                    op.result = await work(op)
+                    op.state = "succeeded"
                 except HTTPError as e:
-                    op.update(state="failed", error=e.message)
+                    op.state, op.error = "failed", e.message
                 except asyncio.CancelledError:
-                    op.update(state="aborted", error="cancelled")
+                    op.state, op.error = "aborted", "cancelled"
                     raise
                 except Exception as e:  # reported, never raised into the server
-                    op.update(state="failed", error=f"{type(e).__name__}: {e}")
+                    op.state, op.error = "failed", f"{type(e).__name__}: {e}"
                 finally:
-                    op["finished_at"] = time.time()
+                    op.finished_at = time.time()
                     self.m.running.labels(kind).dec()
-                    self.m.finished(kind, op["state"], op.get("phase") or "", op["finished_at"] - op["created_at"],
-                                    op.get("bytes_done") or 0)
-                    sp.set_attributes(tracing.attributes({"state": op["state"], "bytes": op.get("bytes_done"),
-                                                          "failed_phase": op.get("phase") if op["error"] else None}))
-                    if op["error"]:
-                        tracing.mark_error(sp, str(op["error"]))
-                    op["phase"] = "done"
+                    self.m.finished(kind, op.state, op.phase or "", op.finished_at - op.created_at, op.bytes_done or 0)
+                    sp.set_attributes(tracing.attributes({"state": op.state, "bytes": op.bytes_done,
+                                                          "failed_phase": op.phase if op.error else None}))
+                    if op.error:
+                        tracing.mark_error(sp, str(op.error))
+                    op.phase = "done"
                     if replica is not None:
                         self.busy.pop(replica, None)
                     self.reg.save()
@@ -276,7 +275,7 @@ class Agent:
         t = asyncio.get_running_loop().create_task(run())
         self.tasks.add(t)
         t.add_done_callback(self.tasks.discard)
-        return oid
+        return op.id
 
     async def replica_post(self, url: str, path: str, body: dict) -> dict:
         async with self.client(OP_TIMEOUT) as c:

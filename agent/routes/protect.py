@@ -8,6 +8,7 @@ from __future__ import annotations
 import httpx
 from fastapi import APIRouter, Depends
 from pydantic import BaseModel, ConfigDict, Field
+from relayout.agent.node.registry import ReplicaRecord
 from relayout.agent.node.schema import OP_TIMEOUT
 from relayout.agent.node.state import Agent, agent_of
 from relayout.engine import web
@@ -33,7 +34,7 @@ class ProtectBody(BaseModel):
     lease_s: float = Field(LEASE_S, ge=0.2, le=600)
 
 
-async def _standby_url(ag: Agent, source: dict, ref: StandbyRef) -> tuple[str, str]:
+async def _standby_url(ag: Agent, source: ReplicaRecord, ref: StandbyRef) -> tuple[str, str]:
     """(replica id, URL) of the standby, launching it when `ref` gives a layout."""
     if (ref.replica is None) == (ref.layout is None):
         raise HTTPError(400, "standby: give either replica or layout")
@@ -43,10 +44,10 @@ async def _standby_url(ag: Agent, source: dict, ref: StandbyRef) -> tuple[str, s
             web.check_id(ref.replica, "replica id")
             resp = await c.get(f"{base}/v1/replicas/{ref.replica}", headers=ag.headers())
         else:
-            engine = ref.engine or source.get("engine", "builtin")
-            vargs = (source.get("vllm_args") or []) if engine == "vllm" == source.get("engine") else []
+            engine = ref.engine or source.engine
+            vargs = source.vllm_args if engine == "vllm" == source.engine else []
             resp = await c.post(f"{base}/v1/replicas", headers=ag.headers(),
-                                json={"model": ref.model or source["model"], "layout": ref.layout, "engine": engine,
+                                json={"model": ref.model or source.model, "layout": ref.layout, "engine": engine,
                                       **({"vllm_args": vargs} if vargs else {})})
     if resp.status_code >= 400:
         raise HTTPError(502, f"standby agent answered {resp.status_code}: {web.error_message(resp)[:300]}")
@@ -82,18 +83,18 @@ router = APIRouter()  # in the agent's authenticated /v1 router (create_agent_ap
 async def protect(rid: str, body: ProtectBody, ag: Agent = Depends(agent_of)):
     src = ag.running_replica(rid)
     standby_id, standby_url = await _standby_url(ag, src, body.standby)
-    if standby_url.rstrip("/") == src["url"].rstrip("/"):
+    if standby_url.rstrip("/") == (src.url or "").rstrip("/"):
         raise HTTPError(400, "a replica cannot be its own standby")
-    res = await _replica_call(ag, "POST", src["url"], {"standby": standby_url, "every_tokens": body.every_tokens,
+    res = await _replica_call(ag, "POST", src.url, {"standby": standby_url, "every_tokens": body.every_tokens,
                                                        "every_ms": body.every_ms, "lease_s": body.lease_s})
     return {**res, "replica": rid, "standby_replica": standby_id}
 
 
 @router.get("/replicas/{rid}/protect")
 async def protection(rid: str, ag: Agent = Depends(agent_of)):
-    return await _replica_call(ag, "GET", ag.running_replica(rid)["url"])
+    return await _replica_call(ag, "GET", ag.running_replica(rid).url)
 
 
 @router.delete("/replicas/{rid}/protect")
 async def unprotect(rid: str, ag: Agent = Depends(agent_of)):
-    return await _replica_call(ag, "DELETE", ag.running_replica(rid)["url"])
+    return await _replica_call(ag, "DELETE", ag.running_replica(rid).url)

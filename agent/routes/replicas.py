@@ -17,8 +17,7 @@ router = APIRouter()  # in the agent's authenticated /v1 router (create_agent_ap
 async def list_replicas(ag: Agent = Depends(agent_of)):
     # `draining` per replica: the gateway sends no new sessions to a draining node's replicas
     return {"draining": ag.draining,
-            "replicas": [{"engine": "builtin", **ag.refresh(rid), "draining": ag.draining}
-                         for rid in list(ag.reg.replicas)]}
+            "replicas": [{**ag.refresh(rid).view(), "draining": ag.draining} for rid in list(ag.reg.replicas)]}
 
 
 @router.post("/replicas", status_code=201)
@@ -49,4 +48,4 @@ async def delete_replica(rid: str, ag: Agent = Depends(agent_of)):
     await asyncio.to_thread(ag.stop_replica, rid)
     rec = ag.reg.replicas.pop(rid)
     ag.reg.save()
-    return {"id": rid, "status": "stopped", "exit_code": rec.get("exit_code")}
+    return {"id": rid, "status": "stopped", "exit_code": rec.exit_code}
