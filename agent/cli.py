@@ -14,8 +14,10 @@ import json
 from pathlib import Path
 
 import typer
+from relayout.engine.command import fail as _fail
+from relayout.engine.ranks.rank import rank_command
+from relayout.migrate.gateway.cli import gateway_command
 from relayout.migrate.replica.serve_cli import check_dtypes as _check_dtypes
-from relayout.migrate.replica.serve_cli import fail as _fail
 from relayout.migrate.replica.serve_cli import serve_command
 from relayout.storage.settings import settings
 from rich.console import Console
@@ -103,29 +105,7 @@ def vllm_config(
     print(json.dumps(kv_transfer_config(ex.dir)))
 
 
-@app.command()
-def rank(
-    model: str = typer.Option("builtin:tiny", "--model", "-m", help="the same model as the driver's, on this host"),
-    driver: str = typer.Option(None, "--driver", help="the driver's rank endpoint HOST:PORT "
-                                                      "(default: $MASTER_ADDR:$MASTER_PORT)"),
-    threads: int = typer.Option(None, "--threads", help="CPU threads for this rank (default: torch's)"),
-) -> None:
-    """Run one rank of a replica whose driver (`relayout serve --local-ranks ...`) is on another host.
-
-    torchrun-style environment: RANK (this rank), WORLD_SIZE (checked against the driver's layout),
-    LOCAL_RANK (which GPU of this host), MASTER_ADDR/MASTER_PORT (the driver's --rank-endpoint), and
-    RELAYOUT_TOKEN when the driver has one. Exits 0 when the driver shuts the replica down."""
-    from relayout.engine.model.weights import ModelNotFoundError
-    from relayout.engine.ranks.rank import RankConfigError, run_rank
-    from relayout.engine.ranks.rank_process import RankJoinError
-
-    try:
-        code = run_rank(model, driver, threads, log=err.print)
-    except RankConfigError as e:
-        _fail(str(e))
-    except (RankJoinError, ModelNotFoundError, ValueError) as e:
-        _fail(str(e), code=1)
-    raise typer.Exit(code)
+app.command(name="rank")(rank_command)  # defined with the rank (python -m relayout.engine.ranks.rank)
 
 
 @app.command()
@@ -167,21 +147,7 @@ def model_create(
 
 
 # ---- gateway and live migration ------------------------------------------------------------------
-@app.command()
-def gateway(
-    agent: list[str] = typer.Option([], "--agent", help="agent URL whose replicas to serve (repeatable)"),
-    replica: list[str] = typer.Option([], "--replica", help="a replica URL to serve directly (repeatable)"),
-    host: str = typer.Option("127.0.0.1", "--host"),
-    port: int = typer.Option(8000, "--port"),
-    api_key: list[str] = typer.Option([], "--api-key", help="a client API key (repeatable; default "
-                                                          "RELAYOUT_API_KEYS, comma-separated; none: open)"),
-) -> None:
-    """The clients' OpenAI API in front of the replicas; streams survive migrations, checkpoints, failovers."""
-    from relayout.migrate.gateway.app import run_gateway
-
-    if not agent and not replica:
-        _fail("give at least one --agent or --replica")
-    run_gateway(agent, replica, host, port, api_key)
+app.command(name="gateway")(gateway_command)  # defined with the gateway (python -m relayout.migrate.gateway.app)
 
 
 @app.command("migrate-replica")

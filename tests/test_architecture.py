@@ -46,8 +46,9 @@ SUBSYSTEMS: dict[str, set[str]] = {
     "engine.web": set(),
     "engine.tracing": set(),
     "engine.kv_cache": set(),
+    "engine.command": set(),  # one-line errors and `python -m` entry points for the commands defined below
     "engine.model": {"engine.kv_cache", "engine.tracing"},
-    "engine.ranks": {"engine.kv_cache", "engine.tracing", "engine.model"},
+    "engine.ranks": {"engine.kv_cache", "engine.tracing", "engine.model", "engine.command"},
     "engine.runtime": {"engine.kv_cache", "engine.tracing", "engine.model", "engine.ranks"},
     "engine.moves": {"engine.kv_cache", "engine.tracing", "engine.model", "engine.ranks", "engine.runtime"},
     "engine.api": {"engine.web", "engine.kv_cache", "engine.tracing", "engine.model", "engine.ranks",

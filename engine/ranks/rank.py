@@ -8,11 +8,12 @@ RELAYOUT_TOKEN when the driver has one."""
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from collections.abc import Mapping
 
+import typer
+from relayout.engine.command import fail, run_as_main
 from relayout.storage.settings import settings
 
 
@@ -49,30 +50,32 @@ def run_rank(model: str, driver: str | None, threads: int | None, log=print) -> 
     return rank_main(rank, driver, str(model_dir), settings().token, threads, local, world)
 
 
-def main(argv: list[str] | None = None) -> None:
+def rank_command(
+    model: str = typer.Option("builtin:tiny", "--model", "-m", help="the same model as the driver's, on this host"),
+    driver: str = typer.Option(None, "--driver", help="the driver's rank endpoint HOST:PORT "
+                                                      "(default: $MASTER_ADDR:$MASTER_PORT)"),
+    threads: int = typer.Option(None, "--threads", help="CPU threads for this rank (default: torch's)"),
+) -> None:
+    """Run one rank of a replica whose driver (`relayout serve --local-ranks ...`) is on another host.
+
+    torchrun-style environment: RANK (this rank), WORLD_SIZE (checked against the driver's layout),
+    LOCAL_RANK (which GPU of this host), MASTER_ADDR/MASTER_PORT (the driver's --rank-endpoint), and
+    RELAYOUT_TOKEN when the driver has one. Exits 0 when the driver shuts the replica down."""
     from relayout.engine.model.weights import ModelNotFoundError
     from relayout.engine.ranks.rank_process import RankJoinError
-    from relayout.storage.settings import SettingsError, check_settings
 
     try:
-        check_settings()  # every RELAYOUT_* variable, before anything starts
-    except SettingsError as e:
-        raise SystemExit(f"error: {e}") from None
-    ap = argparse.ArgumentParser(prog="python -m relayout.engine.ranks.rank", description=__doc__.splitlines()[0])
-    ap.add_argument("--model", "-m", default="builtin:tiny", help="the same model as the driver's, on this host")
-    ap.add_argument("--driver", default=None, help="the driver's rank endpoint HOST:PORT "
-                    "(default: $MASTER_ADDR:$MASTER_PORT)")
-    ap.add_argument("--threads", type=int, default=None, help="CPU threads for this rank (default: torch's)")
-    a = ap.parse_args(argv)
-    try:
-        code = run_rank(a.model, a.driver, a.threads, log=lambda m: print(m, file=sys.stderr, flush=True))
+        code = run_rank(model, driver, threads, log=lambda m: print(m, file=sys.stderr, flush=True))
     except RankConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        fail(str(e))
     except (RankJoinError, ModelNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
-    sys.exit(code)
+        fail(str(e), code=1)
+    raise typer.Exit(code)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m relayout.engine.ranks.rank`: the flags of `relayout rank`."""
+    run_as_main(rank_command, "python -m relayout.engine.ranks.rank", argv)
 
 
 if __name__ == "__main__":

@@ -132,26 +132,11 @@ def run_gateway(agents: list[str], replicas: list[str], host: str, port: int,
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m relayout.migrate.gateway.app`: the same flags as `relayout gateway`."""
-    import argparse
+    """`python -m relayout.migrate.gateway.app`: the flags of `relayout gateway`."""
+    from relayout.engine.command import run_as_main
+    from relayout.migrate.gateway.cli import gateway_command
 
-    from relayout.storage.settings import SettingsError, check_settings
-
-    try:
-        check_settings()  # every RELAYOUT_* variable, before anything starts
-    except SettingsError as e:
-        raise SystemExit(f"error: {e}") from None
-    ap = argparse.ArgumentParser(prog="relayout gateway", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--agent", action="append", default=[], help="agent URL whose replicas to serve (repeatable)")
-    ap.add_argument("--replica", action="append", default=[], help="a replica URL to serve directly (repeatable)")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--api-key", action="append", default=[],
-                    help="a client API key (repeatable; default RELAYOUT_API_KEYS, comma-separated; none: open)")
-    a = ap.parse_args(argv)
-    if not a.agent and not a.replica:
-        ap.error("give at least one --agent or --replica")
-    run_gateway(a.agent, a.replica, a.host, a.port, a.api_key)
+    run_as_main(gateway_command, "python -m relayout.migrate.gateway.app", argv)
 
 
 if __name__ == "__main__":

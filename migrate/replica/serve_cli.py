@@ -8,16 +8,7 @@ from __future__ import annotations
 import shlex
 
 import typer
-from rich.console import Console
-from rich.markup import escape
-
-_err = Console(stderr=True)
-
-
-def fail(msg: str, code: int = 2) -> None:
-    """One line saying what is wrong, exit `code` (2: bad input)."""
-    _err.print(f"[red]error:[/red] {escape(msg)}", soft_wrap=True)  # one line, however wide the terminal
-    raise typer.Exit(code)
+from relayout.engine.command import fail, run_as_main
 
 
 def int_list(value: str, what: str) -> list[int]:
@@ -96,13 +87,5 @@ def serve_command(
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m relayout.migrate.replica.serve`: the flags of `relayout serve`, every RELAYOUT_* variable checked first."""
-    from relayout.storage.settings import SettingsError, check_settings
-
-    try:
-        check_settings()  # every RELAYOUT_* variable, before anything starts
-    except SettingsError as e:
-        raise SystemExit(f"error: {e}") from None
-    app = typer.Typer(add_completion=False)
-    app.command()(serve_command)
-    app(args=argv, prog_name="python -m relayout.migrate.replica.serve")
+    """`python -m relayout.migrate.replica.serve`: the flags of `relayout serve`."""
+    run_as_main(serve_command, "python -m relayout.migrate.replica.serve", argv)
