@@ -253,7 +253,7 @@ def model_ref(engine: LLMEngine) -> ModelRef:
 def geometry(engine: LLMEngine) -> KVGeometry:
     """The KV this replica's pool holds: fp8 KV is stored as its fp8 values with their scales."""
     c = engine.cfg
-    kv_dtype = getattr(engine, "kv_dtype", engine.dtype)
+    kv_dtype = engine.kv_dtype
     return KVGeometry(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
                       dtype=dtype_name(kv_dtype), scale="token_head" if kv_dtype == FP8_KV else None)
 

@@ -17,7 +17,7 @@ from relayout.engine.moves.snapshot import CHUNK_TOKENS, geometry, model_ref, ta
 from relayout.engine.runtime.async_engine import AsyncEngine
 from relayout.engine.runtime.engine import LLMEngine
 from relayout.engine.runtime.session import SessionState
-from relayout.migrate.protocol.transfers import Incoming, SourceRound
+from relayout.migrate.protocol.transfers import EngineOps, Incoming, SourceRound
 from relayout.storage.checkpoint import CheckpointReader
 from relayout.storage.errors import CorruptCheckpoint
 from relayout.storage.format.manifest import ChunkRef, Manifest, ModelRef
@@ -31,6 +31,8 @@ class EngineThreadOps:
     """`defer_copy`: a cut out of a host KV pool notes only which blocks hold the KV; the copy
     (and hashing) happens as the round is framed, on the frame producer's thread, while the
     engine keeps stepping (engine.moves.snapshot.DeferredKV)."""
+
+    places_on_arrival = True  # a round's chunks go straight into the pool (placer)
 
     def __init__(self, call: EngineCall, note_migrated: Callable[[list[str], str], None] | None = None,
                  defer_copy: bool = False):
@@ -175,9 +177,9 @@ def precheck_restore(engine: LLMEngine, manifest: Manifest, sessions: list[str] 
                                         f"only {n} tokens")
 
 
-def engine_ops_for(aengine: AsyncEngine, defer_copy: bool = False):
+def engine_ops_for(aengine: AsyncEngine, defer_copy: bool = False) -> EngineOps:
     """The protocol's engine operations for whichever engine serves the replica: the one place that asks."""
-    if getattr(aengine.engine, "engine_name", "builtin") == "vllm":
+    if aengine.engine.engine_name == "vllm":
         from relayout.migrate.protocol.vllm_ops import VllmOps
 
         return VllmOps(aengine)

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from relayout.engine.moves.snapshot import SessionSnapshot
 from relayout.migrate.protocol.received import ReceivedChunks
 from relayout.migrate.protocol.states import IncomingState, OutgoingState
 from relayout.storage.format.manifest import KVGeometry, Manifest, ModelRef
+
+if TYPE_CHECKING:
+    from relayout.storage.checkpoint import CheckpointReader
+    from relayout.storage.stream import Place
 
 
 # ---- the records --------------------------------------------------------------------------------
@@ -96,12 +100,39 @@ class Incoming:
 
 
 class EngineOps(Protocol):
-    """What the protocol does on the replica's engine thread (migrate.protocol.engine_ops: the real one)."""
+    """What the protocol does on the replica's engine thread: `EngineThreadOps` (relayout's engine) and
+    `VllmOps` (stock vLLM) implement it, and a type checker holds them to it (tests/typed_seams.py)."""
+
+    # a round's chunks are written into the pool as they arrive (`placer`), so the frame link sends
+    # each chunk's entry ahead of it; False: every chunk is staged and imported whole
+    places_on_arrival: bool
+
+    def placer(self, t: Incoming) -> Place | None:
+        """Where a round's chunks go as they arrive (storage.stream's `place`), or None: staged."""
+        ...
 
     async def take_round(self, sessions: list[str] | None, pause: bool, sent: dict[str, int],
-                  max_tokens: int | None) -> SourceRound:
+                         max_tokens: int | None) -> SourceRound:
         """Snapshot the sessions (all live ones: None) from `sent` on; with `pause`, hold them first.
         KeyError for a session that is not here."""
+        ...
+
+    async def take_checkpoint(self, sessions: list[str] | None, stop: bool) -> SourceRound:
+        """A checkpoint's cut; with `stop`, the sessions are held."""
+        ...
+
+    async def restore(self, reader: CheckpointReader, sessions: list[str] | None, exact: bool
+                      ) -> tuple[list[str], dict | None]:
+        """Import sessions from a checkpoint: (their ids, the KV conversion if any)."""
+        ...
+
+    async def load_outcomes(self, session_ids: list[str]) -> dict[str, str]:
+        """Sessions just placed whose KV was recomputed rather than imported, with why."""
+        ...
+
+    def import_limits(self, engine: Any) -> tuple[int, int]:
+        """Bytes one incoming transfer may stage, and its largest frame (`engine`: the replica's)."""
+        ...
 
     async def resume(self, session_ids: list[str]) -> None: ...
 

@@ -233,7 +233,7 @@ class TransferTable:
         receipt) and the reservations, so the migrator can resume from the acknowledged chunks, and
         the lease frees everything if it never comes back; any other failure drops the transfer."""
         i = self.open_import(tid, source, declared)
-        place = self.ops.placer(i) if callable(pieces) and hasattr(self.ops, "placer") else None  # (engine.moves.kv_stream)
+        place = self.ops.placer(i) if callable(pieces) else None  # (engine.moves.kv_stream)
         recv = StreamReceiver(i.store, max_frame_bytes=self.frame_limit, verify=False, place=place)  # hashed as imported or placed
         t0, cpu0 = time.perf_counter(), self.cpu()
         i.receiving += 1

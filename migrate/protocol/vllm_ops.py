@@ -43,12 +43,20 @@ def not_movable(st: SessionState) -> str | None:
 
 
 class VllmOps:
+    """The protocol's engine operations on a vLLM replica (migrate.protocol.transfers.EngineOps)."""
+
+    places_on_arrival = False  # every chunk is staged as a load file: vLLM's workers read it
+
     def __init__(self, aengine: AsyncEngine):
         self.aengine, self.call = aengine, aengine.call
         self.engine: VllmEngine = aengine.engine  # type: ignore[assignment]
         self.cut_engine_s = 0.0
         self.note_migrated = aengine.note_migrated
         self._files: dict[tuple[str, str], list[dict]] = {}  # (transfer, session) -> its staged files so far
+
+    def placer(self, t: Incoming) -> None:
+        """None: a round's chunks are staged whole (vLLM loads them in its workers, not this process)."""
+        return None
 
     # ---- source --------------------------------------------------------------------------------
     async def take_round(self, sessions: list[str] | None, pause: bool, sent: dict[str, int],

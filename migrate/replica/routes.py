@@ -326,7 +326,7 @@ async def link_route(request: Request, m: ReplicaMoves = Depends(moves)):
     this request arrived on."""
     host = (request.scope.get("server") or ("127.0.0.1", 0))[0]
     port = await m.link.ensure(host)
-    return link_address(port, entries=hasattr(m.ops, "placer"))  # (a vLLM replica's import stages every chunk)
+    return link_address(port, entries=m.ops.places_on_arrival)  # (a vLLM replica's import stages every chunk)
 
 
 @router.post("/v1/sessions/transfers/{transfer}/commit")
