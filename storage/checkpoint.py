@@ -16,7 +16,15 @@ from typing import Any
 
 import torch
 from relayout.storage.errors import CorruptCheckpoint, ModelMismatch
-from relayout.storage.format.chunks import dtype_name, kv_scaled_view, kv_view, pack_kv, parallel_map
+from relayout.storage.format.chunks import (
+    ChunkPieces,
+    KVChunk,
+    dtype_name,
+    kv_scaled_view,
+    kv_view,
+    pack_kv,
+    parallel_map,
+)
 from relayout.storage.format.manifest import (
     KVEntry,
     KVGeometry,
@@ -25,7 +33,6 @@ from relayout.storage.format.manifest import (
     SessionEntry,
     coverage_gap,
 )
-from relayout.storage.format.pieces import ChunkPieces, pack_in_place
 from relayout.storage.stores.base import Store, check_id
 
 ProgressFn = Callable[[int], None]  # called with the cumulative bytes written
@@ -86,11 +93,13 @@ class CheckpointWriter:
         head_hi: int,
         tok_lo: int,
         tok_hi: int,
-        tensor: torch.Tensor,
+        chunk: torch.Tensor | KVChunk,
         scale: torch.Tensor | None = None,
     ) -> KVEntry:
-        """Store K and V ([2, head_hi-head_lo, tok_hi-tok_lo, head_dim]) for one slice; `scale`: the
-        float32 [2, heads, tokens] scales of quantised (fp8) KV (every chunk has them, or none)."""
+        """Store K and V ([2, head_hi-head_lo, tok_hi-tok_lo, head_dim]) for one slice, as a tensor or
+        a KVChunk already laid out (stored as it is); `scale`: the float32 [2, heads, tokens] scales of
+        quantised (fp8) KV (every chunk has them, or none)."""
+        tensor = chunk.view if isinstance(chunk, KVChunk) else chunk
         want = (2, head_hi - head_lo, tok_hi - tok_lo)
         if tensor.dim() != 4 or tuple(tensor.shape[:3]) != want:
             raise ValueError(
@@ -98,10 +107,9 @@ class CheckpointWriter:
                 f"[2, {want[1]}, {want[2]}, head_dim] for heads [{head_lo},{head_hi}) tokens [{tok_lo},{tok_hi})"
             )
         self._check_open()
-        # outside the lock: the expensive part (an in-place chunk was hashed where it lies)
-        got = pack_in_place(tensor, self.codec) if scale is None else None
-        data, ref = got if got is not None else pack_kv(tensor, self.codec, scale)
-        if isinstance(data, ChunkPieces) and not getattr(self.store, "takes_pieces", False):
+        # outside the lock: the expensive part (a sealed or in-place chunk was hashed already)
+        data, ref = pack_kv(chunk, self.codec, scale)
+        if isinstance(data, ChunkPieces) and not self.store.takes_pieces:
             data = data.joined()  # a store that keeps bytes gets them in one buffer
         entry = KVEntry(
             session_id=session_id, layer=layer, head_lo=head_lo, head_hi=head_hi,
@@ -118,11 +126,7 @@ class CheckpointWriter:
                 )
             self.store.pin(ref.hash)  # before put: a concurrent delete must not drop a shared chunk
             self._pinned.append(ref.hash)
-        put_entry = getattr(self.store, "put_kv_chunk", None)  # a store that frames chunks with their entries
-        if put_entry is not None:
-            put_entry(entry, data, dtype_name(tensor.dtype))
-        else:
-            self.store.put_chunk(ref.hash, data, hashed=True, ref=ref)  # pack_kv just hashed these bytes
+        self.store.put_kv_chunk(entry, data, dtype_name(tensor.dtype))  # type: ignore[arg-type]  # pack_kv just hashed them
         with self._lock:
             self._entries.append(entry)
             self.bytes_written += ref.size

@@ -20,7 +20,7 @@ from relayout.migrate.protocol.transfers import TransferTable
 from relayout.migrate.transport.frame_sink import FrameOptions
 from relayout.storage.errors import CorruptCheckpoint
 from relayout.storage.format.chunks import chunk_hash, new_kv_chunk, pack_kv
-from relayout.storage.format.pieces import in_place_chunk, pack_in_place
+from relayout.storage.format.pieces import in_place_chunk
 from relayout.storage.stores import MemoryStore
 from relayout.storage.stream import MAGIC_CHUNK, StreamReceiver, chunk_frame_header, frame_head
 
@@ -41,13 +41,13 @@ def test_an_in_place_chunk_is_byte_for_byte_the_copied_chunk():
     src, blocks = _pool(fill=True), [3, 4, 7, 8, 9]  # two runs of consecutive blocks
     views = src.row_views(blocks, 1, 5, 70)
     t = in_place_chunk((2, H, 65, D), torch.float32, views)
-    assert t is not None and t.is_meta
-    pieces, ref = pack_in_place(t, "none")
+    assert t is not None and t.view.is_meta and t.stored
+    pieces, ref = pack_kv(t, "none")
     out = new_kv_chunk((2, H, 65, D), torch.float32)
-    src.export_into(blocks, 1, 5, 70, out)
+    src.export_into(blocks, 1, 5, 70, out.view)
     data, want = pack_kv(out)
     assert ref == want and bytes(pieces.joined()) == bytes(data) and chunk_hash(bytes(data)) == ref.hash
-    zdata, zref = pack_in_place(t, "zstd")  # another codec: the joined bytes, encoded
+    zdata, zref = pack_kv(t, "zstd")  # another codec: the joined bytes, encoded
     assert zref.codec == "zstd" and zref.raw_size == ref.size and len(zdata) == zref.size
 
 
@@ -73,7 +73,7 @@ def _frames(srcs, blocks: list[int], n: int, chunk: int = 32, entries: bool = Tr
         b = min(n, a + chunk)
         for src, (lo, hi) in srcs:
             for layer in range(L):
-                pieces, ref = pack_in_place(in_place_chunk((2, hi - lo, b - a, D), torch.float32,
+                pieces, ref = pack_kv(in_place_chunk((2, hi - lo, b - a, D), torch.float32,
                                                            src.row_views(blocks, layer, a, b)), "none")
                 entry = {"session_id": "s", "layer": layer, "head_lo": lo, "head_hi": hi, "tok_lo": a, "tok_hi": b,
                          "kv_tokens": n, "dtype": "float32"}

@@ -23,8 +23,8 @@ from relayout.engine.runtime.engine import LLMEngine
 from relayout.engine.runtime.session import SessionState
 from relayout.storage.checkpoint import CheckpointWriter
 from relayout.storage.format.chunks import (
+    KVChunk,
     dtype_name,
-    is_sealed,
     keep_freed_memory,
     kv_chunk_hasher,
     new_kv_chunk,
@@ -91,7 +91,7 @@ class SessionSnapshot:
     The KV is held either as `kv` — one entry per distinct KV-head range the source holds:
     (head_lo, head_hi, [layers, 2, heads, tokens, d]) — or, when the engine's pool is local host
     memory, as `chunks` already in their stored form (layer, head_lo, head_hi, tok_lo, tok_hi,
-    [2, heads, tokens, d] tensor that is the payload of a chunk buffer, see storage.format.chunks.new_kv_chunk),
+    KVChunk whose tensor is the payload of a chunk buffer, see storage.format.chunks.new_kv_chunk),
     so `write_snapshot` only stores them (hashed as they were copied); a quantised (fp8) pool's chunks
     carry a 7th element, their float32 [2, heads, tokens] scales, and exist only in this form. Reading `kv` of such a snapshot assembles it
     (a copy); setting `kv` replaces the chunks."""
@@ -134,10 +134,10 @@ class SessionSnapshot:
         for (hlo, hhi), cs in by_heads.items():
             t0, t1 = min(c[3] for c in cs), max(c[4] for c in cs)
             layers = max(c[0] for c in cs) + 1
-            ref = cs[0][5]
+            ref = cs[0][5].view
             kv = torch.empty((layers, 2, hhi - hlo, t1 - t0, ref.shape[3]), dtype=ref.dtype)
-            for layer, _, _, a, b, t in cs:
-                kv[layer, :, :, a - t0 : b - t0] = t
+            for layer, _, _, a, b, c in cs:
+                kv[layer, :, :, a - t0 : b - t0] = c.view
             out.append((hlo, hhi, kv))
         return out
 
@@ -190,8 +190,8 @@ def _export_chunks(pool: KVCache, heads: tuple[int, int], blocks: list[int], lo:
     # buffers from this thread's allocator (reused from the last snapshot's where it kept them);
     # the copies, and the first touch of fresh pages, on all cores; each chunk hashed piece by piece
     # as it is copied, from this core's L2 (a separate pass would read it all from memory again)
-    def fill(c: tuple[int, int, int, int, int, torch.Tensor]) -> None:
-        pool.export_into(blocks, c[0], c[3], c[4], c[5], hasher=(h := kv_chunk_hasher(c[5])))
+    def fill(c: tuple[int, int, int, int, int, KVChunk]) -> None:
+        pool.export_into(blocks, c[0], c[3], c[4], c[5].view, hasher=(h := kv_chunk_hasher(c[5])))
         seal_kv_chunk(c[5], h)
 
     parallel_map(fill, chunks, nbytes)
@@ -265,15 +265,19 @@ def write_snapshot(snaps: list[SessionSnapshot], writer: CheckpointWriter, tok_f
         pass
 
 
+def _nbytes(c: KVChunk | torch.Tensor) -> int:
+    return c.view.nbytes if isinstance(c, KVChunk) else c.nbytes
+
+
 def _put_chunks(writer: CheckpointWriter, sid: str, chunks: list[tuple]) -> None:
     def put(c: tuple, sid: str = sid) -> object:
         return writer.put_kv(sid, *c)
 
     if type(writer).put_kv is CheckpointWriter.put_kv:  # thread-safe: chunks hash and store in parallel
         # sealed chunks stored as they are need no hashing, only GIL-bound bookkeeping: inline is faster (11-15 vs 14-21 ms / 512 MiB)
-        # (an in-place chunk, a meta tensor, was hashed where it lies: the same)
-        parallel_map(put, chunks, sum(0 if writer.codec == "none" and (c[5].is_meta or is_sealed(c[5])) else c[5].nbytes
-                                      for c in chunks))
+        # (an in-place chunk was hashed where it lies: the same)
+        parallel_map(put, chunks, sum(0 if writer.codec == "none" and isinstance(c[5], KVChunk) and c[5].stored
+                                      else _nbytes(c[5]) for c in chunks))
     else:  # a subclass gets them in order, one at a time
         for c in chunks:
             put(c)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -87,6 +88,8 @@ class BufferPool:
         self.pooled_bytes = 0
         self.allocations = 0  # pooled allocations
         self.overflow = 0  # one-off allocations past max_bytes (not kept)
+        # the pool's own buffers (by id: a tensor's == is elementwise), so a one-off one is never kept
+        self._pooled: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
         self._lock = threading.Lock()
 
     def _reusable(self, e: _Lent) -> bool:
@@ -140,12 +143,12 @@ class BufferPool:
             self.allocations += 1
             self.pooled_bytes += c
             buf = self._alloc(c)
-            buf._relayout_pooled = True  # type: ignore[attr-defined]
+            self._pooled[id(buf)] = buf
             return buf
 
     def lend(self, buf: torch.Tensor, done: Any = None, released: bool = False, auto: bool = False) -> _Lent:
         e = _Lent(buf, done, released, auto)
-        if getattr(buf, "_relayout_pooled", False):
+        if self._pooled.get(id(buf)) is buf:
             with self._lock:
                 self._lent.append(e)
         return e

@@ -6,8 +6,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
+from relayout.storage.format.chunks import ChunkPieces
 from relayout.storage.format.manifest import ChunkRef, KVEntry
-from relayout.storage.format.pieces import ChunkPieces
 from relayout.storage.stores.base import Store, check_hash
 from relayout.storage.stream import (
     MAGIC_CHUNK,

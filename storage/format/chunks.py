@@ -9,8 +9,8 @@ Chunks are content-addressed by the xxh3_128 of their STORED bytes, so identical
 (e.g. the unchanged prefix of a session in an incremental checkpoint) are stored once and
 a corrupt chunk is caught before any decoding work is done.
 
-Both directions touch each KV byte once: `new_kv_chunk` hands out a tensor that already is
-the payload of a header-prefixed chunk buffer (an exporter fills it, `pack_kv` stores that
+Both directions touch each KV byte once: `new_kv_chunk` hands out a `KVChunk` whose tensor already
+is the payload of a header-prefixed chunk buffer (an exporter fills it, `pack_kv` stores that
 buffer as is), and `kv_view` reads a verified chunk in place (no copy for codec "none").
 """
 
@@ -24,6 +24,7 @@ import threading
 import warnings
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
@@ -190,69 +191,77 @@ def _logical(stored: torch.Tensor, format_version: int) -> torch.Tensor:
     return stored.transpose(1, 2) if format_version >= 2 else stored
 
 
-def new_kv_chunk(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    """A CPU tensor of `shape` ([2, heads, tokens, head_dim]) whose memory is the payload of a fresh
-    chunk buffer, header already written (a token-major view: `.transpose(1, 2)` of it is
-    contiguous). Fill every element, then `pack_kv` it: that buffer becomes the stored chunk as is
-    (no second copy). Contents are undefined until filled."""
+@dataclass(frozen=True)
+class ChunkPieces:
+    """A chunk's stored bytes as the concatenation of `views` (`size` bytes in all), left where they
+    lie (storage.format.pieces.in_place_chunk): a frame sink sends them as they are."""
+
+    views: tuple[memoryview, ...]
+    size: int
+
+    def __len__(self) -> int:
+        return self.size
+
+    def joined(self) -> bytearray:
+        return bytearray().join(self.views)
+
+
+@dataclass(eq=False)
+class KVChunk:
+    """A chunk being made for a checkpoint or a round, before it is stored: `view` is its logical
+    [2, heads, tokens, head_dim] KV, `buf` its stored bytes (safetensors header + payload) when they
+    are already laid out — a bytearray whose payload is `view`'s memory (new_kv_chunk), or the
+    pieces of a pool's own rows (ChunkPieces; `view` is then a meta tensor: shape and dtype only) —
+    and `hash` those bytes' hash once taken (seal_kv_chunk, in_place_chunk). `pack_kv` then only wraps
+    them. `view` must not change after the hash is taken (a reader would refuse the chunk as corrupt)."""
+
+    view: torch.Tensor
+    buf: bytearray | ChunkPieces | None = None  # None: `view` is packed the ordinary way (a copy)
+    hash: str | None = None
+
+    @property
+    def stored(self) -> bool:
+        """Stored with codec "none" as it is: no copy, no hashing left (a sealed or in-place chunk)."""
+        return self.hash is not None
+
+
+def new_kv_chunk(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> KVChunk:
+    """A chunk of `shape` ([2, heads, tokens, head_dim]) whose `view` is the payload of a fresh chunk
+    buffer, header already written (a token-major view: `.transpose(1, 2)` of it is contiguous). Fill
+    every element of `view`, then `pack_kv` it: that buffer becomes the stored chunk as is (no second
+    copy). Contents are undefined until filled."""
     shape = tuple(int(s) for s in shape)
     code = _ST_DTYPES.get(dtype)
     n = math.prod(shape) * dtype.itemsize
     if code is None or n == 0 or len(shape) != 4:
-        return torch.empty(shape, dtype=dtype)  # packed the ordinary way
+        return KVChunk(torch.empty(shape, dtype=dtype))  # packed the ordinary way
     st_shape = stored_shape(shape)
     prefix = _st_prefix(st_shape, code, n)
     buf = _bytearray(len(prefix) + n)
     buf[: len(prefix)] = prefix
-    t = _logical(_payload(buf, len(prefix), st_shape, dtype, n), FORMAT_VERSION)
-    t._relayout_chunk = (buf, t.data_ptr(), shape, t.stride(), dtype)  # type: ignore[attr-defined]
-    return t
+    return KVChunk(_logical(_payload(buf, len(prefix), st_shape, dtype, n), FORMAT_VERSION), buf)
 
 
-def kv_chunk_hasher(t: torch.Tensor) -> xxhash.xxh3_128 | None:
-    """A streaming chunk hash of `new_kv_chunk` tensor `t`, already fed its buffer's header (None if
-    `t` is not such a payload). An exporter feeds it the payload in memory order, each piece right
-    after copying it while it is still in L2 (a whole 2 MiB chunk hashed after its copy is read back
-    from L3/memory: ~30% more time than the copy alone), then passes it to seal_kv_chunk."""
-    buf = _prepared(t)
-    if buf is None:
+def kv_chunk_hasher(c: KVChunk) -> xxhash.xxh3_128 | None:
+    """A streaming hash of new_kv_chunk `c`'s stored bytes, already fed its header (None if `c` has no
+    buffer of its own). An exporter feeds it the payload in memory order, each piece right after
+    copying it while it is still in L2 (a whole 2 MiB chunk hashed after its copy is read back from
+    L3/memory: ~30% more time than the copy alone), then passes it to seal_kv_chunk."""
+    if not isinstance(c.buf, bytearray):
         return None
     h = xxhash.xxh3_128()
-    with memoryview(buf) as mv:
-        h.update(mv[: len(buf) - t.numel() * t.element_size()])
+    with memoryview(c.buf) as mv:
+        h.update(mv[: len(c.buf) - c.view.numel() * c.view.element_size()])
     return h
 
 
-def seal_kv_chunk(t: torch.Tensor, hasher: xxhash.xxh3_128 | None = None) -> None:
-    """Hash a filled `new_kv_chunk` tensor now, while its bytes are still in this core's cache (the
-    exporter's thread, right after the copy): `pack_kv` with codec "none" then reuses that hash.
-    `hasher`: kv_chunk_hasher(t), fed every payload byte as it was copied (its digest is taken
-    instead of hashing the buffer again). The tensor must not change afterwards (a reader would
-    refuse the chunk as corrupt)."""
-    buf = _prepared(t)
-    if buf is not None:
-        digest = chunk_hash(buf) if hasher is None else hasher.hexdigest()
-        t._relayout_chunk_hash = (t._relayout_chunk, digest)  # type: ignore[attr-defined]
-
-
-def is_sealed(t: torch.Tensor, prepared: bool = False) -> bool:
-    """`t` was sealed (seal_kv_chunk) and is unchanged since: pack_kv with codec "none" only wraps it.
-    `prepared`: the caller just found _prepared(t) not None (a second check costs ~10 us a chunk)."""
-    sealed = getattr(t, "_relayout_chunk_hash", None)
-    return (sealed is not None and sealed[0] is getattr(t, "_relayout_chunk", None)
-            and (prepared or _prepared(t) is not None))
-
-
-def _prepared(t: torch.Tensor) -> bytearray | None:
-    """The chunk buffer `t` is the untouched payload of (see new_kv_chunk), else None."""
-    pre = getattr(t, "_relayout_chunk", None)
-    if pre is None:
-        return None
-    buf, ptr, shape, strides, dtype = pre
-    if (t.device.type != "cpu" or t.dtype != dtype or tuple(t.shape) != shape or t.data_ptr() != ptr
-            or t.stride() != strides):
-        return None  # resized, re-pointed or moved since: pack it the ordinary way
-    return buf
+def seal_kv_chunk(c: KVChunk, hasher: xxhash.xxh3_128 | None = None) -> None:
+    """Hash a filled new_kv_chunk now, while its bytes are still in this core's cache (the exporter's
+    thread, right after the copy): `pack_kv` with codec "none" then reuses that hash. `hasher`:
+    kv_chunk_hasher(c), fed every payload byte as it was copied (its digest is taken instead of
+    hashing the buffer again)."""
+    if isinstance(c.buf, bytearray):
+        c.hash = chunk_hash(c.buf) if hasher is None else hasher.hexdigest()
 
 
 def _st_bytes(t: torch.Tensor) -> bytes:
@@ -271,10 +280,13 @@ def _st_bytes(t: torch.Tensor) -> bytes:
     return buf  # type: ignore[return-value]  # bytes-like, spared the copy bytes() would make
 
 
-def pack_kv(tensor: torch.Tensor, codec: str = "none", scale: torch.Tensor | None = None) -> tuple[bytes, ChunkRef]:
-    """Serialise a [2, heads, tokens, head_dim] tensor (any device) into stored chunk bytes
-    (current format version: token-major). `scale`: the float32 [2, heads, tokens] scales of
-    quantised (fp8) KV, stored beside it as "kv_scale"."""
+def pack_kv(chunk: torch.Tensor | KVChunk, codec: str = "none", scale: torch.Tensor | None = None
+            ) -> tuple[bytes | bytearray | ChunkPieces, ChunkRef]:
+    """Serialise a [2, heads, tokens, head_dim] chunk (a tensor on any device, or a KVChunk) into stored
+    chunk bytes (current format version: token-major). `scale`: the float32 [2, heads, tokens] scales
+    of quantised (fp8) KV, stored beside it as "kv_scale". A KVChunk whose bytes are laid out already is
+    only wrapped (codec "none", hashed) or encoded; ChunkPieces come back as they are for codec "none"."""
+    tensor = chunk.view if isinstance(chunk, KVChunk) else chunk
     if tensor.dim() != 4 or tensor.shape[0] != 2:
         raise ValueError(f"KV chunk tensor must be [2, heads, tokens, head_dim], got {list(tensor.shape)}")
     if scale is not None:
@@ -284,15 +296,16 @@ def pack_kv(tensor: torch.Tensor, codec: str = "none", scale: torch.Tensor | Non
                        SCALE_NAME: scale.detach().cpu().transpose(1, 2).contiguous()})
         data = encode(codec, raw, tensor.element_size())
         return data, ChunkRef(hash=chunk_hash(data), size=len(data), raw_size=len(raw), codec=codec)  # type: ignore[arg-type]
-    raw = _prepared(tensor)
-    if raw is None:
+    buf = chunk.buf if isinstance(chunk, KVChunk) else None
+    if buf is not None and codec == "none" and chunk.hash is not None:  # type: ignore[union-attr]
+        return buf, ChunkRef(hash=chunk.hash, size=len(buf), raw_size=len(buf), codec="none")  # type: ignore[union-attr,arg-type]
+    if isinstance(buf, ChunkPieces):
+        buf = buf.joined()
+    if buf is None:
         t = _logical(tensor.detach().to("cpu"), FORMAT_VERSION)  # the stored order, as a view
-        raw = _st_bytes(t) if t.dtype in _ST_DTYPES else _st_bytes(t.contiguous())
-    elif codec == "none" and is_sealed(tensor, prepared=True):
-        h = tensor._relayout_chunk_hash[1]  # type: ignore[attr-defined]
-        return raw, ChunkRef(hash=h, size=len(raw), raw_size=len(raw), codec="none")  # type: ignore[arg-type]
-    data = encode(codec, raw, tensor.element_size())
-    ref = ChunkRef(hash=chunk_hash(data), size=len(data), raw_size=len(raw), codec=codec)  # type: ignore[arg-type]
+        buf = _st_bytes(t) if t.dtype in _ST_DTYPES else _st_bytes(t.contiguous())
+    data = encode(codec, buf, tensor.element_size())
+    ref = ChunkRef(hash=chunk_hash(data), size=len(data), raw_size=len(buf), codec=codec)  # type: ignore[arg-type]
     return data, ref
 
 

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator
 
 from relayout.storage.errors import CheckpointNotFound, CorruptCheckpoint
 from relayout.storage.format.chunks import chunk_hash
-from relayout.storage.format.manifest import HASH_PATTERN, ID_PATTERN, ChunkRef, Manifest
+from relayout.storage.format.manifest import HASH_PATTERN, ID_PATTERN, ChunkRef, KVEntry, Manifest
 
 ID_RE = re.compile(ID_PATTERN)
 HASH_RE = re.compile(HASH_PATTERN)
@@ -81,6 +81,16 @@ class Store:
         return 0
 
     # ---- shared behaviour ---------------------------------------------------------------
+    # a chunk left in pieces where it lies (storage.format.chunks.ChunkPieces) may be handed over as
+    # such (a stream sends them as they are); a store that keeps bytes gets them joined
+    takes_pieces = False
+
+    def put_kv_chunk(self, entry: KVEntry, data: bytes, dtype: str) -> None:
+        """CheckpointWriter.put_kv's chunk, with the entry it was written for (`entry.chunk` its
+        reference, hashed from these bytes a moment ago). A store keeps the chunk; a stream may frame
+        the entry with it."""
+        self.put_chunk(entry.chunk.hash, data, hashed=True, ref=entry.chunk)
+
     def put_chunk(self, h: str, data: bytes, *, hashed: bool = False, ref: ChunkRef | None = None) -> None:
         """Store a chunk under its content hash; a no-op when already present. `hashed=True`: the
         caller computed `h` from these very bytes a moment ago (pack_kv), so they are not hashed again.
