@@ -212,9 +212,10 @@ def test_the_link_address_is_asked_once_and_asked_again_when_it_moved():
     """The source asks a target for its link's address once (not each round, the final one being
     part of the stall) and asks again when nobody listens there any more (the target restarted)."""
     import asyncio
+    import time
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from relayout.migrate.transport.base import RoundFrames
+    from relayout.migrate.transport.base import ROUND_WORKERS, RoundFrames
     from relayout.migrate.transport.frame_link import GO_ON, TcpTransport, _reply_bytes
 
     link = socket.create_server(("127.0.0.1", 0))
@@ -266,7 +267,14 @@ def test_the_link_address_is_asked_once_and_asked_again_when_it_moved():
         assert t.links[target][:2] == ("127.0.0.1", link.getsockname()[1])
         assert asyncio.run(push("t2")) == {"sessions": []}
         assert len(asked) == 1, "a known address is not asked again"
-        assert rounds == [("t1", b"abcdef"), ("t2", b"abcdef")]
+        # a round starts no thread: its sender and its producer run on kept round workers
+        end = time.monotonic() + 10
+        while ROUND_WORKERS.busy and time.monotonic() < end:
+            time.sleep(0.01)
+        threads, jobs = ROUND_WORKERS.started, ROUND_WORKERS.submitted
+        assert asyncio.run(push("t3")) == {"sessions": []}
+        assert ROUND_WORKERS.submitted >= jobs + 2 and ROUND_WORKERS.started == threads
+        assert rounds == [("t1", b"abcdef"), ("t2", b"abcdef"), ("t3", b"abcdef")]
     finally:
         http.shutdown()
         link.close()

@@ -293,10 +293,9 @@ def test_a_final_rounds_in_place_chunks_are_made_one_at_a_time_by_the_sending_th
     """Making an in-place chunk is hashing it: the sending thread does it just before it sends that
     chunk (which then reads it from its cache), one chunk at a time, with no producer thread ahead
     of it; a pre-copy round's chunks are copies and are not marked so."""
-    import threading
 
     import relayout.engine.moves.snapshot as snapshot
-    from relayout.migrate.transport.base import RoundFrames
+    from relayout.migrate.transport.base import ROUND_WORKERS, RoundFrames
 
     made = [0]
     real = snapshot.in_place_chunk
@@ -323,13 +322,12 @@ def test_a_final_rounds_in_place_chunks_are_made_one_at_a_time_by_the_sending_th
             src.step()
         frames = asyncio.run(export(True))
         assert s.in_place("t1")
-        out, producers, chunks = [], set(), 0
+        out, chunks, jobs = [], 0, ROUND_WORKERS.submitted
         for f in RoundFrames(frames, inline=True).blocking():
             out.append(bytes(f))
             chunks += bytes(f[:4]) == MAGIC_CHUNK
             assert made[0] <= chunks  # no chunk is made (hashed) before the ones ahead of it are sent
-            producers |= {t.name for t in threading.enumerate() if t.name == "frame-producer"}
-        assert not producers
+        assert ROUND_WORKERS.submitted == jobs  # no producer ran ahead of the sending thread
         recv = StreamReceiver(MemoryStore())
         for f in out:
             recv.feed(f)

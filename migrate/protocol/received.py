@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
 from relayout.engine.moves.kv_stream import Placed
-from relayout.migrate.transport.base import RoundCut, in_thread
+from relayout.migrate.transport.base import RoundCut, on_worker
 from relayout.storage.errors import ChunkMissing
 from relayout.storage.format.chunks import chunk_hash, keep_freed_memory
 from relayout.storage.format.manifest import ChunkRef, Manifest
@@ -32,7 +32,7 @@ async def receive_round_bytes(i: RoundLease, recv: StreamReceiver, pieces: Async
     as they arrive (an HTTP body), or a `read_into(view) -> n` that fills buffers itself (the frame
     link's socket: read on a thread, each chunk straight into the buffer it is kept in). Every byte
     counts against `limit` (LimitExceeded) and renews the transfer's lease. `background` (a pre-copy
-    round): the reading thread is a pre-copy worker (migrate.transport.base.background_thread)."""
+    round): it is read on a pre-copy worker (migrate.transport.base.PRECOPY_WORKERS)."""
     if callable(pieces):
         read = pieces
 
@@ -45,7 +45,7 @@ async def receive_round_bytes(i: RoundLease, recv: StreamReceiver, pieces: Async
             return n
 
         try:
-            return await in_thread(recv.receive_from, read_into, limit - i.staged, background=background)
+            return await on_worker(recv.receive_from, read_into, limit - i.staged, background=background)
         except RoundCut:
             await _verify_kept(recv)
             raise
@@ -67,7 +67,7 @@ async def _verify_kept(recv: StreamReceiver) -> None:
     """A cut round's chunks are kept for its resume, which will not resend them: hash the ones its
     import would have (received unverified) now, and drop any that do not match."""
     if isinstance(recv.store, ReceivedChunks):
-        await in_thread(recv.store.verify_pending)
+        await on_worker(recv.store.verify_pending)
 
 
 class ReceivedChunks(MemoryStore):

@@ -54,10 +54,10 @@ from relayout.migrate.transport.base import (
     IMPORT_PATH,
     HttpTransport,
     PushFailed,
+    RoundFrames,
     Transport,
     precopy_mbps,
     progress_stream,
-    pump,
 )
 from relayout.migrate.transport.frame_link import LINK_PATH, FrameLinkServer, TcpTransport, link_address
 from relayout.migrate.transport.frame_sink import FrameOptions
@@ -247,9 +247,9 @@ async def export_sessions(table: TransferTable, transports: dict[str, Transport]
         return StreamingResponse(frames, media_type="application/x-relayout-frames")
     # push: only this transfer's frames, only to the import route of a URL an authenticated caller gave
     counter = [0]
-    send = chosen.push(body.target, body.transfer, pump(frames, None if body.pause else precopy_mbps(),
-                                                           counter=counter, background=not body.pause,
-                                                           options=options, inline=table.in_place(body.transfer)),
+    send = chosen.push(body.target, body.transfer, RoundFrames(frames, None if body.pause else precopy_mbps(),
+                                                                  counter=counter, background=not body.pause,
+                                                                  options=options, inline=table.in_place(body.transfer)),
                           final=body.pause, source=body.source, timeout_s=body.timeout_s)
     return StreamingResponse(progress_stream(table.push(body.transfer, send), counter,
                                              min(1.0, body.timeout_s / 4), table.not_moved(body.transfer)),

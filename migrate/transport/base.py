@@ -6,21 +6,26 @@ sees small control messages. `Transport` is the seam: `HttpTransport` posts the 
 target's import route (chunked HTTP, the replica's bearer token); another transport (an RDMA
 transfer engine, say) implements the same `push` and nothing else changes.
 
-The frames are produced by a thread (cutting chunks into frames, hashing) a few frames ahead of
-the sender (`pump`), so producing and sending overlap and the event loop never hashes. Pre-copy
-rounds may be throttled to `RELAYOUT_PRECOPY_MBPS` megabytes per second so that, on a CPU box,
-the source's decoding keeps its share of the cores; the final round (sessions paused) never is."""
+A round's frames are one `RoundFrames`: one producer (`RoundFrames.blocking`, a blocking iterator
+that copies, hashes and frames the chunks, throttled in one place), which a transport's sending
+thread drives itself (the frame link) or an event loop pulls a batch at a time (`async for`: HTTP,
+Mooncake). Blocking work runs on `ROUND_WORKERS`, threads kept for the process's life: a round starts
+none. Pre-copy rounds may be throttled to `RELAYOUT_PRECOPY_MBPS` megabytes per second so that, on
+a CPU box, the source's decoding keeps its share of the cores; the final round (sessions paused)
+never is."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
+import queue
 import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from typing import Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import httpx
 from relayout.engine.tracing import async_inject_hooks
@@ -28,9 +33,13 @@ from relayout.engine.web import bearer_headers, error_message, tls_context
 from relayout.storage.format.chunks import work_inline
 from relayout.storage.settings import settings
 
+if TYPE_CHECKING:
+    from relayout.migrate.transport.frame_sink import FrameOptions
+
+log = logging.getLogger(__name__)
 IMPORT_PATH = "/v1/sessions/import"
 T = TypeVar("T")
-PUMP_DEPTH = 6  # frames produced ahead of the sender (each at most a chunk: a few MiB)
+PULL_BYTES = 1 << 20  # what an event loop's pull of a round's frames takes at once (one hand-off per MiB)
 # a final round's bytes produced ahead of the frame link's socket (about two batches of chunks at
 # 4k tokens): the copy out of the pool and the hash of one batch overlap the sending of the one before
 AHEAD_BYTES = 32 << 20
@@ -51,7 +60,10 @@ class PushFailed(Exception):
 
 
 class Transport(Protocol):
-    async def push(self, target: str, transfer: str, frames: AsyncIterator[bytes], *, final: bool,
+    """How a round reaches the target replica: HttpTransport, migrate.transport.frame_link.TcpTransport,
+    migrate.transport.mooncake.MooncakeTransport."""
+
+    async def push(self, target: str, transfer: str, frames: RoundFrames, *, final: bool,
                    source: str | None, timeout_s: float) -> dict:
         """Deliver one round's frames to the target replica; its import reply (a dict), or PushFailed."""
         ...
@@ -63,7 +75,7 @@ class HttpTransport:
     def __init__(self, token: str | None):
         self.token = token
 
-    async def push(self, target: str, transfer: str, frames: AsyncIterator[bytes], *, final: bool,
+    async def push(self, target: str, transfer: str, frames: RoundFrames, *, final: bool,
                    source: str | None, timeout_s: float) -> dict:
         params: dict = {"transfer": transfer, "final": "true" if final else "false"}
         if source:
@@ -77,9 +89,7 @@ class HttpTransport:
         except httpx.TransportError as e:
             raise PushFailed(f"target import: {type(e).__name__}: {e or 'no detail'}", retryable=True) from None
         finally:
-            close = getattr(frames, "aclose", None)
-            if close is not None:  # stops the round's producer now, not whenever the iterator is collected
-                await close()
+            await frames.aclose()  # stops the round's producer now, not whenever the iterator is collected
         if resp.status_code >= 400:
             raise PushFailed(f"target import: HTTP {resp.status_code}: {error_message(resp)}", retryable=False)
         try:
@@ -121,8 +131,53 @@ def background_thread(nice: int | str | None = None) -> None:
     work_inline()
 
 
-async def in_thread(fn: Callable[..., T], *args: object, background: bool = False) -> T:
-    """fn(*args) on a thread of its own (a pre-copy worker when `background`), awaited."""
+class RoundWorkers:
+    """Daemon threads kept for the process's life that carry rounds' blocking work (sending or
+    reading a link, producing frames): a round starts no thread. An idle one takes the next job;
+    another starts only when every one is busy. `init` runs once on each (a pre-copy worker's
+    priority: Linux cannot raise a thread's again, so background work keeps threads of its own)."""
+
+    def __init__(self, name: str, init: Callable[[], None] | None = None):
+        self.name, self.init = name, init
+        self.jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self.lock = threading.Lock()
+        self.idle = 0
+        self.started = 0  # threads in all (tests: rounds reuse them)
+        self.submitted = 0  # jobs in all
+
+    @property
+    def busy(self) -> int:
+        return self.started - self.idle
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self.lock:
+            self.submitted += 1
+            if self.idle:
+                self.idle -= 1
+            else:
+                self.started += 1
+                threading.Thread(target=self._run, name=f"{self.name}-{self.started}", daemon=True).start()
+        self.jobs.put(job)
+
+    def _run(self) -> None:
+        if self.init is not None:
+            self.init()
+        while True:
+            job = self.jobs.get()
+            try:
+                job()
+            except BaseException:  # noqa: BLE001 - a job reports its own outcome; the thread serves on
+                log.exception("%s: a job failed", self.name)
+            with self.lock:
+                self.idle += 1
+
+
+ROUND_WORKERS = RoundWorkers("round-io")
+PRECOPY_WORKERS = RoundWorkers("precopy-io", init=background_thread)  # pre-copy rounds: niced, copies inline
+
+
+async def on_worker(fn: Callable[..., T], *args: object, background: bool = False) -> T:
+    """fn(*args) on a round worker (a pre-copy one when `background`), awaited."""
     loop = asyncio.get_running_loop()
     fut: asyncio.Future = loop.create_future()
 
@@ -133,8 +188,6 @@ async def in_thread(fn: Callable[..., T], *args: object, background: bool = Fals
     def run() -> None:
         res, exc = None, None
         try:
-            if background:
-                background_thread()
             res = fn(*args)
         except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
             # (a future cannot hold a StopIteration: it would never be settled, its awaiter hung)
@@ -144,32 +197,33 @@ async def in_thread(fn: Callable[..., T], *args: object, background: bool = Fals
         except RuntimeError:
             pass  # the loop is gone
 
-    threading.Thread(target=run, name="round-worker", daemon=True).start()
+    (PRECOPY_WORKERS if background else ROUND_WORKERS).submit(run)
     return await fut
 
 
 class RoundFrames:
     """One round's frames for a transport, from the (blocking) iterator that produces them, at most
-    `mbps` MB/s; `counter[0]` counts the bytes handed on. Two ways to take them: `async for` (a
-    producer thread runs PUMP_DEPTH frames ahead of the event loop: HTTP), or `blocking()` from a
-    thread of the transport's own that writes each piece to its socket as it is produced (the frame
-    link: no event loop and no extra copy between the producer and the kernel). `background` (a
-    pre-copy round): whichever thread produces them is a pre-copy worker (`background_thread`)."""
+    `mbps` MB/s; `counter[0]` counts the bytes handed on. Taken one way: `blocking()`, by a thread
+    that sends each piece as it is produced (the frame link: no event loop and no extra copy between
+    the producer and the kernel), or by `async for`, which pulls them from `blocking()` on a round
+    worker about PULL_BYTES at a time (HTTP, Mooncake). `background` (a pre-copy round): its frames
+    are produced on a pre-copy worker. `options`: the frames' migrate.transport.frame_sink.FrameOptions,
+    which a transport may set before they start."""
 
-    def __init__(self, frames: Iterator[bytes], mbps: float | None = None, depth: int = PUMP_DEPTH,
-                 counter: list[int] | None = None, background: bool = False, options: object = None,
-                 inline: bool = False):
-        self.frames, self.mbps, self.depth, self.background = frames, mbps, depth, background
+    def __init__(self, frames: Iterator[bytes], mbps: float | None = None, counter: list[int] | None = None,
+                 background: bool = False, options: FrameOptions | None = None, inline: bool = False):
+        self.frames, self.mbps, self.background = frames, mbps, background
         self.inline = inline  # cheap to produce: see blocking()
-        self.options = options  # the frames' migrate.transport.frame_sink.FrameOptions, which a transport may set before they start
+        self.options = options
         self.counter = counter if counter is not None else [0]
+        self._taken: Iterator[bytes] | None = None  # blocking(), once `async for` started it
         self._aiter: AsyncIterator[bytes] | None = None
 
     def blocking(self) -> Iterator[bytes]:
         """The frames for a thread that sends each as it comes. A final round's are produced on a
-        thread of their own up to AHEAD_BYTES ahead (the sessions are paused: its copies and the
-        sending share the cores, and the round is the stall); a pre-copy round's are produced by
-        the sending thread itself, one pre-copy worker beside the decoding, not two; and so are
+        round worker up to AHEAD_BYTES ahead (the sessions are paused: its copies and the sending
+        share the cores, and the round is the stall); a pre-copy round's are produced by the
+        sending thread itself, one pre-copy worker beside the decoding, not two; and so are
         `inline` ones (a final round's chunks in place: producing one is hashing it, just before it
         is sent, whose copy into the socket then reads it from this core's cache)."""
         t0, sent = time.perf_counter(), 0
@@ -186,7 +240,7 @@ class RoundFrames:
             self.close_source()
 
     def close_source(self) -> None:
-        close = getattr(self.frames, "close", None)
+        close = getattr(self.frames, "close", None)  # (a generator's; a plain iterator has none)
         if close is not None:
             try:
                 close()
@@ -195,11 +249,21 @@ class RoundFrames:
 
     def __aiter__(self) -> AsyncIterator[bytes]:
         if self._aiter is None:
-            self._aiter = _pumped(self)
+            self._aiter = self._pulled()
         return self._aiter
 
-    async def __anext__(self) -> bytes:
-        return await self.__aiter__().__anext__()
+    async def _pulled(self) -> AsyncIterator[bytes]:
+        self._taken = it = self.blocking()
+        try:
+            while batch := await on_worker(_take, it, PULL_BYTES, background=self.background):
+                for piece in batch:
+                    yield piece
+        finally:
+            self._taken = None
+            try:
+                it.close()  # (suspended between batches: closing it runs its finally, which closes the source)
+            except ValueError:  # cancelled while a worker runs it: closed once that pull returns
+                ROUND_WORKERS.submit(lambda: _close_when_idle(it))
 
     async def aclose(self) -> None:
         if self._aiter is not None:
@@ -208,12 +272,35 @@ class RoundFrames:
             self.close_source()
 
 
+def _close_when_idle(it: Iterator[bytes], wait_s: float = 60.0) -> None:
+    end = time.monotonic() + wait_s
+    while True:
+        try:
+            it.close()  # type: ignore[attr-defined]
+            return
+        except ValueError:  # still running on another worker
+            if time.monotonic() > end:
+                return
+            time.sleep(0.01)
+
+
+def _take(it: Iterator[bytes], max_bytes: int) -> list[bytes]:
+    """The next pieces of `it`, about `max_bytes` of them ([] at its end)."""
+    out, n = [], 0
+    for piece in it:
+        out.append(piece)
+        n += _nbytes(piece)
+        if n >= max_bytes:
+            break
+    return out
+
+
 def _nbytes(piece: bytes | memoryview) -> int:
     return piece.nbytes if isinstance(piece, memoryview) else len(piece)
 
 
 def _produced_ahead(rf: RoundFrames, max_bytes: int) -> Iterator[bytes]:
-    """rf's frames, produced by a thread of their own at most `max_bytes` ahead of the caller; a
+    """rf's frames, produced on a round worker at most `max_bytes` ahead of the caller; a
     producer's exception is raised after the frames it produced before it. The producer stops (and
     closes the frames) once the caller stops taking them."""
     queued: deque = deque()
@@ -241,7 +328,7 @@ def _produced_ahead(rf: RoundFrames, max_bytes: int) -> Iterator[bytes]:
                 state["done"] = True
                 cond.notify_all()
 
-    threading.Thread(target=produce, name="frame-producer", daemon=True).start()
+    ROUND_WORKERS.submit(produce)
     try:
         while True:
             with cond:
@@ -259,66 +346,6 @@ def _produced_ahead(rf: RoundFrames, max_bytes: int) -> Iterator[bytes]:
         stop.set()
         with cond:
             cond.notify_all()
-
-
-def pump(frames: Iterator[bytes], mbps: float | None = None, depth: int = PUMP_DEPTH,
-         counter: list[int] | None = None, background: bool = False, options: object = None,
-         inline: bool = False) -> RoundFrames:
-    return RoundFrames(frames, mbps, depth, counter, background, options, inline)
-
-
-async def _pumped(rf: RoundFrames) -> AsyncIterator[bytes]:
-    """The frames, produced by a thread `depth` frames ahead of the event loop."""
-    loop = asyncio.get_running_loop()
-    q: asyncio.Queue = asyncio.Queue()
-    room = threading.Semaphore(rf.depth)
-    stop = threading.Event()
-    end = object()
-    frames = rf.frames
-
-    def put(item: object) -> None:
-        try:
-            loop.call_soon_threadsafe(q.put_nowait, item)
-        except RuntimeError:  # the loop is gone: nobody is listening any more
-            stop.set()
-
-    def produce() -> None:
-        if rf.background:
-            background_thread()
-        try:
-            for f in frames:
-                while not room.acquire(timeout=0.25):
-                    if stop.is_set():
-                        return
-                if stop.is_set():
-                    return
-                put(f)
-            put(end)
-        except BaseException as e:  # noqa: BLE001 - handed to the sender, which raises it
-            put(e)
-        finally:
-            rf.close_source()
-
-    threading.Thread(target=produce, name="frame-pump", daemon=True).start()
-    t0, sent = time.perf_counter(), 0
-    try:
-        while True:
-            item = await q.get()
-            if item is end:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            room.release()
-            yield item  # type: ignore[misc]
-            sent += len(item)  # type: ignore[arg-type]
-            rf.counter[0] = sent
-            if rf.mbps:
-                ahead = sent / (rf.mbps * 1e6) - (time.perf_counter() - t0)
-                if ahead > 0:
-                    await asyncio.sleep(ahead)
-    finally:
-        stop.set()
-        room.release()
 
 
 async def progress_stream(push: Awaitable[dict], counter: list[int], every_s: float = 1.0,

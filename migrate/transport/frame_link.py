@@ -38,7 +38,7 @@ from urllib.parse import urlsplit
 import httpx
 from relayout.engine.tracing import continued_span, inject
 from relayout.engine.web import bearer_headers, error_message, tls_context
-from relayout.migrate.transport.base import in_thread
+from relayout.migrate.transport.base import ROUND_WORKERS, RoundFrames, on_worker
 from relayout.storage.settings import settings
 
 LINK_PATH = "/v1/sessions/import/link"
@@ -169,7 +169,7 @@ class FrameLinkServer:
             if not self._slots.acquire(blocking=False):
                 conn.close()
                 continue
-            threading.Thread(target=self._serve, args=(conn,), name="frame-link-round", daemon=True).start()
+            ROUND_WORKERS.submit(lambda conn=conn: self._serve(conn))  # the round's reader: a kept thread
 
     def _serve(self, conn: socket.socket) -> None:
         try:
@@ -301,29 +301,27 @@ class TcpTransport:
         self.links[target] = (host, port, addr.get("entries") is True)
         return self.links[target]
 
-    async def push(self, target: str, transfer: str, frames, *, final: bool, source: str | None,
+    async def push(self, target: str, transfer: str, frames: RoundFrames, *, final: bool, source: str | None,
                    timeout_s: float) -> dict:
         u = urlsplit(target)
-        blocking = getattr(frames, "blocking", None)
-        if u.scheme != "http" or blocking is None:
+        if u.scheme != "http":
             return await self.fallback.push(target, transfer, frames, final=final, source=source, timeout_s=timeout_s)
         stop = threading.Event()
         try:
             hello = inject({"transfer": transfer, "final": final, "source": source})  # + the export's traceparent
-            # a pre-copy round's thread (copying out of the pool, hashing, sending) is a pre-copy worker
-            background = bool(getattr(frames, "background", False))
             while True:  # twice at most: a kept address nobody listens at any more is asked again
                 cached = target in self.links
                 addr = await self._address(target)
-                options = getattr(frames, "options", None)
+                options = frames.options
                 if options is not None:  # chunk frames name their entries only for a target that places them
                     options.entries = bool(addr and addr[2])
                 if addr is None:  # a target older than the link: HTTP it is
                     return await self.fallback.push(target, transfer, frames, final=final, source=source,
                                                     timeout_s=timeout_s)
                 try:
-                    status, body = await in_thread(self._push, *addr[:2], hello, blocking(), timeout_s, stop,
-                                                   background=background)
+                    # a pre-copy round's sender (copying out of the pool, hashing, sending) is a pre-copy worker
+                    status, body = await on_worker(self._push, *addr[:2], hello, frames.blocking(), timeout_s, stop,
+                                                   background=frames.background)
                     break
                 except _NotConnected:  # (nothing of the round was produced yet)
                     self.links.pop(target, None)

@@ -33,7 +33,7 @@ from urllib.parse import urlsplit
 import httpx
 from fastapi import APIRouter, Depends, Request
 from relayout.engine.web import URL_RE, HTTPError, bearer_headers, check_id, error_message, tls_context
-from relayout.migrate.transport.base import PushFailed, RoundCut
+from relayout.migrate.transport.base import PushFailed, RoundCut, RoundFrames
 from relayout.storage.settings import settings
 
 MOONCAKE_PATH = "/v1/sessions/import/mooncake"
@@ -347,7 +347,7 @@ class MooncakeTransport:
     def __init__(self, token: str | None, fallback) -> None:
         self.token, self.fallback = token, fallback
 
-    async def push(self, target: str, transfer: str, frames: AsyncIterator[bytes], *, final: bool,
+    async def push(self, target: str, transfer: str, frames: RoundFrames, *, final: bool,
                    source: str | None, timeout_s: float) -> dict:
         u = urlsplit(target)
         if u.scheme != "http":
@@ -392,9 +392,7 @@ class MooncakeTransport:
                     pass  # the target's own timeout ends it
             if ring is not None:
                 await asyncio.to_thread(ring.release)
-            close = getattr(frames, "aclose", None)
-            if close is not None:  # stops the round's producer now
-                await close()
+            await frames.aclose()  # stops the round's producer now
 
     async def _post(self, c: httpx.AsyncClient, url: str, params: dict) -> dict:
         resp = await c.post(url, params=params, headers=bearer_headers(self.token))
@@ -408,7 +406,7 @@ class MooncakeTransport:
             raise PushFailed("target import: the answer is not a JSON object", False)
         return body
 
-    async def _send(self, c: httpx.AsyncClient, base: str, transfer: str, frames: AsyncIterator[bytes],
+    async def _send(self, c: httpx.AsyncClient, base: str, transfer: str, frames: RoundFrames,
                     engine: object, session: str, peer_addr: int, ring: _Ring, slots: int) -> None:
         """Fill a slot of the local ring, write it to the same slot of the target's, tell the target;
         a slot is refilled only once the target said it took that slot's bytes."""
