@@ -22,9 +22,10 @@ from typing import Any
 import jinja2
 import jinja2.ext
 import jinja2.nodes
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, Request
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from relayout.engine.api.openai_request import OpenAIRequest
+from relayout.engine.api.served import Served, served
 from relayout.engine.api.streaming import (
     CompletionShape,
     Shape,
@@ -38,7 +39,7 @@ from relayout.engine.api.streaming import (
     usage,
 )
 from relayout.engine.model.tokenizer import Tokenizer
-from relayout.engine.runtime.async_engine import AsyncEngine, EngineDeadError
+from relayout.engine.runtime.async_engine import EngineDeadError
 from relayout.engine.runtime.engine import RequestError
 from relayout.engine.runtime.logprobs import MAX_TOP_LOGPROBS, LogprobRecord, chat_logprobs
 from relayout.engine.runtime.session import SamplingParams
@@ -227,38 +228,37 @@ def shape_for(spec: StreamSpec, tok: Tokenizer) -> Shape:
 
 
 # ---- the route -----------------------------------------------------------------------------------------
-def install_chat_routes(app: FastAPI, aengine: AsyncEngine, model_name: str) -> None:
-    eng = aengine.engine  # read-only facts: tokenizer, model directory, context limit
-    tok = eng.tokenizer
-    template = load_chat_template(eng.model_dir)
+router = APIRouter()  # the replica's chat completions (engine.api.server.create_app includes it)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest, request: Request):
-        if not aengine.healthy:
-            raise EngineDeadError(str(aengine.dead_error()))
-        if template is None:
-            raise RequestError(f"model {model_name} has no chat template (chat_template in tokenizer_config.json)")
-        text = template.render(req.template_messages(), req.add_generation_prompt)
-        ids = tok.encode(text, add_special_tokens=False)
-        params = req.sampling(len(ids), eng.max_model_len)
-        include_usage = bool(req.stream and (req.stream_options or {}).get("include_usage"))
-        s = await admit(aengine, ids, params, "chat", include_usage, session_id=f"chatcmpl-{uuid.uuid4().hex}")
-        sid, created = s.session_id, int(time.time())
-        shape = ChatShape(tok, params.logprobs is not None)
-        if req.stream:
-            return streaming_response(session_events(
-                aengine, request, sid, model=model_name, created=created, shape=shape, spec=StreamSpec.of(s),
-                from_token=0, with_ids=req.return_token_ids, prompt_len=len(ids)))
-        out, records, snap = await collect(aengine, request, sid)
-        if snap.get("state") == "migrated":
-            return error_response(409, migrated_message(sid), "session_migrated")
-        ts = StopTextStream(tok, params.stop)
-        choice: dict[str, Any] = {
-            "index": 0, "message": {"role": "assistant", "content": ts.add(out) + ts.finish()},
-            "logprobs": chat_logprobs(tok, out, records) if params.logprobs is not None else None,
-            "finish_reason": snap.get("finish_reason"),
-        }
-        if req.return_token_ids:
-            choice["token_ids"] = out
-        return {"id": sid, "object": "chat.completion", "created": created, "model": model_name,
-                "choices": [choice], "usage": usage(len(ids), len(out))}
+
+@router.post("/v1/chat/completions")
+async def chat_completions(req: ChatCompletionRequest, request: Request, sv: Served = Depends(served)):
+    aengine, model_name, tok, template = sv.aengine, sv.model_name, sv.tok, sv.chat_template
+    if not aengine.healthy:
+        raise EngineDeadError(str(aengine.dead_error()))
+    if template is None:
+        raise RequestError(f"model {model_name} has no chat template (chat_template in tokenizer_config.json)")
+    text = template.render(req.template_messages(), req.add_generation_prompt)
+    ids = tok.encode(text, add_special_tokens=False)
+    params = req.sampling(len(ids), sv.max_model_len)
+    include_usage = bool(req.stream and (req.stream_options or {}).get("include_usage"))
+    s = await admit(aengine, ids, params, "chat", include_usage, session_id=f"chatcmpl-{uuid.uuid4().hex}")
+    sid, created = s.session_id, int(time.time())
+    shape = ChatShape(tok, params.logprobs is not None)
+    if req.stream:
+        return streaming_response(session_events(
+            aengine, request, sid, model=model_name, created=created, shape=shape, spec=StreamSpec.of(s),
+            from_token=0, with_ids=req.return_token_ids, prompt_len=len(ids)))
+    out, records, snap = await collect(aengine, request, sid)
+    if snap.get("state") == "migrated":
+        return error_response(409, migrated_message(sid), "session_migrated")
+    ts = StopTextStream(tok, params.stop)
+    choice: dict[str, Any] = {
+        "index": 0, "message": {"role": "assistant", "content": ts.add(out) + ts.finish()},
+        "logprobs": chat_logprobs(tok, out, records) if params.logprobs is not None else None,
+        "finish_reason": snap.get("finish_reason"),
+    }
+    if req.return_token_ids:
+        choice["token_ids"] = out
+    return {"id": sid, "object": "chat.completion", "created": created, "model": model_name,
+            "choices": [choice], "usage": usage(len(ids), len(out))}

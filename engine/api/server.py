@@ -10,12 +10,14 @@ import time
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from relayout.engine.api.chat import install_chat_routes, shape_for
+from relayout.engine.api.chat import load_chat_template, shape_for
+from relayout.engine.api.chat import router as chat_router
 from relayout.engine.api.openai_request import OpenAIRequest
+from relayout.engine.api.served import Served, served
 from relayout.engine.api.streaming import (
     CompletionShape,
     StopTextStream,
@@ -231,10 +233,79 @@ async def metrics_response(aengine: AsyncEngine) -> PlainTextResponse:
     return PlainTextResponse(generate_latest(reg).decode(), media_type="text/plain; version=0.0.4")
 
 
+router = APIRouter()  # the replica's OpenAI-compatible API and its sessions (create_app includes it)
+
+
+@router.get("/health")
+async def health(sv: Served = Depends(served)):
+    if not sv.aengine.healthy:
+        return error_response(503, str(sv.aengine.dead_error()), "engine_unavailable")
+    return {"status": "ok"}
+
+
+@router.get("/metrics")
+async def metrics(sv: Served = Depends(served)):
+    return await metrics_response(sv.aengine)
+
+
+@router.get("/v1/models")
+async def models(sv: Served = Depends(served)):
+    return {"object": "list", "data": [{"id": sv.model_name, "object": "model", "created": 0, "owned_by": "relayout",
+                                        "max_model_len": sv.max_model_len}]}
+
+
+@router.get("/v1/replica")
+async def replica(sv: Served = Depends(served)):
+    require_healthy(sv.aengine)
+    return await sv.aengine.call(lambda e: replica_info(e, sv.model_name))
+
+
+@router.get("/v1/sessions/{sid}")
+async def session(sid: str, token_ids: bool = True, sv: Served = Depends(served)):
+    # plain JSON, not FastAPI's jsonable_encoder: it walks every id in Python (~20 ms for a 16k-token
+    # session, on the process whose engine thread and links serve a migration's final round)
+    return JSONResponse(session_view(sv.aengine, sid, token_ids))
+
+
+@router.post("/v1/sessions/{sid}/abort")
+async def session_abort(sid: str, sv: Served = Depends(served)):
+    """What a live gateway sends when its client hangs up: free the session now (no detach grace)."""
+    snapshot(sv.aengine, sid)
+    sv.aengine.abort(sid)  # a finished, migrated or checkpointed session: a no-op
+    return {"id": sid, "aborted": True}
+
+
+@router.get("/v1/sessions/{sid}/stream")
+async def session_stream(sid: str, request: Request, from_token: int = 0, return_token_ids: bool = False,
+                         sv: Served = Depends(served)):
+    s = snapshot(sv.aengine, sid)
+    if from_token < 0:
+        raise HTTPError(400, "from_token must be >= 0")
+    spec = await spec_of(sv.aengine, sid)  # a chat session resumes as chat chunks
+    return streaming_response(session_events(
+        sv.aengine, request, sid, model=sv.model_name, created=int(time.time()), shape=shape_for(spec, sv.tok),
+        spec=spec, from_token=from_token, with_ids=return_token_ids, prompt_len=len(s["prompt_token_ids"])))
+
+
+@router.post("/v1/completions")
+async def completions(req: CompletionRequest, request: Request, sv: Served = Depends(served)):
+    aengine, tok = sv.aengine, sv.tok
+    require_healthy(aengine)
+    params = req.sampling()
+    ids = req.prompt_ids(tok)
+    include_usage = bool(req.stream and (req.stream_options or {}).get("include_usage"))
+    s = await admit(aengine, ids, params, "completion", include_usage)
+    sid = s.session_id
+    if req.stream:
+        return streaming_response(session_events(
+            aengine, request, sid, model=sv.model_name, created=int(time.time()),
+            shape=CompletionShape(tok, params.logprobs is not None), spec=StreamSpec.of(s),
+            from_token=0, with_ids=req.return_token_ids, prompt_len=len(ids)))
+    return await completion_answer(aengine, request, req, params, sid, sv.model_name, len(ids))
+
+
 def create_app(aengine: AsyncEngine, model_name: str, api_keys: list[str] | None = None) -> FastAPI:
     """`api_keys`: the client keys (default RELAYOUT_API_KEYS; none: the client routes are open)."""
-    eng = aengine.engine  # read-only facts (tokenizer, config, layout): never its mutable state
-    tok = eng.tokenizer
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -245,69 +316,8 @@ def create_app(aengine: AsyncEngine, model_name: str, api_keys: list[str] | None
             await aengine.stop()
 
     app = FastAPI(title="relayout replica", lifespan=lifespan)
-
+    app.state.served = Served(aengine, model_name, load_chat_template(aengine.engine.model_dir))
     install_guards(app, api_keys)
-
-    # ---- routes --------------------------------------------------------------------------
-    @app.get("/health")
-    async def health():
-        if not aengine.healthy:
-            return error_response(503, str(aengine.dead_error()), "engine_unavailable")
-        return {"status": "ok"}
-
-    @app.get("/metrics")
-    async def metrics():
-        return await metrics_response(aengine)
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "relayout",
-                                            "max_model_len": eng.max_model_len}]}
-
-    @app.get("/v1/replica")
-    async def replica():
-        require_healthy(aengine)
-
-        return await aengine.call(lambda e: replica_info(e, model_name))
-
-    @app.get("/v1/sessions/{sid}")
-    async def session(sid: str, token_ids: bool = True):
-        # plain JSON, not FastAPI's jsonable_encoder: it walks every id in Python (~20 ms for a 16k-token
-        # session, on the process whose engine thread and links serve a migration's final round)
-        return JSONResponse(session_view(aengine, sid, token_ids))
-
-    @app.post("/v1/sessions/{sid}/abort")
-    async def session_abort(sid: str):
-        """What a live gateway sends when its client hangs up: free the session now (no detach grace)."""
-        snapshot(aengine, sid)
-        aengine.abort(sid)  # a finished, migrated or checkpointed session: a no-op
-        return {"id": sid, "aborted": True}
-
-    @app.get("/v1/sessions/{sid}/stream")
-    async def session_stream(sid: str, request: Request, from_token: int = 0, return_token_ids: bool = False):
-        s = snapshot(aengine, sid)
-        if from_token < 0:
-            raise HTTPError(400, "from_token must be >= 0")
-        spec = await spec_of(aengine, sid)  # a chat session resumes as chat chunks
-        return streaming_response(session_events(
-            aengine, request, sid, model=model_name, created=int(time.time()), shape=shape_for(spec, tok), spec=spec,
-            from_token=from_token, with_ids=return_token_ids, prompt_len=len(s["prompt_token_ids"])))
-
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, request: Request):
-        require_healthy(aengine)
-        params = req.sampling()
-        ids = req.prompt_ids(tok)
-        include_usage = bool(req.stream and (req.stream_options or {}).get("include_usage"))
-        s = await admit(aengine, ids, params, "completion", include_usage)
-        sid = s.session_id
-        if req.stream:
-            return streaming_response(session_events(
-                aengine, request, sid, model=model_name, created=int(time.time()),
-                shape=CompletionShape(tok, params.logprobs is not None), spec=StreamSpec.of(s),
-                from_token=0, with_ids=req.return_token_ids, prompt_len=len(ids)))
-        return await completion_answer(aengine, request, req, params, sid, model_name, len(ids))
-
-    install_chat_routes(app, aengine, model_name)
-
+    app.include_router(router)
+    app.include_router(chat_router)
     return app

@@ -7,6 +7,7 @@ when it has one (RELAYOUT_TOKEN)."""
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass, field
 
 import httpx
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -123,6 +124,92 @@ async def protection_error(_: Request, e: Exception):
     return error_response(e.status, str(e), e.type)
 
 
+@dataclass
+class ProtectionRoutes:
+    """What protection's routes act on (the app's `state.protection_routes`): the replica's app (its
+    `state.protection` is the running Replicator, if any) and engine, its token, its StandbyTable."""
+
+    app: FastAPI
+    aengine: AsyncEngine
+    token: str | None
+    standby: StandbyTable
+    ended: dict[str, str] = field(default_factory=dict)  # protections this replica was the source of: id -> state
+    prepared: list[threading.Thread] = field(default_factory=list)  # the promotion client's warm-up, once
+
+
+def routes_state(request: Request) -> ProtectionRoutes:
+    return request.app.state.protection_routes
+
+
+router = APIRouter()  # mounted behind the replica's bearer check by install_protect_routes
+
+
+# ---- as the source ----------------------------------------------------------------------------------
+@router.post("/v1/protection")
+async def protect(body: ProtectBody, request: Request, p: ProtectionRoutes = Depends(routes_state)):
+    return start_protection(p.app, p.aengine, protect_config(p.app, body, str(request.base_url)), p.token).view()
+
+
+@router.get("/v1/protection")
+async def protection(p: ProtectionRoutes = Depends(routes_state)):
+    return _current(p.app).view()
+
+
+@router.get("/v1/protection/{pid}")
+async def protection_state(pid: str, p: ProtectionRoutes = Depends(routes_state)):
+    check_id(pid, "protection id")
+    rep = p.app.state.protection
+    if rep is not None and rep.pid == pid:
+        return {"protection": pid, "state": rep.state}
+    if pid in p.ended:
+        return {"protection": pid, "state": p.ended[pid]}
+    raise HTTPError(404, f"no protection {pid!r} here", "not_found")
+
+
+@router.delete("/v1/protection")
+async def unprotect(p: ProtectionRoutes = Depends(routes_state)):
+    rep = _current(p.app)
+    out = await rep.stop()
+    p.ended[rep.pid] = rep.state
+    p.app.state.protection = None
+    return out
+
+
+# ---- as the standby --------------------------------------------------------------------------------
+@router.post("/v1/standby/{pid}/rounds")
+async def standby_round(pid: str, request: Request, source: str, lease_s: float,
+                        p: ProtectionRoutes = Depends(routes_state)):
+    check_id(pid, "protection id")
+    if not 0.2 <= lease_s <= 600:
+        raise HTTPError(400, "lease_s must be in [0.2, 600]")
+    if not p.prepared:  # this replica just became a standby: ready its client for a promotion
+        p.prepared.append(threading.Thread(target=prepare_client, name="relayout-prepare-client", daemon=True))
+        p.prepared[0].start()
+    return await p.standby.receive(pid, _url(source, "source"), lease_s, request.stream())
+
+
+@router.get("/v1/standby")
+async def standby_list(p: ProtectionRoutes = Depends(routes_state)):
+    now = p.standby.clock()
+    return {"protections": [h.view(now) for h in p.standby.held.values()]}
+
+
+@router.get("/v1/standby/{pid}")
+async def standby_view(pid: str, p: ProtectionRoutes = Depends(routes_state)):
+    return p.standby.get(check_id(pid, "protection id")).view(p.standby.clock())
+
+
+@router.post("/v1/standby/{pid}/promote")
+async def promote(pid: str, body: PromoteBody, p: ProtectionRoutes = Depends(routes_state)):
+    check_id(pid, "protection id")
+    return await p.standby.promote(pid, body.tokens, body.wait)
+
+
+@router.delete("/v1/standby/{pid}")
+async def drop(pid: str, p: ProtectionRoutes = Depends(routes_state)):
+    return await p.standby.drop(check_id(pid, "protection id"))
+
+
 def install_protect_routes(app: FastAPI, aengine: AsyncEngine, token: str | None = None) -> StandbyTable:
     """Mount protection's routes on a replica's app; returns its StandbyTable (the source side
     lives in `app.state.protection`)."""
@@ -135,70 +222,11 @@ def install_protect_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
                            autopromote=settings().standby_autopromote, keeper=standby_keeper(ops))
     app.state.protection = None
     app.state.standby = standby
-    ended: dict[str, str] = {}  # protections this replica was the source of: id -> stopped | lost
-    prepared: list[threading.Thread] = []
+    app.state.protection_routes = ProtectionRoutes(app, aengine, token, standby)
     r = APIRouter(dependencies=[Depends(bearer_auth(token))])
-
-    # ---- as the source ----------------------------------------------------------------------------------
-    @r.post("/v1/protection")
-    async def protect(body: ProtectBody, request: Request):
-        return start_protection(app, aengine, protect_config(app, body, str(request.base_url)), token).view()
-
-    @r.get("/v1/protection")
-    async def protection():
-        return _current(app).view()
-
-    @r.get("/v1/protection/{pid}")
-    async def protection_state(pid: str):
-        check_id(pid, "protection id")
-        rep = app.state.protection
-        if rep is not None and rep.pid == pid:
-            return {"protection": pid, "state": rep.state}
-        if pid in ended:
-            return {"protection": pid, "state": ended[pid]}
-        raise HTTPError(404, f"no protection {pid!r} here", "not_found")
-
-    @r.delete("/v1/protection")
-    async def unprotect():
-        rep = _current(app)
-        out = await rep.stop()
-        ended[rep.pid] = rep.state
-        app.state.protection = None
-        return out
-
-    # ---- as the standby --------------------------------------------------------------------------------
-    @r.post("/v1/standby/{pid}/rounds")
-    async def standby_round(pid: str, request: Request, source: str, lease_s: float):
-        check_id(pid, "protection id")
-        if not 0.2 <= lease_s <= 600:
-            raise HTTPError(400, "lease_s must be in [0.2, 600]")
-        if not prepared:  # this replica just became a standby: ready its client for a promotion
-            prepared.append(threading.Thread(target=prepare_client, name="relayout-prepare-client", daemon=True))
-            prepared[0].start()
-        return await standby.receive(pid, _url(source, "source"), lease_s, request.stream())
-
-    @r.get("/v1/standby")
-    async def standby_list():
-        now = standby.clock()
-        return {"protections": [h.view(now) for h in standby.held.values()]}
-
-    @r.get("/v1/standby/{pid}")
-    async def standby_view(pid: str):
-        return standby.get(check_id(pid, "protection id")).view(standby.clock())
-
-    @r.post("/v1/standby/{pid}/promote")
-    async def promote(pid: str, body: PromoteBody):
-        check_id(pid, "protection id")
-        return await standby.promote(pid, body.tokens, body.wait)
-
-    @r.delete("/v1/standby/{pid}")
-    async def drop(pid: str):
-        return await standby.drop(check_id(pid, "protection id"))
-
+    r.include_router(router)
     app.include_router(r)
     app.state.body_limits.bound(lambda path: path.startswith("/v1/protection") or path.endswith("/promote"),
                                 MAX_JSON_BODY)
-
     app.add_exception_handler(ProtectionError, protection_error)
-
     return standby

@@ -1,0 +1,32 @@
+"""What a replica's API routes serve, handed to each route as a dependency (the app's
+`state.served`): the engine thread's front (AsyncEngine) and the model's name. The engine itself is
+read only for facts that never change (tokenizer, context limit, model directory)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+
+if TYPE_CHECKING:
+    from relayout.engine.runtime.async_engine import AsyncEngine
+
+
+@dataclass
+class Served:
+    aengine: AsyncEngine
+    model_name: str
+    chat_template: Any = None  # engine.api.chat.ChatTemplate, or None: the model has none
+
+    @property
+    def tok(self) -> Any:
+        return self.aengine.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.aengine.engine.max_model_len
+
+
+def served(request: Request) -> Served:
+    return request.app.state.served
