@@ -13,28 +13,17 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
-from relayout.engine.web import error_response, json_object
-from relayout.migrate.gateway.sessions import Upstreams, open_upstream, relay_sse, unless_client_leaves
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
+from relayout.engine.web import error_response
+from relayout.migrate.gateway.sessions import Gateway, forward, gateway
+
+router = APIRouter()  # the gateway's chat completions (create_gateway_app includes it)
 
 
-def install_chat_gateway_route(app: FastAPI, ups: Upstreams, client: httpx.AsyncClient) -> None:
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        body = await json_object(request)
-        want_stream = bool(body.get("stream"))
-        want_ids = bool(body.get("return_token_ids"))
-        up = {**body, "stream": True, "return_token_ids": True, "stream_options": {"include_usage": True}}
-        opened = await open_upstream(ups, client, "/v1/chat/completions", up, request.headers.get("authorization"))
-        if isinstance(opened, JSONResponse):
-            return opened
-        stream, events = opened
-        if want_stream:
-            return relay_sse(stream, events, body, want_ids)
-        answer = await unless_client_leaves(request, stream, _collect(events, body, want_ids))
-        return answer if answer is not None else Response(status_code=499)  # nobody reads it
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request, g: Gateway = Depends(gateway)):
+    return await forward(request, g, "/v1/chat/completions", _collect)
 
 
 @dataclass

@@ -18,14 +18,15 @@ import json
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable
-from typing import TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import httpx
 from fastapi import Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from relayout.engine.api.streaming import SSEResponse, streaming_response
-from relayout.engine.web import bearer_headers, error_response
+from relayout.engine.web import bearer_headers, error_response, json_object
 from relayout.migrate.gateway.failover import Promoter
 from relayout.storage.settings import settings
 
@@ -345,3 +346,37 @@ async def unless_client_leaves(request: Request, stream: SessionStream, answer: 
             await asyncio.gather(job, return_exceptions=True)
             stream.hang_up()
     return job.result() if not job.cancelled() else None
+
+
+@dataclass
+class Gateway:
+    """What the gateway's routes act on (the app's `state.gateway`): its replicas and its one client."""
+
+    ups: Upstreams
+    client: httpx.AsyncClient
+
+
+def gateway(request: Request) -> Gateway:
+    return request.app.state.gateway
+
+
+Collect = Callable[[AsyncIterator[dict], dict, bool], Awaitable[Any]]
+
+
+async def forward(request: Request, g: Gateway, path: str, collect: Collect) -> Any:
+    """A client's completion (`path`: /v1/completions or /v1/chat/completions), asked of a replica as a
+    stream with token ids: relayed as it comes when the client streams, else folded into one answer
+    by `collect`. Either way the session is followed wherever it moves."""
+    body = await json_object(request)
+    want_stream = bool(body.get("stream"))
+    want_ids = bool(body.get("return_token_ids"))
+    # include_usage: passed on to the client only if it asked
+    up = {**body, "stream": True, "return_token_ids": True, "stream_options": {"include_usage": True}}
+    opened = await open_upstream(g.ups, g.client, path, up, request.headers.get("authorization"))
+    if isinstance(opened, JSONResponse):
+        return opened
+    stream, events = opened
+    if want_stream:
+        return relay_sse(stream, events, body, want_ids)
+    answer = await unless_client_leaves(request, stream, collect(events, body, want_ids))
+    return answer if answer is not None else Response(status_code=499)  # nobody reads it
