@@ -17,10 +17,39 @@ from fastapi import APIRouter, Depends, FastAPI
 from fastapi.responses import PlainTextResponse
 from prometheus_client import generate_latest
 from relayout.agent.node.failover import HealthCheck
-from relayout.agent.node.state import Agent
+from relayout.agent.node.state import Agent, agent_of
 from relayout.agent.routes import checkpoints, drain, operations, protect, replicas
 from relayout.agent.routes.protect import protection_of
 from relayout.engine import tracing, web
+
+health_router = APIRouter()  # unauthenticated: liveness and Prometheus' scrape
+
+
+@health_router.get("/healthz")
+async def healthz(ag: Agent = Depends(agent_of)):
+    return {"status": "ok", "draining": ag.draining, "agent_id": ag.agent_id}
+
+
+@health_router.get("/metrics")
+async def metrics(ag: Agent = Depends(agent_of)):
+    counts: dict[str, int] = {}
+    for rid in list(ag.reg.replicas):
+        st = ag.refresh(rid).status
+        counts[st] = counts.get(st, 0) + 1
+    for st in ("running", "dead", "stopped", "starting"):
+        ag.m.replicas.labels(st).set(counts.get(st, 0))
+    # per-replica sessions and KV blocks, as the replicas answer now (describe() records them)
+    # (briefly: a scrape must not hang on a busy replica; one that does not answer keeps its last figures)
+    running = [r for r in list(ag.reg.replicas.values()) if r.status == "running"]
+    await asyncio.gather(*(ag.describe(r.id, timeout=2.0) for r in running))
+    running = [r for r in running if r.status == "running"]  # one that died meanwhile shows none
+    prots = await asyncio.gather(*(protection_of(ag, r.url, timeout=2.0) for r in running))
+    for r, prot in zip(running, prots, strict=True):
+        if prot and prot.get("sessions") is not None:
+            ag.m.observe_protection(r.id, prot)
+    ag.m.sessions.set(sum(ag.sessions_seen.values()))
+    ag.m.draining.set(1 if ag.draining else 0)
+    return PlainTextResponse(generate_latest(ag.m.registry).decode(), media_type="text/plain; version=0.0.4")
 
 
 def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "127.0.0.1") -> FastAPI:
@@ -47,31 +76,7 @@ def create_agent_app(data_dir: Path, token: str | None, advertise_host: str = "1
     tracing.install_tracing(app)  # when OTEL_* configure an exporter: a span per request, traceparent honoured
     auth = web.bearer_auth(lambda: ag.token)
 
-    @app.get("/healthz")
-    async def healthz():
-        return {"status": "ok", "draining": ag.draining, "agent_id": ag.agent_id}
-
-    @app.get("/metrics")
-    async def metrics():
-        counts: dict[str, int] = {}
-        for rid in list(ag.reg.replicas):
-            st = ag.refresh(rid).status
-            counts[st] = counts.get(st, 0) + 1
-        for st in ("running", "dead", "stopped", "starting"):
-            ag.m.replicas.labels(st).set(counts.get(st, 0))
-        # per-replica sessions and KV blocks, as the replicas answer now (describe() records them)
-        # (briefly: a scrape must not hang on a busy replica; one that does not answer keeps its last figures)
-        running = [r for r in list(ag.reg.replicas.values()) if r.status == "running"]
-        await asyncio.gather(*(ag.describe(r.id, timeout=2.0) for r in running))
-        running = [r for r in running if r.status == "running"]  # one that died meanwhile shows none
-        prots = await asyncio.gather(*(protection_of(ag, r.url, timeout=2.0) for r in running))
-        for r, prot in zip(running, prots, strict=True):
-            if prot and prot.get("sessions") is not None:
-                ag.m.observe_protection(r.id, prot)
-        ag.m.sessions.set(sum(ag.sessions_seen.values()))
-        ag.m.draining.set(1 if ag.draining else 0)
-        return PlainTextResponse(generate_latest(ag.m.registry).decode(), media_type="text/plain; version=0.0.4")
-
+    app.include_router(health_router)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(auth)])
     for routes in (replicas, operations, drain, checkpoints, protect):
         v1.include_router(routes.router)  # each handler gets `ag` from app.state (agent_of)
