@@ -71,33 +71,56 @@ def _strided_rows_np(t: torch.Tensor) -> np.ndarray | None:
     return v
 
 
+# a pool, the columns of a source row it takes (None: all), and its own columns they go to (None: all)
+RowDest = tuple["KVCache", "slice | None", "slice | None"]
+
+
+def write_rows(dests: list[RowDest], blocks: list[int], layer: int, j: int, tok_lo: int, src: np.ndarray,
+               hasher: Hasher | None = None, piece_rows: int | None = None) -> None:
+    """The one way a move writes KV into pools: `src` ([tokens, row] of K (j=0) or V (j=1), token-major,
+    as a chunk stores them and a pool holds them) into the rows of tokens from `tok_lo` of `blocks`,
+    in every pool of `dests` (pools of one attention-DP group share their blocks, so one set of runs
+    serves them all), a run of consecutive blocks per copy. `hasher`: fed each piece of `piece_rows`
+    rows just before its copies, which then read it from L2 (the chunk is read from memory once,
+    for the hash and the copies together). Byte rows (uint8) go into the pools' rows as bytes."""
+    n = src.shape[0]
+    if n == 0:
+        return
+    rows = []
+    for pool, src_cols, dst_cols in dests:
+        pr = pool._pool_rows(layer)
+        if pr is None:
+            raise ValueError("write_rows needs pools numpy can view")
+        d = pr[j] if pr[j].dtype == src.dtype else pr[j].view(src.dtype)
+        rows.append((d, src_cols, dst_cols))
+    step = piece_rows or n
+    for a, b, sl in dests[0][0]._row_runs(blocks, tok_lo, tok_lo + n):
+        run = src[a - tok_lo : b - tok_lo]
+        for i in range(0, b - a, step):
+            piece = run[i : i + step]
+            if hasher is not None:
+                hasher.update(piece)
+            rws = slice(sl.start + i, min(sl.stop, sl.start + i + step))
+            for d, src_cols, dst_cols in rows:
+                np.copyto(d[rws] if dst_cols is None else d[rws, dst_cols],
+                          piece if src_cols is None else piece[:, src_cols])
+
+
 def import_hashed_rows(pools: list[tuple[KVCache, int, int]], blocks: list[int], layer: int, tok_lo: int,
                        kv: torch.Tensor, hasher: Hasher) -> None:
     """A chunk's K and V (`kv`: [2, heads, tokens, head_dim], all the chunk's heads, a view of its
     token-major storage) into every pool that holds some of its heads (`pools`: each with its
     columns [c0, c1) of a row), tokens from `tok_lo` of `blocks`, and into `hasher` in memory
-    order: each piece hashed just before its copies, which then read it from L2. The chunk's bytes
-    are read from memory once, for the hash and the copy together. Pools of one attention-DP group
-    share `blocks`, so one set of runs serves them all."""
+    order (write_rows: each piece hashed just before its copies)."""
     n, width = kv.shape[2], kv.shape[1] * kv.shape[3]
     flat = _rows_np(kv.transpose(1, 2), width)
     if flat is None:
         raise ValueError("import_hashed_rows needs a token-major chunk numpy can view")
-    rows = flat.reshape(2, n, width)
-    step = max(1, HASH_PIECE // (rows.shape[2] * rows.itemsize))  # rows per hashed piece
-    dests = [(p._pool_rows(layer), c0, c1) for p, c0, c1 in pools]
-    if any(d is None for d, _, _ in dests):
-        raise ValueError("import_hashed_rows needs pools numpy can view")
-    runs = list(pools[0][0]._row_runs(blocks, tok_lo, tok_lo + n))
-    for j in (0, 1):
-        for a, b, sl in runs:
-            src = rows[j, a - tok_lo : b - tok_lo]
-            for i in range(0, b - a, step):
-                piece = src[i : i + step]
-                hasher.update(piece)
-                rws = slice(sl.start + i, min(sl.stop, sl.start + i + step))
-                for d, c0, c1 in dests:
-                    np.copyto(d[j][rws], piece[:, c0:c1])  # type: ignore[index]
+    src = flat.reshape(2, n, width)
+    step = max(1, HASH_PIECE // (src.shape[2] * src.itemsize))  # rows per hashed piece
+    dests: list[RowDest] = [(p, slice(c0, c1), None) for p, c0, c1 in pools]
+    for j in (0, 1):  # all of K, then all of V: the chunk's memory order, as the hash reads it
+        write_rows(dests, blocks, layer, j, tok_lo, src[j], hasher, step)
 
 
 def kv_storage_dtype(kv_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -395,22 +418,16 @@ class KVCache:
             strided = _strided_rows_np(src)
             if strided is not None:
                 for j in (0, 1):
-                    for a, b, rows in self._row_runs(blocks, tok_lo, tok_lo + n):
-                        np.copyto(pool_rows[j][rows], strided[j, a - tok_lo : b - tok_lo])
+                    write_rows([(self, None, None)], blocks, layer, j, tok_lo, strided[j])
                 return
         src_rows = _rows_np(src, h * kv.shape[3]) if pool_rows is not None and hasher is not None else None
         if hasher is not None and src_rows is None:
             raise ValueError("import_from hashes only whole-row, token-major KV of all the pool's heads")
         if src_rows is not None and pool_rows is not None and hasher is not None:
             s = src_rows.reshape(2, n, -1)
-            runs = list(self._row_runs(blocks, tok_lo, tok_lo + n))
             step = max(1, HASH_PIECE // (s.shape[2] * s.itemsize))  # rows per hashed piece
             for j in (0, 1):  # all of K, then all of V: the chunk's memory order, as the hash reads it
-                for a, b, rows in runs:
-                    pj, sj = pool_rows[j][rows], s[j, a - tok_lo : b - tok_lo]
-                    for i in range(0, b - a, step):
-                        hasher.update(sj[i : i + step])
-                        np.copyto(pj[i : i + step], sj[i : i + step])
+                write_rows([(self, None, None)], blocks, layer, j, tok_lo, s[j], hasher, step)
             return
         for a, b, rows in self._row_runs(blocks, tok_lo, tok_lo + n):
             for j, pool in enumerate((self.k[layer], self.v[layer])):
@@ -424,15 +441,3 @@ class KVCache:
         for a, b, blk, off in self._runs(blocks, tok_lo, tok_hi):
             start = blk * self.block_size + off
             yield a, b, slice(start, start + b - a)
-
-    def import_tokens(self, blocks: list[int], tok_lo: int, kv: torch.Tensor) -> None:
-        """Inverse of export_tokens; kv: [layers, 2, kv_heads, tokens, head_dim]."""
-        self.refuse_quantised()
-        bs = self.block_size
-        n = kv.shape[3]
-        pos = torch.arange(tok_lo, tok_lo + n)
-        blk = torch.tensor(blocks, dtype=torch.long)[pos // bs]
-        slots = (blk * bs + pos % bs).to(self.k[0].device)
-        for layer in range(len(self.k)):
-            t = kv[layer].to(self.k[layer].device, self.k[layer].dtype)
-            self.write(layer, slots, t[0].transpose(0, 1), t[1].transpose(0, 1))

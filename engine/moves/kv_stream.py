@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 import xxhash
-from relayout.engine.kv_cache import KVCache
+from relayout.engine.kv_cache import KVCache, RowDest, write_rows
 from relayout.engine.runtime.engine import LLMEngine
 from relayout.storage.errors import CorruptCheckpoint
 from relayout.storage.format.chunks import _ST_DTYPES, _st_prefix, dtype_name, stored_shape
@@ -117,6 +117,8 @@ class PoolRowSink:
         # one pool, the chunk's rows exactly its rows (the same heads): read straight into it
         whole = len(self.dests) == 1 and self.dests[0][2] == self.dests[0][3] == slice(0, self.row) and \
             self.dests[0][1][0].shape[1] == self.row
+        self.layer = layer
+        self.row_dests: list[RowDest] = [(pool, src_cols, dst_cols) for pool, _, src_cols, dst_cols in self.dests]
         self.direct = self.dests[0] if whole else None
         rows = max(1, PIECE_BYTES // self.row)
         self.bounce = None if whole else np.empty((min(rows, self.tokens), self.row), np.uint8)
@@ -159,10 +161,7 @@ class PoolRowSink:
             return
         piece = self.bounce[:rows]  # type: ignore[index]
         self.hasher.update(piece)
-        t0 = self.tok_lo + self.at
-        for pool, dst, src_cols, dst_cols in self.dests:
-            for a, b, slc in pool._row_runs(self.blocks, t0, t0 + rows):
-                np.copyto(dst[self.seg][slc, dst_cols], piece[a - t0 : b - t0, src_cols])
+        write_rows(self.row_dests, self.blocks, self.layer, self.seg, self.tok_lo + self.at, piece)
         self.at, self.filled = self.at + rows, 0
         if self.at == self.tokens:
             self.seg, self.at = self.seg + 1, 0
