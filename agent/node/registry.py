@@ -14,7 +14,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, TypeVar
 
 
 def jsonable(value: Any) -> Any:
@@ -28,13 +28,33 @@ def jsonable(value: Any) -> Any:
     return value
 
 
-def _known(cls: type, raw: dict) -> dict:
-    names = {f.name for f in dataclasses.fields(cls)}
-    return {k: v for k, v in raw.items() if k in names}
+R = TypeVar("R", bound="Record")
+
+
+class Record:
+    """A registry record: plain JSON at the edges (`view`, `from_json`), typed in between."""
+
+    REQUIRED: ClassVar[tuple[str, ...]] = ()  # string fields a stored record must have to be read back
+    OPTIONAL: ClassVar[tuple[str, ...]] = ()  # fields shown only once set
+
+    def view(self) -> dict[str, Any]:
+        out = jsonable(self)
+        for k in self.OPTIONAL:
+            if out[k] is None:
+                del out[k]
+        return out
+
+    @classmethod
+    def from_json(cls: type[R], raw: Any) -> R | None:
+        """The record `raw` stores (unknown keys ignored), or None where it is not one."""
+        if not isinstance(raw, dict) or not all(isinstance(raw.get(k), str) for k in cls.REQUIRED):
+            return None
+        names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        return cls(**{k: v for k, v in raw.items() if k in names})
 
 
 @dataclass
-class ReplicaRecord:
+class ReplicaRecord(Record):
     """A replica this agent launched (or adopted after a restart): what it runs and where."""
 
     id: str
@@ -55,29 +75,17 @@ class ReplicaRecord:
     failover: dict[str, Any] | None = None
     failover_attempt: dict[str, Any] | None = None
 
-    OPTIONAL = ("attach", "protected_to", "failover", "failover_attempt")  # shown once set
-
-    def view(self) -> dict[str, Any]:
-        out = jsonable(self)
-        for k in self.OPTIONAL:
-            if out[k] is None:
-                del out[k]
-        return out
-
-    @classmethod
-    def from_json(cls, raw: Any) -> ReplicaRecord | None:
-        if not isinstance(raw, dict) or not isinstance(raw.get("id"), str) or not isinstance(raw.get("model"), str):
-            return None
-        return cls(**_known(cls, raw))
+    REQUIRED = ("id", "model")
+    OPTIONAL = ("attach", "protected_to", "failover", "failover_attempt")
 
 
 @dataclass
-class Operation:
+class Operation(Record):
     """One checkpoint, restore, migration or drain the agent runs (docs/agent-api.md "Operations")."""
 
     id: str
     kind: str
-    replica: str | None
+    replica: str | None = None
     state: str = "pending"  # pending | running | succeeded | failed | aborted
     phase: str = "queued"
     bytes_done: int = 0
@@ -90,24 +98,12 @@ class Operation:
     target_replica: str | None = None  # a migration's target, known before the move
     transfer: str | None = None  # a migration's transfer id, as both replicas know it
 
-    OPTIONAL = ("finished_at", "target_replica", "transfer")  # shown once set
+    REQUIRED = ("id", "kind")
+    OPTIONAL = ("finished_at", "target_replica", "transfer")
 
     @property
     def live(self) -> bool:
         return self.state in ("pending", "running")
-
-    def view(self) -> dict[str, Any]:
-        out = jsonable(self)
-        for k in self.OPTIONAL:
-            if out[k] is None:
-                del out[k]
-        return out
-
-    @classmethod
-    def from_json(cls, raw: Any) -> Operation | None:
-        if not isinstance(raw, dict) or not all(isinstance(raw.get(k), str) for k in ("id", "kind")):
-            return None
-        return cls(**{"replica": None, **_known(cls, raw)})
 
 
 class Registry:
