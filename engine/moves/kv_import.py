@@ -120,7 +120,7 @@ def import_range(engine: LLMEngine, store: Store, manifest: Manifest, sid: str, 
     if scaled and (pools is None or len(pools) != 1):  # check_compatible refuses this before any block is reserved
         raise RestoreError("fp8 KV moves only into a replica whose KV pool is local host memory (one rank, CPU)")
     views, hashed = [], []
-    placed = getattr(store, "placed", None) or {}  # chunks already written into these blocks (engine.moves.kv_stream)
+    placed = store.placed  # chunks already written into these blocks (engine.moves.kv_stream)
     bs = pools[0][0].block_size if pools else 0
     for e in entries:
         if bs and is_placed(placed, e, group, blocks, bs):

@@ -38,7 +38,7 @@ def receive_round(engine: LLMEngine, t: IncomingKV, manifest: Manifest, final: b
     final round place the sessions (paused until the source commits). Refusals free nothing
     the replica had before."""
     check_compatible(engine, manifest)
-    check_placed(manifest, getattr(t.store, "placed", {}))  # chunks written as they arrived: the manifest's own
+    check_placed(manifest, t.store.placed)  # chunks written as they arrived: the manifest's own
     placer = SessionPlacer(engine)
     # the checks a restore makes too (ids, vocabulary, context length, KV no longer than the tokens);
     # a session this transfer reserved for is its own, not "already live"

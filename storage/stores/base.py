@@ -10,7 +10,8 @@ import re
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
+from types import MappingProxyType
 
 from relayout.storage.errors import CheckpointNotFound, CorruptCheckpoint
 from relayout.storage.format.chunks import chunk_hash
@@ -84,6 +85,9 @@ class Store:
     # a chunk left in pieces where it lies (storage.format.chunks.ChunkPieces) may be handed over as
     # such (a stream sends them as they are); a store that keeps bytes gets them joined
     takes_pieces = False
+    # chunks a live round's receiving store already had written into the KV pool as they arrived (its
+    # import skips them: engine.moves.kv_stream); no other store has any
+    placed: Mapping[tuple, tuple] = MappingProxyType({})
 
     def put_kv_chunk(self, entry: KVEntry, data: bytes, dtype: str) -> None:
         """CheckpointWriter.put_kv's chunk, with the entry it was written for (`entry.chunk` its
