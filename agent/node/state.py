@@ -300,6 +300,7 @@ def expert_balance(counts: list[list[int]] | None) -> float | None:
     return None if worst is None else round(worst, 4)
 
 
-def agent_of(request: Request) -> Agent:
+async def agent_of(request: Request) -> Agent:
     """The agent behind a request (a dependency of every agent route): `create_agent_app` sets it."""
+    # async: FastAPI runs a plain-def dependency on its thread pool, a thread hop per request
     return request.app.state.agent

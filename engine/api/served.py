@@ -28,5 +28,6 @@ class Served:
         return self.aengine.engine.max_model_len
 
 
-def served(request: Request) -> Served:
+async def served(request: Request) -> Served:
+    # async: FastAPI runs a plain-def dependency on its thread pool, a thread hop per request
     return request.app.state.served

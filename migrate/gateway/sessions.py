@@ -356,7 +356,8 @@ class Gateway:
     client: httpx.AsyncClient
 
 
-def gateway(request: Request) -> Gateway:
+async def gateway(request: Request) -> Gateway:
+    # async: FastAPI runs a plain-def dependency on its thread pool, a thread hop per request
     return request.app.state.gateway
 
 

@@ -137,7 +137,8 @@ class ProtectionRoutes:
     prepared: list[threading.Thread] = field(default_factory=list)  # the promotion client's warm-up, once
 
 
-def routes_state(request: Request) -> ProtectionRoutes:
+async def routes_state(request: Request) -> ProtectionRoutes:
+    # async: FastAPI runs a plain-def dependency on its thread pool, a thread hop per request
     return request.app.state.protection_routes
 
 

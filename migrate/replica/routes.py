@@ -284,7 +284,8 @@ class ReplicaMoves:
     link: FrameLinkServer
 
 
-def moves(request: Request) -> ReplicaMoves:
+async def moves(request: Request) -> ReplicaMoves:
+    # async: FastAPI runs a plain-def dependency on its thread pool, a thread hop per request
     return request.app.state.moves
 
 

@@ -168,6 +168,7 @@ class RoundWorkers:
                 job()
             except BaseException:  # noqa: BLE001 - a job reports its own outcome; the thread serves on
                 log.exception("%s: a job failed", self.name)
+            job = None  # type: ignore[assignment]  # the round's buffers are not kept alive until the next job
             with self.lock:
                 self.idle += 1
 

@@ -290,7 +290,8 @@ class MooncakeReceiver:
         return {"cut": transfer}
 
 
-def receiver(request: Request) -> MooncakeReceiver:
+async def receiver(request: Request) -> MooncakeReceiver:
+    # async: FastAPI runs a plain-def dependency on its thread pool, a thread hop per request
     return request.app.state.mooncake
 
 
