@@ -436,6 +436,19 @@ class KVCache:
                 for j, sc in enumerate((self.k_scale[layer], self.v_scale[layer])):
                     copy_into(sc.view(-1, sc.shape[2])[rows, head_lo : head_lo + h], ssrc[j, a - tok_lo : b - tok_lo])
 
+    def import_tokens(self, blocks: list[int], tok_lo: int, kv: torch.Tensor) -> None:
+        """Inverse of export_tokens; kv: [layers, 2, kv_heads, tokens, head_dim]. Through write(), slot by
+        slot, as a step writes: the reference the moves' row copies (write_rows) are checked against."""
+        self.refuse_quantised()
+        bs = self.block_size
+        n = kv.shape[3]
+        pos = torch.arange(tok_lo, tok_lo + n)
+        blk = torch.tensor(blocks, dtype=torch.long)[pos // bs]
+        slots = (blk * bs + pos % bs).to(self.k[0].device)
+        for layer in range(len(self.k)):
+            t = kv[layer].to(self.k[layer].device, self.k[layer].dtype)
+            self.write(layer, slots, t[0].transpose(0, 1), t[1].transpose(0, 1))
+
     def _row_runs(self, blocks: list[int], tok_lo: int, tok_hi: int):
         """_runs as (a, b, slice of the flattened pool's rows holding tokens [a, b))."""
         for a, b, blk, off in self._runs(blocks, tok_lo, tok_hi):

@@ -80,7 +80,7 @@ ALLOWED_UPWARD: set[tuple[str, str]] = set()  # none: plugins come in through en
 
 @dataclass(frozen=True)
 class Import:
-    source: str  # the importing module, e.g. relayout.engine.server
+    source: str  # the importing module, e.g. relayout.engine.api.server
     target: str  # the imported module (or a name in it), e.g. relayout.engine.workers
     line: int
     load_time: bool  # runs when `source` is imported: not inside a function nor `if TYPE_CHECKING:`
