@@ -83,7 +83,7 @@ for m in ("relayout", "fastapi", "pydantic", "pydantic_settings", "uvicorn", "zs
         importlib.import_module(m); print("import", m, "ok")
     except Exception as e:
         print("import", m, "MISSING", e)
-from relayout.migrate import topology as T
+from relayout.migrate.placement import topology as T
 topo = T.discover()
 print("discover():", topo.model_dump_json(indent=1) if topo else f"None ({T.last_discover_reason})")
 PY
