@@ -16,18 +16,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
-
-def jsonable(value: Any) -> Any:
-    """A record, or a result holding records (a drain's entries), as plain JSON values."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, dict):
-        return {k: jsonable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [jsonable(v) for v in value]
-    return value
-
-
 R = TypeVar("R", bound="Record")
 
 
@@ -38,7 +26,7 @@ class Record:
     OPTIONAL: ClassVar[tuple[str, ...]] = ()  # fields shown only once set
 
     def view(self) -> dict[str, Any]:
-        out = jsonable(self)
+        out = dataclasses.asdict(self)  # (a drain's entries in its result too)
         for k in self.OPTIONAL:
             if out[k] is None:
                 del out[k]

@@ -217,7 +217,6 @@ class RoundFrames:
         self.inline = inline  # cheap to produce: see blocking()
         self.options = options
         self.counter = counter if counter is not None else [0]
-        self._taken: Iterator[bytes] | None = None  # blocking(), once `async for` started it
         self._aiter: AsyncIterator[bytes] | None = None
 
     def blocking(self) -> Iterator[bytes]:
@@ -254,17 +253,27 @@ class RoundFrames:
         return self._aiter
 
     async def _pulled(self) -> AsyncIterator[bytes]:
-        self._taken = it = self.blocking()
+        it = self.blocking()
+        pulling = threading.Lock()  # held while a worker takes from `it` (a running generator cannot be closed)
+
+        def take() -> list[bytes]:
+            with pulling:
+                return _take(it, PULL_BYTES)  # ([] once `it` was closed)
+
         try:
-            while batch := await on_worker(_take, it, PULL_BYTES, background=self.background):
+            while batch := await on_worker(take, background=self.background):
                 for piece in batch:
                     yield piece
         finally:
-            self._taken = None
-            try:
-                it.close()  # (suspended between batches: closing it runs its finally, which closes the source)
-            except ValueError:  # cancelled while a worker runs it: closed once that pull returns
-                ROUND_WORKERS.submit(lambda: _close_when_idle(it))
+            # closing it runs its finally, which closes the source: now, or (cancelled while a worker
+            # takes from it) once that take returns
+            if pulling.acquire(blocking=False):
+                try:
+                    it.close()  # type: ignore[attr-defined]
+                finally:
+                    pulling.release()
+            else:
+                ROUND_WORKERS.submit(lambda: _close_after(pulling, it))
 
     async def aclose(self) -> None:
         if self._aiter is not None:
@@ -273,16 +282,9 @@ class RoundFrames:
             self.close_source()
 
 
-def _close_when_idle(it: Iterator[bytes], wait_s: float = 60.0) -> None:
-    end = time.monotonic() + wait_s
-    while True:
-        try:
-            it.close()  # type: ignore[attr-defined]
-            return
-        except ValueError:  # still running on another worker
-            if time.monotonic() > end:
-                return
-            time.sleep(0.01)
+def _close_after(pulling: threading.Lock, it: Iterator[bytes]) -> None:
+    with pulling:
+        it.close()  # type: ignore[attr-defined]
 
 
 def _take(it: Iterator[bytes], max_bytes: int) -> list[bytes]:
