@@ -69,8 +69,16 @@ def demo(
     try:
         res = run_demo(write, lambda m: err.print(f"[dim]{escape(m)}[/dim]"), max_tokens=max_tokens)
     except KeyboardInterrupt:
+        import os
+        import signal
+
+        # everything it started is stopped: leave now, so that nothing in the interpreter's shutdown (whose
+        # SIGINT is the default again by then: a second Ctrl-C kills it) can turn exit 130 into a signal
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         err.print("\n[yellow]stopped[/yellow] (everything the demo started is stopped)")
-        raise typer.Exit(130) from None
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
     except (RuntimeError, httpx.HTTPError, LaunchError) as e:
         _fail(f"the demo could not run: {e}", 1)
     print()
