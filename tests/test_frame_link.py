@@ -14,7 +14,13 @@ import httpx
 import pytest
 from relayout.engine.ranks.rank_channel import free_port
 from relayout.migrate.protocol.live import MigrationError, MigrationPlan, migrate_live
-from relayout.migrate.transport.frame_link import CHALLENGE_BYTES, LINK_MAGIC, LINK_PATH, link_mac
+from relayout.migrate.transport.frame_link import (
+    CHALLENGE_BYTES,
+    LINK_MAGIC,
+    LINK_PATH,
+    LinkAddress,
+    link_mac,
+)
 
 from tests.helpers.migration import (
     Moved,
@@ -256,7 +262,7 @@ def test_the_link_address_is_asked_once_and_asked_again_when_it_moved():
     target = f"http://127.0.0.1:{http.server_address[1]}"
     t = TcpTransport(None, fallback=None, push_failed=RuntimeError)
     dead = free_port()  # where the link was before the target restarted: nobody listens
-    t.links[target] = ("127.0.0.1", dead, False)
+    t.links[target] = LinkAddress("127.0.0.1", dead, False)
 
     async def push(tid: str) -> dict:
         return await t.push(target, tid, RoundFrames(iter([b"abc", b"def"])), final=False, source=None, timeout_s=10)

@@ -190,7 +190,7 @@ def _tables(src: LLMEngine, dst: LLMEngine) -> tuple[TransferTable, TransferTabl
 def test_a_final_round_sent_in_place_and_placed_on_arrival_continues_the_session_exactly():
     """Two engines, the protocol's two halves: the source's final round (sessions held) is framed from
     its pool with entries; the target places the chunks as they arrive (its blocks reserved ahead,
-    on the first chunk) and the session continues with exactly the undisturbed tokens."""
+    from the round's header) and the session continues with exactly the undisturbed tokens."""
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     prompt = [5, 6, 7, 8] * 40
     ref_engine = LLMEngine("builtin:tiny", None, kv_cache_bytes=4 << 20)
@@ -205,9 +205,12 @@ def test_a_final_round_sent_in_place_and_placed_on_arrival_continues_the_session
     async def go():
         s, d = _tables(src, dst)
         frames = b"".join(bytes(f) for f in await s.export("t1", [sid], pause=True, options=FrameOptions(entries=True)))
-        res = await d.import_round("t1", _reader(frames, 5, 0.002), final=True)
-        # the first chunk is staged while the blocks are reserved; the ones after it go straight in
-        assert res["sessions"] == [sid] and 0 < res["timing"]["placed_chunks"] < res["timing"]["chunks"]
+        header = s.round_header("t1")
+        assert list(header) == [sid] and header[sid] >= len(prompt)  # what the link's hello names
+        res = await d.import_round("t1", _reader(frames, 5, 0.002), final=True, header=header)
+        # the blocks are reserved from the header (not waited for: a chunk that comes first is staged);
+        # the chunks after that go straight in
+        assert res["sessions"] == [sid] and 0 < res["timing"]["placed_chunks"] <= res["timing"]["chunks"]
         await s.release([sid], "t1")
         await d.commit("t1")
 
@@ -271,10 +274,10 @@ def test_a_transfer_dropped_while_its_round_arrives_keeps_its_blocks_until_the_r
             half[0] += n
             return n
 
-        task = asyncio.ensure_future(d.import_round("t1", read_into, final=True))
+        task = asyncio.ensure_future(d.import_round("t1", read_into, final=True, header=s.round_header("t1")))
         while not reached.is_set():
             await asyncio.sleep(0.01)
-        assert dst.kv_blocks_used() > 0  # reserved ahead, on the first chunk
+        assert dst.kv_blocks_used() > 0  # reserved ahead, from the round's header
         await d.abort("t1")
         assert "t1" not in d.incoming and dst.kv_blocks_used() > 0  # dropped, its blocks still held
         gate.set()
@@ -337,3 +340,96 @@ def test_a_final_rounds_in_place_chunks_are_made_one_at_a_time_by_the_sending_th
     finally:
         for e in (src, dst):
             e.shutdown()
+
+
+def test_a_link_round_runs_on_one_round_worker_and_its_sessions_are_reserved_once_from_its_hello(monkeypatch):
+    """The target's side of a round over a real frame link (docs/protocol.md#the-path-a-byte-takes): the
+    round worker that takes the connection reads every byte and writes the answer; only the manifest's
+    import leaves it (for the engine thread, through the loop); the hello's header has the engine thread
+    reserve blocks for all of the round's sessions in one call, before their chunks. The sessions then
+    continue on the target with exactly the undisturbed tokens."""
+    import threading
+
+    import relayout.migrate.protocol.engine_ops as engine_ops
+    from relayout.engine.runtime.async_engine import AsyncEngine
+    from relayout.engine.web import check_id
+    from relayout.migrate.transport.base import RoundCut, RoundFrames
+    from relayout.migrate.transport.frame_link import FrameLinkServer, LinkAddress, TcpTransport
+
+    params = SamplingParams(max_tokens=400, ignore_eos=True)  # (still decoding at the final round)
+    prompts = [[5, 6, 7, 8] * 30, [9, 10, 11] * 50]
+    ref_engine = LLMEngine("builtin:tiny", None, kv_cache_bytes=4 << 20)
+    want = ref_engine.generate(prompts, params)
+    ref_engine.shutdown()
+    src = AsyncEngine(LLMEngine("builtin:tiny", None, kv_cache_bytes=4 << 20))
+    dst = AsyncEngine(LLMEngine("builtin:tiny", None, kv_cache_bytes=4 << 20))
+    ids = [src.engine.add_session(p, params).session_id for p in prompts]
+    for _ in range(3):
+        src.engine.step()
+    src.start()
+    dst.start()
+    reserved: list[tuple[str, dict]] = []  # (thread, header) of each reservation
+    real_reserve = engine_ops.reserve_ahead
+
+    def reserve(e, blocks, header):
+        reserved.append((threading.current_thread().name, dict(header)))
+        return real_reserve(e, blocks, header)
+
+    monkeypatch.setattr(engine_ops, "reserve_ahead", reserve)
+    s = TransferTable(EngineThreadOps.of(src, defer_copy=True), autosweep=False)
+    d = TransferTable(EngineThreadOps.of(dst), autosweep=False)
+    seen: dict[str, set[str]] = {"round": set(), "read": set(), "receive": set()}
+    real_receive = d.ops.receive
+
+    async def receive(i, manifest, final):
+        seen["receive"].add(threading.current_thread().name)
+        return await real_receive(i, manifest, final)
+
+    d.ops.receive = receive  # type: ignore[method-assign]
+
+    def import_round(tid, read_into, final, source, header, loop, go_on):
+        seen["round"].add(threading.current_thread().name)
+
+        def read(view):
+            seen["read"].add(threading.current_thread().name)
+            return read_into(view)
+
+        return d.import_link_round(tid, read, final, source, header, loop, go_on)
+
+    async def go():
+        link = FrameLinkServer(None, import_round, lambda e: (500, str(e)), check_id, RoundCut)
+        port = await link.ensure("127.0.0.1")
+        t = TcpTransport(None, None, RuntimeError)
+        target = "http://127.0.0.1:1"  # (never asked: its link is known)
+        t.links[target] = LinkAddress("127.0.0.1", port, True, True)
+        replies = []
+        for final in (False, True):
+            options = FrameOptions()
+            frames = await s.export("t1", ids, pause=final, options=options)
+            rf = RoundFrames(frames, options=options, header=s.round_header("t1"), background=not final)
+            replies.append(await s.push("t1", t.push(target, "t1", rf, final=final, source=None, timeout_s=60)))
+        await s.release(ids, "t1")
+        await d.commit("t1")
+        await link.close()
+        return replies
+
+    try:
+        pre, fin = asyncio.run(go())
+        assert sorted(pre["sessions"]) == sorted(ids) and sorted(fin["placed"]) == sorted(ids)
+        # one worker a round (a pre-copy worker for the pre-copy round), reading on the thread it took it on
+        assert len(seen["round"]) <= 2 and seen["read"] <= seen["round"]
+        assert all(n.startswith(("round-io", "precopy-io")) for n in seen["round"])
+        assert seen["receive"] == {threading.main_thread().name}  # the event loop: its one call to the engine
+        # the pre-copy round's header reserved both sessions in one engine-thread call; the final round's
+        # sessions held blocks already (nothing to reserve)
+        assert [thread for thread, _ in reserved] == ["relayout-engine"]
+        assert sorted(reserved[0][1]) == sorted(ids) and all(n > 0 for n in reserved[0][1].values())
+        assert pre["timing"]["placed_chunks"] > 0
+        for _ in range(600):
+            if all(dst.engine.sessions[sid].is_finished for sid in ids):
+                break
+            time.sleep(0.05)
+        assert [dst.engine.sessions[sid].output_token_ids for sid in ids] == want
+    finally:
+        for a in (src, dst):
+            a.stop_sync(30)

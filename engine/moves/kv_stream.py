@@ -9,9 +9,10 @@ blocks are the transfer's own, and a chunk whose bytes do not hash to its refere
 round (`finish`), so nothing unverified is ever served. `placed` records what went where, and the
 round's import (kv_import.import_range) skips exactly those chunks.
 
-The first chunks of a session no reservation holds yet are staged as before, while the engine
-thread reserves its blocks (engine.moves.receive.reserve_ahead): the chunks after them are placed; the
-round's manifest then vouches for every chunk placed (engine.moves.receive.check_placed).
+The engine thread reserves a session's blocks from the round's header (engine.moves.receive.reserve_ahead,
+once a round, not waited for); a chunk of a session no reservation holds yet is staged as before, the
+chunks after the reservation are placed; the round's manifest then vouches for every chunk placed
+(engine.moves.receive.check_placed).
 """
 
 from __future__ import annotations

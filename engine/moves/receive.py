@@ -75,17 +75,19 @@ def receive_round(engine: LLMEngine, t: IncomingKV, manifest: Manifest, final: b
     return {"sessions": sorted(states), "imported_tokens": imported}
 
 
-def reserve_ahead(engine: LLMEngine, blocks: Reserved, sid: str, kv_tokens: int) -> None:
-    """Engine thread: blocks for `kv_tokens` of session `sid` in a transfer's reservations, before
-    its manifest arrives, so that its chunks go straight into them (engine.moves.kv_stream); the round's
-    import checks and grows them, its end frees them. No room: nothing is reserved, and the round's
-    chunks are staged as before."""
-    if sid in blocks or not 0 < kv_tokens <= engine.max_model_len:  # (more: the manifest's checks refuse it)
-        return
-    try:
-        SessionPlacer(engine).reserve(blocks, sid, blocks_needed(kv_tokens + 1), HEADROOM_BLOCKS)
-    except RestoreError:
-        pass
+def reserve_ahead(engine: LLMEngine, blocks: Reserved, header: dict[str, int]) -> None:
+    """Engine thread: blocks in a transfer's reservations for the sessions of a round's header (session
+    -> its KV tokens) that hold none yet, before the round's chunks arrive, so that they go straight
+    into them (engine.moves.kv_stream); the round's import checks and grows them, its end frees them.
+    A session there is no room for (or whose figure the manifest's checks will refuse) gets nothing,
+    and its chunks are staged as before."""
+    for sid, kv_tokens in header.items():
+        if sid in blocks or type(kv_tokens) is not int or not 0 < kv_tokens <= engine.max_model_len:
+            continue
+        try:
+            SessionPlacer(engine).reserve(blocks, sid, blocks_needed(kv_tokens + 1), HEADROOM_BLOCKS)
+        except RestoreError:
+            pass
 
 
 def check_placed(manifest: Manifest, placed: Placed) -> None:

@@ -47,28 +47,25 @@ class EngineThreadOps:
         ops.engine = aengine.engine
         return ops
 
-    def placer(self, t: Incoming) -> Place | None:
+    def placer(self, t: Incoming, header: dict[str, int], loop: asyncio.AbstractEventLoop) -> Place | None:
         """A round's `place` (storage.stream), on the link's thread: a chunk of a session `t` holds
-        blocks for goes straight into the pools (engine.moves.kv_stream); the first chunk of one it holds
-        none for is staged, and has the engine thread reserve them (once, not awaited; not at all if
-        the transfer was dropped meanwhile)."""
+        blocks for goes straight into the pools (engine.moves.kv_stream), one of a session it holds
+        none for is staged. The round's header (session -> KV tokens) has the engine thread reserve
+        blocks for the sessions `t` holds none for yet: one call, posted through `loop` now and not
+        waited for (not made at all if the transfer was dropped meanwhile)."""
         eng = self.engine
         if eng is None:
             return None
-        loop, asked = asyncio.get_running_loop(), set()
         t.store.placed.clear()  # this round's: a cut round's were never imported, and its resume resends them
+        new = {sid: n for sid, n in header.items() if sid not in t.blocks}
+        if new:
+            async def ahead() -> None:
+                with contextlib.suppress(Exception):  # no engine: the manifest's import says why
+                    await self.call(lambda e: None if t.closed else reserve_ahead(e, t.blocks, new))
 
-        async def ahead(sid: str, n: int) -> None:
-            with contextlib.suppress(Exception):  # no engine: the manifest's import says why
-                await self.call(lambda e: None if t.closed else reserve_ahead(e, t.blocks, sid, n))
+            asyncio.run_coroutine_threadsafe(ahead(), loop)
 
         def place(ref: ChunkRef, entry: dict) -> PayloadSink | None:
-            sid, n = entry.get("session_id"), entry.get("kv_tokens")
-            if isinstance(sid, str) and sid not in t.blocks:
-                if sid not in asked and type(n) is int and n > 0:
-                    asked.add(sid)
-                    asyncio.run_coroutine_threadsafe(ahead(sid, n), loop)
-                return None
             return chunk_sink(eng, t.blocks, t.upto, t.store.placed, ref, entry)
 
         return place

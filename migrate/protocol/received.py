@@ -26,29 +26,31 @@ class RoundLease(Protocol):
     closed: bool  # dropped: a round still arriving stops at its next read
 
 
-async def receive_round_bytes(i: RoundLease, recv: StreamReceiver, pieces: AsyncIterator[bytes] | ReadInto, limit: int,
-                              clock: Callable[[], float], background: bool = False) -> Manifest:
-    """One round's frames into `recv` until its manifest, from either kind of transport: byte pieces
-    as they arrive (an HTTP body), or a `read_into(view) -> n` that fills buffers itself (the frame
-    link's socket: read on a thread, each chunk straight into the buffer it is kept in). Every byte
-    counts against `limit` (LimitExceeded) and renews the transfer's lease. `background` (a pre-copy
-    round): it is read on a pre-copy worker (migrate.transport.base.PRECOPY_WORKERS)."""
-    if callable(pieces):
-        read = pieces
+def read_round_bytes(i: RoundLease, recv: StreamReceiver, read: ReadInto, limit: int,
+                     clock: Callable[[], float]) -> Manifest:
+    """One round's frames into `recv` until its manifest, read by this thread with `read(view) -> n`
+    (the frame link's socket: each chunk straight into the buffer, or the pool rows, it is kept in).
+    Every byte counts against `limit` (LimitExceeded) and renews the transfer's lease."""
+    def read_into(view: memoryview) -> int:
+        if i.closed:  # (its blocks stay reserved until this round ends: migrate.protocol.transfers.drop_incoming)
+            raise RoundCut()
+        n = read(view)
+        i.staged += n
+        i.last = clock()  # a round still arriving is not an idle transfer
+        return n
 
-        def read_into(view: memoryview) -> int:
-            if i.closed:  # (its blocks stay reserved until this round ends: migrate.protocol.transfers.drop_incoming)
-                raise RoundCut()
-            n = read(view)
-            i.staged += n
-            i.last = clock()  # a round still arriving is not an idle transfer
-            return n
+    try:
+        return recv.receive_from(read_into, limit - i.staged)
+    except RoundCut:
+        _verify_kept(recv)
+        raise
 
-        try:
-            return await on_worker(recv.receive_from, read_into, limit - i.staged, background=background)
-        except RoundCut:
-            await _verify_kept(recv)
-            raise
+
+async def receive_round_bytes(i: RoundLease, recv: StreamReceiver, pieces: AsyncIterator[bytes], limit: int,
+                              clock: Callable[[], float]) -> Manifest:
+    """One round's frames into `recv` until its manifest, from byte pieces as they arrive (an HTTP
+    body, a Mooncake ring). Every byte counts against `limit` (LimitExceeded) and renews the
+    transfer's lease."""
     try:
         async for piece in pieces:
             if piece:
@@ -58,16 +60,16 @@ async def receive_round_bytes(i: RoundLease, recv: StreamReceiver, pieces: Async
                     raise LimitExceeded(f"the stream sent more than the {limit}-byte limit")
                 recv.feed(piece)
     except RoundCut:
-        await _verify_kept(recv)
+        await on_worker(_verify_kept, recv)
         raise
     return recv.close()
 
 
-async def _verify_kept(recv: StreamReceiver) -> None:
+def _verify_kept(recv: StreamReceiver) -> None:
     """A cut round's chunks are kept for its resume, which will not resend them: hash the ones its
     import would have (received unverified) now, and drop any that do not match."""
     if isinstance(recv.store, ReceivedChunks):
-        await on_worker(recv.store.verify_pending)
+        recv.store.verify_pending()
 
 
 class ReceivedChunks(MemoryStore):

@@ -62,6 +62,7 @@ class Outgoing:
     framed: SentRound | None = None  # push mode: the round framed, counted as sent once delivered
     not_moved: dict[str, str] = field(default_factory=dict)  # last round: asked for, not in it, and why
     in_place: bool = False  # last round: its chunks are the pool's own rows (SourceRound.in_place)
+    header: dict[str, int] = field(default_factory=dict)  # last round: its sessions' KV tokens (the link's hello)
     timing: dict[str, float] = field(default_factory=dict)  # last round: its wait for the cut, its CPU since
 
     @property
@@ -107,8 +108,9 @@ class EngineOps(Protocol):
     # each chunk's entry ahead of it; False: every chunk is staged and imported whole
     places_on_arrival: bool
 
-    def placer(self, t: Incoming) -> Place | None:
-        """Where a round's chunks go as they arrive (storage.stream's `place`), or None: staged."""
+    def placer(self, t: Incoming, header: dict[str, int], loop: asyncio.AbstractEventLoop) -> Place | None:
+        """Where a round's chunks go as they arrive (storage.stream's `place`), or None: staged. Called
+        on the link's thread; `header` (session -> KV tokens) is the round's, `loop` the replica's."""
         ...
 
     async def take_round(self, sessions: list[str] | None, pause: bool, sent: dict[str, int],

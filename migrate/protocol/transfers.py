@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
 
 from relayout.engine.moves.snapshot import write_snapshot_steps
 from relayout.migrate.procs import TreeCpu
-from relayout.migrate.protocol.received import ReadInto, receive_round_bytes
+from relayout.migrate.protocol.received import ReadInto, read_round_bytes, receive_round_bytes
 from relayout.migrate.protocol.states import (  # noqa: F401 - the refusals are re-exported: the routes map each to a status
     FINISHED_ON_SOURCE,
     AskSource,
@@ -40,9 +42,10 @@ from relayout.migrate.protocol.transfer_records import (  # noqa: F401 - re-expo
     SentRound,
     SourceRound,
 )
-from relayout.migrate.transport.base import RoundCut  # noqa: F401 - re-exported beside the refusals
+from relayout.migrate.transport.base import RoundCut, on_worker
 from relayout.migrate.transport.frame_sink import FrameOptions, FrameSink
 from relayout.storage.checkpoint import CheckpointWriter
+from relayout.storage.format.manifest import Manifest
 from relayout.storage.settings import settings
 from relayout.storage.stream import LimitExceeded, StreamReceiver, encode_abort_frame
 
@@ -59,7 +62,9 @@ def transfer_ttl() -> float:
 
 # ---- the table ----------------------------------------------------------------------------------
 class TransferTable:
-    """Every transfer of one replica, both directions. Methods run on one asyncio loop."""
+    """Every transfer of one replica, both directions. Methods run on one asyncio loop, but for
+    `import_link_round`, which runs on the frame link's thread: what the two share (opening an import,
+    a round still writing into a dropped transfer's blocks) is changed under `_lock`."""
 
     def __init__(self, ops: EngineOps, ask_source: AskSource | None = None, *, clock: Clock = time.monotonic,
                  ttl: Callable[[], float] = transfer_ttl, import_limit: int = 1 << 62,
@@ -72,6 +77,7 @@ class TransferTable:
         self.out_done: OrderedDict[str, OutgoingState] = OrderedDict()  # transfer -> how it ended (ENDED_OUTGOING)
         self.in_done: OrderedDict[str, IncomingState] = OrderedDict()  # transfer -> how it ended (ENDED_INCOMING)
         self._sweeper: asyncio.Task | None = None
+        self._lock = threading.Lock()  # incoming's entries and their `receiving`, shared with the link's thread
         self.cpu = TreeCpu()  # this replica's CPU seconds, its ranks' included: each round's cost is reported
 
     # ---- what the replica reports -------------------------------------------------------------------
@@ -83,6 +89,9 @@ class TransferTable:
 
     def migrating_out(self) -> str | None:  # the outgoing transfer in flight, if any (at most one)
         return next(iter(self.outgoing), None)
+
+    def round_header(self, tid: str) -> dict[str, int]:  # source: the last round's sessions and their KV tokens
+        return dict(o.header) if (o := self.outgoing.get(tid)) else {}
 
     def state(self, tid: str) -> dict:
         """How this replica sees a transfer: outgoing active|paused|released|aborted|expired,
@@ -133,6 +142,7 @@ class TransferTable:
             raise TransferConflict(f"transfer {tid} ended while its round was cut")
         o.paused, o.final, o.rounds, o.in_place = cut.paused, o.final or pause, o.rounds + 1, cut.in_place
         carried = {snap.session_id for snap in cut.snaps}
+        o.header = {snap.session_id: snap.num_kv_tokens for snap in cut.snaps}  # what a target reserves for, ahead
         o.not_moved = {**{sid: FINISHED_ON_SOURCE for sid in sessions or []
                           if sid not in carried}, **cut.not_moved}
         return self._frames(o, cut, sent, codec, pause, epoch, confirm_on_delivery, options)
@@ -206,70 +216,130 @@ class TransferTable:
         await self._resume(o.paused)
 
     # ---- target ---------------------------------------------------------------------------------------
-    def open_import(self, tid: str, source: str | None = None, declared: int | None = None) -> Incoming:
-        """The transfer a new import round adds to (created by its first round)."""
+    def open_import(self, tid: str, source: str | None = None, declared: int | None = None,
+                    loop: asyncio.AbstractEventLoop | None = None, reading: bool = False) -> Incoming:
+        """The transfer a new import round adds to (created by its first round). Any thread: from
+        one that is not the loop's, `loop` is given (the sweeper starts there). `reading`: a round
+        starts reading into it (`_round_ended` counts it out)."""
         if declared is not None and declared > self.import_limit:
             raise ImportTooLarge(f"transfer round of {declared} bytes exceeds this replica's import limit of "
                                  f"{self.import_limit}")
-        i = self.incoming.get(tid)
-        if i is None:
-            if tid in self.in_done:
-                raise TransferConflict(f"transfer {tid} already ended ({self.in_done[tid]})")
-            if len(self.incoming) >= self.max_transfers:
-                raise TooManyTransfers("too many transfers in flight")
-            i = self.incoming[tid] = Incoming(tid, self.clock(), source)
-            self._ensure_sweeper()
-        elif i.final:
-            raise TransferConflict(f"transfer {tid} already ran its final round")
-        i.last = self.clock()
+        with self._lock:
+            i = self.incoming.get(tid)
+            new = i is None
+            if i is None:
+                if tid in self.in_done:
+                    raise TransferConflict(f"transfer {tid} already ended ({self.in_done[tid]})")
+                if len(self.incoming) >= self.max_transfers:
+                    raise TooManyTransfers("too many transfers in flight")
+                i = self.incoming[tid] = Incoming(tid, self.clock(), source)
+            elif i.final:
+                raise TransferConflict(f"transfer {tid} already ran its final round")
+            i.last = self.clock()
+            i.receiving += reading
+        if new:
+            loop.call_soon_threadsafe(self._ensure_sweeper) if loop is not None else self._ensure_sweeper()
         return i
 
     async def import_round(self, tid: str, pieces: AsyncIterator[bytes] | ReadInto, final: bool = False,
-                           source: str | None = None, declared: int | None = None) -> dict:
-        """Receive one round's frames from `pieces` and import them. `pieces` is either the byte
-        pieces as they arrive (an HTTP body) or a `read_into(view) -> n` that fills buffers itself
-        (the frame link's socket: run on a thread, each chunk read straight into its buffer). A
-        round cut in pre-copy (`RoundCut` from `pieces`) keeps what arrived (chunks verified on
-        receipt) and the reservations, so the migrator can resume from the acknowledged chunks, and
-        the lease frees everything if it never comes back; any other failure drops the transfer."""
-        i = self.open_import(tid, source, declared)
-        place = self.ops.placer(i) if callable(pieces) else None  # (engine.moves.kv_stream)
-        recv = StreamReceiver(i.store, max_frame_bytes=self.frame_limit, verify=False, place=place)  # hashed as imported or placed
+                           source: str | None = None, declared: int | None = None,
+                           header: dict[str, int] | None = None) -> dict:
+        """Receive one round's frames from `pieces` and import them. `pieces` is the byte pieces as
+        they arrive (an HTTP body, a Mooncake ring), or a `read_into(view) -> n` that fills buffers
+        itself (a socket: the round is then `import_link_round`'s, on a round worker). A round cut
+        in pre-copy (`RoundCut` from `pieces`) keeps what arrived (chunks verified on receipt) and
+        the reservations, so the migrator can resume from the acknowledged chunks, and the lease
+        frees everything if it never comes back; any other failure drops the transfer."""
+        if callable(pieces):
+            return await on_worker(self.import_link_round, tid, pieces, final, source, header,
+                                   asyncio.get_running_loop(), background=not final)
+        i = self.open_import(tid, source, declared, reading=True)
+        recv = StreamReceiver(i.store, max_frame_bytes=self.frame_limit, verify=False)  # hashed as imported
         t0, cpu0 = time.perf_counter(), self.cpu()
-        i.receiving += 1
         try:
-            try:
-                manifest = await receive_round_bytes(i, recv, pieces, self.import_limit, self.clock, background=not final)
-            except LimitExceeded:
-                raise ImportTooLarge(f"transfer {tid} sent more than this replica's import limit of "
-                                     f"{self.import_limit} bytes") from None
-            if i.closed:  # dropped (aborted, expired) while its bytes arrived: nothing more is done for it
-                raise TransferConflict(f"transfer {tid} ended while its round arrived")
+            manifest = await receive_round_bytes(i, recv, pieces, self.import_limit, self.clock)
             t1 = time.perf_counter()
-            res = await self.ops.receive(i, manifest, final)
-            res["timing"] = {"receive_ms": round((t1 - t0) * 1000, 2), "import_ms": round((time.perf_counter() - t1) * 1000, 2),
-                             # from its first byte to its KV in the pool; chunks placed there as they arrived
-                             "cpu_s": round(self.cpu() - cpu0, 4), "chunks": recv.chunks_received, "placed_chunks": recv.chunks_placed}
-            i.store.forget_imported(manifest, i.upto, recv.bytes_received)
-        except RoundCut:
-            if final:
+            res = await self.ops.receive(i, self._checked(i, manifest), final)
+            return self._imported(i, recv, manifest, res, final, t0, t1, cpu0)
+        except BaseException as e:
+            if not (isinstance(e, RoundCut) and not final):  # (see _failed)
                 await asyncio.shield(self.drop_incoming(tid, IncomingState.ABORTED))
-            i.last = self.clock()
-            raise
-        except BaseException:
-            # a garbled or refused round: nothing stays reserved for it
-            await asyncio.shield(self.drop_incoming(tid, IncomingState.ABORTED))
+            self._failed(i, e)
             raise
         finally:
-            i.receiving -= 1
-            if i.closed and not i.receiving:  # dropped while this round wrote into its blocks: free them now
+            if self._round_ended(i):
                 with contextlib.suppress(Exception):
                     await asyncio.shield(self.ops.abort(i))
+
+    def import_link_round(self, tid: str, read_into: ReadInto, final: bool, source: str | None,
+                          header: dict[str, int] | None, loop: asyncio.AbstractEventLoop,
+                          go_on: Callable[[], None] | None = None) -> dict:
+        """`import_round` for a socket, run on the thread that reads it (the frame link's round worker):
+        the round is opened here; its header's sessions (id -> KV tokens) get their blocks reserved by
+        one engine-thread call that the reading does not wait for (migrate.protocol.engine_ops.placer);
+        `go_on` tells the source to send; each chunk is read by this thread straight into its
+        session's blocks (or staged, where none are reserved yet); only the manifest's import goes
+        through `loop` to the engine thread and back (docs/protocol.md#the-path-a-byte-takes)."""
+        i = self.open_import(tid, source, None, loop, reading=True)
+
+        def on_loop(coro: Awaitable) -> Any:
+            return asyncio.run_coroutine_threadsafe(coro, loop).result()
+
+        try:
+            place = self.ops.placer(i, header or {}, loop)
+            recv = StreamReceiver(i.store, max_frame_bytes=self.frame_limit, verify=False, place=place)
+            if go_on is not None:
+                go_on()
+            t0, cpu0 = time.perf_counter(), self.cpu()
+            manifest = read_round_bytes(i, recv, read_into, self.import_limit, self.clock)
+            t1 = time.perf_counter()
+            res = on_loop(self.ops.receive(i, self._checked(i, manifest), final))
+            return self._imported(i, recv, manifest, res, final, t0, t1, cpu0)
+        except BaseException as e:
+            if not (isinstance(e, RoundCut) and not final):  # (see _failed)
+                on_loop(self.drop_incoming(tid, IncomingState.ABORTED))
+            self._failed(i, e)
+            raise
+        finally:
+            if self._round_ended(i):
+                with contextlib.suppress(Exception):
+                    on_loop(self.ops.abort(i))
+
+    # what the two forms of a round share
+    @staticmethod
+    def _checked(i: Incoming, manifest: Manifest) -> Manifest:
+        if i.closed:  # dropped (aborted, expired) while its bytes arrived: nothing more is done for it
+            raise TransferConflict(f"transfer {i.transfer_id} ended while its round arrived")
+        return manifest
+
+    def _imported(self, i: Incoming, recv: StreamReceiver, manifest: Manifest, res: dict, final: bool,
+                  t0: float, t1: float, cpu0: float) -> dict:
+        res["timing"] = {"receive_ms": round((t1 - t0) * 1000, 2), "import_ms": round((time.perf_counter() - t1) * 1000, 2),
+                         # from its first byte to its KV in the pool; chunks placed there as they arrived
+                         "cpu_s": round(self.cpu() - cpu0, 4), "chunks": recv.chunks_received,
+                         "placed_chunks": recv.chunks_placed}
+        i.store.forget_imported(manifest, i.upto, recv.bytes_received)
         i.last = self.clock()
         if final:
             i.final = True
             res["placed"] = list(i.placed)
         return res
+
+    def _failed(self, i: Incoming, e: BaseException) -> None:
+        """A round that failed has dropped its transfer (nothing stays reserved for a garbled or
+        refused round), but for a pre-copy round cut on the way: kept for its resume (its lease
+        ends it else). Raises the refusal a byte limit means."""
+        i.last = self.clock()
+        if isinstance(e, LimitExceeded):
+            raise ImportTooLarge(f"transfer {i.transfer_id} sent more than this replica's import limit of "
+                                 f"{self.import_limit} bytes") from None
+
+    def _round_ended(self, i: Incoming) -> bool:
+        """A round of `i` stopped reading; True: it was the last one writing into a transfer dropped
+        meanwhile, whose blocks are freed now (engine.moves.kv_stream: never while a sink may write)."""
+        with self._lock:
+            i.receiving -= 1
+            return i.closed and not i.receiving
 
     async def commit(self, tid: str) -> dict:
         """Target, the second phase: the source has released the sessions; they run here from now
@@ -285,20 +355,22 @@ class TransferTable:
         return {"sessions": await self._commit_now(tid)}
 
     async def _commit_now(self, tid: str) -> list[str]:
-        i = self.incoming.pop(tid)
-        i.closed = True  # (nothing more is reserved for it: engine.moves.receive.reserve_ahead)
+        with self._lock:
+            i = self.incoming.pop(tid)
+            i.closed = True  # (nothing more is reserved for it: engine.moves.receive.reserve_ahead)
         self._remember(self.in_done, tid, check_transition(i.state, IncomingState.COMMITTED))
         return await self.ops.commit(i)
 
     async def drop_incoming(self, tid: str, state: IncomingState) -> None:
         """Target: free the reservations and uncommitted sessions of a transfer."""
-        i = self.incoming.pop(tid, None)
-        if i is None:
-            return
-        self._remember(self.in_done, tid, check_transition(i.state, state))
-        i.closed = True
-        if i.receiving:  # a round's bytes may still go into its blocks (engine.moves.kv_stream): it frees them as it ends
-            return
+        with self._lock:
+            i = self.incoming.pop(tid, None)
+            if i is None:
+                return
+            self._remember(self.in_done, tid, check_transition(i.state, state))
+            i.closed = True
+            if i.receiving:  # a round's bytes may still go into its blocks (engine.moves.kv_stream): it frees them as it ends
+                return
         with contextlib.suppress(Exception):  # a dead engine holds nothing any more
             await self.ops.abort(i)
 

@@ -54,7 +54,7 @@ class VllmOps:
         self.note_migrated = aengine.note_migrated
         self._files: dict[tuple[str, str], list[dict]] = {}  # (transfer, session) -> its staged files so far
 
-    def placer(self, t: Incoming) -> None:
+    def placer(self, t: Incoming, header: dict[str, int], loop: asyncio.AbstractEventLoop) -> None:
         """None: a round's chunks are staged whole (vLLM loads them in its workers, not this process)."""
         return None
 

@@ -249,7 +249,8 @@ async def export_sessions(table: TransferTable, transports: dict[str, Transport]
     counter = [0]
     send = chosen.push(body.target, body.transfer, RoundFrames(frames, None if body.pause else precopy_mbps(),
                                                                   counter=counter, background=not body.pause,
-                                                                  options=options, inline=table.in_place(body.transfer)),
+                                                                  options=options, inline=table.in_place(body.transfer),
+                                                                  header=table.round_header(body.transfer)),
                           final=body.pause, source=body.source, timeout_s=body.timeout_s)
     return StreamingResponse(progress_stream(table.push(body.transfer, send), counter,
                                              min(1.0, body.timeout_s / 4), table.not_moved(body.transfer)),
@@ -375,7 +376,7 @@ def install_replica_routes(app: FastAPI, aengine: AsyncEngine, token: str | None
     http_transport = HttpTransport(token)
     transports: dict[str, Transport] = {"http": http_transport, "tcp": TcpTransport(token, http_transport, PushFailed),
                                         "mooncake": MooncakeTransport(token, http_transport)}
-    link = FrameLinkServer(token, table.import_round, _classify, lambda tid: check_id(tid, "transfer id"), RoundCut)
+    link = FrameLinkServer(token, table.import_link_round, _classify, check_id, RoundCut)
     app.state.moves = ReplicaMoves(aengine, ops, table, transports, transports[settings().transport], link)
     app.state.mooncake = MooncakeReceiver(table.import_round, _classify)
     r = APIRouter(dependencies=[Depends(bearer_auth(token))])

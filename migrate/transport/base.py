@@ -209,13 +209,16 @@ class RoundFrames:
     the producer and the kernel), or by `async for`, which pulls them from `blocking()` on a round
     worker about PULL_BYTES at a time (HTTP, Mooncake). `background` (a pre-copy round): its frames
     are produced on a pre-copy worker. `options`: the frames' migrate.transport.frame_sink.FrameOptions,
-    which a transport may set before they start."""
+    which a transport may set before they start; `header`: the round's sessions and their KV tokens,
+    which a transport may send ahead of the frames (the frame link's hello)."""
 
     def __init__(self, frames: Iterator[bytes], mbps: float | None = None, counter: list[int] | None = None,
-                 background: bool = False, options: FrameOptions | None = None, inline: bool = False):
+                 background: bool = False, options: FrameOptions | None = None, inline: bool = False,
+                 header: dict[str, int] | None = None):
         self.frames, self.mbps, self.background = frames, mbps, background
         self.inline = inline  # cheap to produce: see blocking()
         self.options = options
+        self.header = header or {}  # the round's sessions -> their KV tokens (a target reserves for them first)
         self.counter = counter if counter is not None else [0]
         self._aiter: AsyncIterator[bytes] | None = None
 

@@ -28,23 +28,26 @@ import hmac
 import json
 import os
 import select
+import selectors
 import socket
 import struct
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import NamedTuple
 from urllib.parse import urlsplit
 
 import httpx
 from relayout.engine.tracing import continued_span, inject
 from relayout.engine.web import bearer_headers, error_message, tls_context
-from relayout.migrate.transport.base import ROUND_WORKERS, RoundFrames, on_worker
+from relayout.migrate.transport.base import PRECOPY_WORKERS, ROUND_WORKERS, RoundFrames, on_worker
 from relayout.storage.settings import settings
 
 LINK_PATH = "/v1/sessions/import/link"
 LINK_MAGIC = b"RLK2"  # 2: frames follow the go-ahead unsegmented (RLK1 wrapped them in length segments)
 CHALLENGE_BYTES = 16
-MAX_HELLO_BYTES = 8192
+MAX_HELLO_BYTES = 1 << 20  # its header names each session of the round (an older target took 8 KiB: see `header`)
 MAX_REPLY_BYTES = 1 << 20
 MAX_CONNECTIONS = 16  # link connections served at once (each a thread); more are closed unanswered
 HELLO_TIMEOUT_S = 30.0
@@ -54,8 +57,10 @@ MAX_IOV = 512  # pieces per sendmsg (Linux takes up to 1024)
 _LEN = struct.Struct(">I")
 _REPLY = struct.Struct(">II")
 
-# (transfer, read_into, final, source) -> the import reply; raises as TransferTable.import_round does
-ImportRound = Callable[[str, Callable[[memoryview], int], bool, str | None], Awaitable[dict]]
+# (transfer, read_into, final, source, header, loop, go_on) -> the import reply, on the calling thread; raises as
+# migrate.protocol.transfers.TransferTable.import_link_round does
+ImportRound = Callable[[str, Callable[[memoryview], int], bool, str | None, dict[str, int],
+                        asyncio.AbstractEventLoop, Callable[[], None]], dict]
 # an exception raised by an import -> (status, message)
 Classify = Callable[[BaseException], tuple[int, str]]
 
@@ -66,15 +71,25 @@ def link_mac(token: str | None, challenge: bytes, transfer: str) -> str:
     return hmac.new(token.encode(), challenge + transfer.encode(), hashlib.sha256).hexdigest()
 
 
+class LinkAddress(NamedTuple):
+    """A target's link, as its `GET LINK_PATH` answered."""
+
+    host: str
+    port: int
+    entries: bool  # it writes chunk frames that name their entry into its pool as they arrive
+    header: bool = False  # its hello takes the round's header (`sessions`), and up to MAX_HELLO_BYTES
+
+
 def link_address(port: int, entries: bool = True) -> dict:
     """What `GET LINK_PATH` answers: the link's port, or RELAYOUT_LINK_ADVERTISE's HOST:PORT where
     sources reach it through a forwarded port (NAT, a Kubernetes Service, a test's proxy)."""
     adv = settings().link_advertise  # HOST:PORT, checked by its declaration
-    # entries: this target writes chunk frames that name their entry into its pool as they arrive
+    # entries: this target writes chunk frames that name their entry into its pool as they arrive;
+    # header (since 0.7.0): a hello may name the round's sessions, reserved for before the first chunk
     if not adv:
-        return {"port": port, "entries": entries}
+        return {"port": port, "entries": entries, "header": True}
     host, _, p = adv.rpartition(":")
-    return {"host": host.strip("[]"), "port": int(p), "entries": entries}
+    return {"host": host.strip("[]"), "port": int(p), "entries": entries, "header": True}
 
 
 def idle_timeout() -> float:
@@ -134,15 +149,34 @@ def _read_reply(sock: socket.socket) -> tuple[int, object]:
         return status, None
 
 
+@dataclass
+class _Hello:
+    """A connection whose hello the acceptor is still reading (non-blocking: a slow source holds up no one)."""
+
+    challenge: bytes
+    deadline: float
+    buf: bytearray = field(default_factory=bytearray)
+
+    def complete(self) -> bytes | None:
+        """The hello's JSON once all of it arrived (ValueError: longer than a hello may be)."""
+        if len(self.buf) < _LEN.size:
+            return None
+        (n,) = _LEN.unpack_from(self.buf)
+        if n > MAX_HELLO_BYTES:
+            raise ValueError("link hello too large")
+        return bytes(self.buf[_LEN.size : _LEN.size + n]) if len(self.buf) >= _LEN.size + n else None
+
+
 class FrameLinkServer:
-    """The target's listener: each connection carries one authenticated round into `import_round`,
-    read on a thread of its own (blocking `recv_into`); the import itself runs on the event loop
-    that started the listener."""
+    """The target's listener. One thread accepts connections and reads each one's hello without
+    blocking on any (a selector); a connection whose hello is in goes to a round worker (a pre-copy
+    one for a pre-copy round), which checks it, runs the whole round on itself (`import_round`:
+    migrate.protocol.transfers.TransferTable.import_link_round) and writes the answer."""
 
     def __init__(self, token: str | None, import_round: ImportRound, classify: Classify,
-                 check_transfer: Callable[[str], object], cut: type[BaseException]):
+                 check_id: Callable[[str, str], object], cut: type[BaseException]):
         self.token, self.import_round, self.classify = token, import_round, classify
-        self.check_transfer, self.cut = check_transfer, cut
+        self.check_id, self.cut = check_id, cut
         self.sock: socket.socket | None = None
         self.port: int | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -161,24 +195,82 @@ class FrameLinkServer:
         return self.port  # type: ignore[return-value]
 
     def _accept(self, lsock: socket.socket) -> None:
-        while True:
-            try:
-                conn, _ = lsock.accept()
-            except OSError:
-                return  # closed
-            if not self._slots.acquire(blocking=False):
-                conn.close()
-                continue
-            ROUND_WORKERS.submit(lambda conn=conn: self._serve(conn))  # the round's reader: a kept thread
+        sel = selectors.DefaultSelector()
+        sel.register(lsock, selectors.EVENT_READ)
+        try:
+            while lsock.fileno() >= 0:  # (closed: `close`)
+                waits = [k.data.deadline for k in sel.get_map().values() if k.data is not None]
+                events = sel.select(max(0.0, min([*waits, time.monotonic() + 1.0]) - time.monotonic()))
+                for key, _ in events:
+                    if key.data is None:
+                        self._new_connection(sel, lsock)
+                    else:
+                        self._hello_bytes(sel, key.fileobj, key.data)  # type: ignore[arg-type]
+                now = time.monotonic()
+                for key in [k for k in sel.get_map().values() if k.data is not None and k.data.deadline <= now]:
+                    self._hand_on(sel, key.fileobj, key.data, None, TimeoutError())  # type: ignore[arg-type]
+        except OSError:
+            return  # the listening socket was closed
+        finally:
+            for key in list(sel.get_map().values()):
+                if key.data is not None:
+                    key.fileobj.close()  # type: ignore[union-attr]
+                    self._slots.release()
+            sel.close()
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _new_connection(self, sel: selectors.BaseSelector, lsock: socket.socket) -> None:
+        conn, _ = lsock.accept()
+        if not self._slots.acquire(blocking=False):
+            conn.close()
+            return
+        try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            challenge = os.urandom(CHALLENGE_BYTES)
+            conn.sendall(LINK_MAGIC + challenge)  # (20 bytes into an empty socket buffer: never blocks)
+            conn.setblocking(False)
+            sel.register(conn, selectors.EVENT_READ, _Hello(challenge, time.monotonic() + HELLO_TIMEOUT_S))
+        except OSError:
+            conn.close()
+            self._slots.release()
+
+    def _hello_bytes(self, sel: selectors.BaseSelector, conn: socket.socket, h: _Hello) -> None:
+        try:
+            data = conn.recv(MAX_HELLO_BYTES + _LEN.size - len(h.buf))
+            if not data:
+                raise ConnectionError("the source closed the link")
+            h.buf += data
+            hello = h.complete()
+        except BlockingIOError:
+            return  # (woken with nothing to read after all)
+        except (OSError, ConnectionError):
+            sel.unregister(conn)
+            conn.close()
+            self._slots.release()
+            return
+        except ValueError as e:
+            return self._hand_on(sel, conn, h, None, e)
+        if hello is not None:
+            self._hand_on(sel, conn, h, hello, None)
+
+    def _hand_on(self, sel: selectors.BaseSelector, conn: socket.socket, h: _Hello, hello: bytes | None,
+                 error: Exception | None) -> None:
+        """The connection, its hello in (or refused), to a round worker: the round's one hand-off."""
+        sel.unregister(conn)
+        conn.setblocking(True)
+        final = False
+        if hello is not None:
+            try:
+                final = bool(json.loads(hello).get("final"))
+            except (ValueError, AttributeError):
+                pass  # the worker refuses it
+        pool = ROUND_WORKERS if final or hello is None else PRECOPY_WORKERS  # a pre-copy round's reader is niced
+        pool.submit(lambda: self._serve(conn, h.challenge, hello, error))
+
+    def _serve(self, conn: socket.socket, challenge: bytes, hello: bytes | None, error: Exception | None) -> None:
         try:
             with conn:
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                conn.settimeout(HELLO_TIMEOUT_S)
-                challenge = os.urandom(CHALLENGE_BYTES)
-                conn.sendall(LINK_MAGIC + challenge)
-                status, body = self._round(conn, challenge)
+                conn.settimeout(HELLO_TIMEOUT_S)  # (until the round is open: then RELAYOUT_LINK_IDLE_S)
+                status, body = self._round(conn, challenge, hello, error)
                 if status:
                     conn.sendall(_reply_bytes(status, body))
                     if status >= 300:
@@ -188,28 +280,35 @@ class FrameLinkServer:
         finally:
             self._slots.release()
 
-    def _round(self, conn: socket.socket, challenge: bytes) -> tuple[int, object]:
+    def _round(self, conn: socket.socket, challenge: bytes, raw: bytes | None,
+               error: Exception | None) -> tuple[int, object]:
+        if raw is None:
+            return 400, _err(str(error) if isinstance(error, ValueError) else "bad link hello")
         try:
-            (n,) = _LEN.unpack(_recv_exact(conn, _LEN.size))
-            if n > MAX_HELLO_BYTES:
-                return 400, _err("link hello too large")
-            hello = json.loads(_recv_exact(conn, n))
+            hello = json.loads(raw)
             tid, final, source = hello["transfer"], bool(hello.get("final")), hello.get("source")
+            header = hello.get("sessions") or {}
             if not isinstance(tid, str) or not isinstance(hello.get("mac"), str):
                 raise ValueError("transfer and mac must be strings")
             if source is not None and not isinstance(source, str):
                 raise ValueError("source must be a string")
-        except (TimeoutError, ValueError, KeyError, TypeError):
+            if not isinstance(header, dict) or not all(isinstance(k, str) and type(v) is int for k, v in header.items()):
+                raise ValueError("sessions must map session ids to KV token counts")
+        except (ValueError, KeyError, TypeError, AttributeError):
             return 400, _err("bad link hello")
         if not hmac.compare_digest(hello["mac"], link_mac(self.token, challenge, tid)):
             return 401, _err("link authentication failed")
         try:
-            self.check_transfer(tid)
+            self.check_id(tid, "transfer id")
+            for sid in header:
+                self.check_id(sid, "session id")
         except Exception as e:  # noqa: BLE001 - refused before any frame is read
             return self.classify(e)[0], _err(self.classify(e)[1])
-        conn.sendall(_reply_bytes(GO_ON, {}))
-        conn.settimeout(idle_timeout())  # a source silent this long has cut the round
         cut, got = self.cut, [0]
+
+        def go_on() -> None:  # the round is open here: the source may send
+            conn.sendall(_reply_bytes(GO_ON, {}))
+            conn.settimeout(idle_timeout())  # a source silent this long has cut the round
 
         def read_into(view: memoryview) -> int:
             try:
@@ -225,9 +324,7 @@ class FrameLinkServer:
         # the round's span continues the source's export (as the HTTP import route's does)
         with continued_span("LINK /v1/sessions/import", hello.get("traceparent"), transfer=tid, final=final) as sp:
             try:
-                reply = asyncio.run_coroutine_threadsafe(self.import_round(tid, read_into, final, source),
-                                                         self._loop).result()
-                status, body = 200, reply
+                status, body = 200, self.import_round(tid, read_into, final, source, header, self._loop, go_on)
             except self.cut:
                 status, body = 0, {}  # the source cut the round: nobody reads an answer
             except Exception as e:  # noqa: BLE001 - refused: the source is told why, as over HTTP
@@ -276,12 +373,11 @@ class TcpTransport:
 
     def __init__(self, token: str | None, fallback, push_failed: type[Exception]):
         self.token, self.fallback, self.failed = token, fallback, push_failed
-        # target URL -> its link's (host, port) and whether it places chunks as they arrive, as its last
-        # round found it: a round, the final one above all (part of the stall), need not ask again; any
-        # failure forgets it
-        self.links: dict[str, tuple[str, int, bool]] = {}
+        # target URL -> its link, as its last round found it: a round, the final one above all (part of
+        # the stall), need not ask again; any failure forgets it
+        self.links: dict[str, LinkAddress] = {}
 
-    async def _address(self, target: str) -> tuple[str, int, bool] | None:
+    async def _address(self, target: str) -> LinkAddress | None:
         """The target's link (None: it has none, it is older than the link: push over HTTP)."""
         if target in self.links:
             return self.links[target]
@@ -298,7 +394,7 @@ class TcpTransport:
         port, host = addr.get("port"), addr.get("host") or urlsplit(target).hostname or "127.0.0.1"
         if not isinstance(port, int) or not isinstance(host, str):
             raise self.failed("target link: no port in the answer", False)
-        self.links[target] = (host, port, addr.get("entries") is True)
+        self.links[target] = LinkAddress(host, port, addr.get("entries") is True, addr.get("header") is True)
         return self.links[target]
 
     async def push(self, target: str, transfer: str, frames: RoundFrames, *, final: bool, source: str | None,
@@ -314,14 +410,16 @@ class TcpTransport:
                 addr = await self._address(target)
                 options = frames.options
                 if options is not None:  # chunk frames name their entries only for a target that places them
-                    options.entries = bool(addr and addr[2])
+                    options.entries = bool(addr and addr.entries)
                 if addr is None:  # a target older than the link: HTTP it is
                     return await self.fallback.push(target, transfer, frames, final=final, source=source,
                                                     timeout_s=timeout_s)
+                # the round's header: the target reserves blocks for its sessions before their first chunk
+                said = {**hello, "sessions": frames.header} if addr.entries and addr.header and frames.header else hello
                 try:
                     # a pre-copy round's sender (copying out of the pool, hashing, sending) is a pre-copy worker
-                    status, body = await on_worker(self._push, *addr[:2], hello, frames.blocking(), timeout_s, stop,
-                                                   background=frames.background)
+                    status, body = await on_worker(self._push, addr.host, addr.port, said, frames.blocking(),
+                                                   timeout_s, stop, background=frames.background)
                     break
                 except _NotConnected:  # (nothing of the round was produced yet)
                     self.links.pop(target, None)

@@ -40,7 +40,9 @@ class FrameSink(Store):
         self.sent = sent
         self.held = set(sent)  # what the target holds from before this round
         self.options = options or FrameOptions()
-        self.kv_tokens: dict[str, int] = {}  # session -> its KV tokens in this round (named in entries)
+        # session -> its KV tokens in this round, named in entries: what a 0.6 target reserves from (a
+        # 0.7 one reserves from the round's header, in the link's hello)
+        self.kv_tokens: dict[str, int] = {}
         self._lock = threading.Lock()  # the writer puts chunks from several threads
         self._frames: list[bytes | memoryview] = []
 
