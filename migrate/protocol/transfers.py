@@ -254,13 +254,12 @@ class TransferTable:
             return await on_worker(self.import_link_round, tid, pieces, final, source, header,
                                    asyncio.get_running_loop(), background=not final)
         i = self.open_import(tid, source, declared, reading=True)
-        recv = StreamReceiver(i.store, max_frame_bytes=self.frame_limit, verify=False)  # hashed as imported
-        t0, cpu0 = time.perf_counter(), self.cpu()
         try:
+            recv = StreamReceiver(i.store, max_frame_bytes=self.frame_limit, verify=False)  # hashed as imported
+            t0, cpu0 = time.perf_counter(), self.cpu()
             manifest = await receive_round_bytes(i, recv, pieces, self.import_limit, self.clock)
-            t1 = time.perf_counter()
-            res = await self.ops.receive(i, self._checked(i, manifest), final)
-            return self._imported(i, recv, manifest, res, final, t0, t1, cpu0)
+            res, t1, t2 = await self._import(i, manifest, final)
+            return self._imported(i, recv, manifest, res, final, (t0, t1, t2), cpu0)
         except BaseException as e:
             if not (isinstance(e, RoundCut) and not final):  # (see _failed)
                 await asyncio.shield(self.drop_incoming(tid, IncomingState.ABORTED))
@@ -292,9 +291,8 @@ class TransferTable:
                 go_on()
             t0, cpu0 = time.perf_counter(), self.cpu()
             manifest = read_round_bytes(i, recv, read_into, self.import_limit, self.clock)
-            t1 = time.perf_counter()
-            res = on_loop(self.ops.receive(i, self._checked(i, manifest), final))
-            return self._imported(i, recv, manifest, res, final, t0, t1, cpu0)
+            res, t1, t2 = on_loop(self._import(i, manifest, final))
+            return self._imported(i, recv, manifest, res, final, (t0, t1, t2), cpu0)
         except BaseException as e:
             if not (isinstance(e, RoundCut) and not final):  # (see _failed)
                 on_loop(self.drop_incoming(tid, IncomingState.ABORTED))
@@ -306,15 +304,17 @@ class TransferTable:
                     on_loop(self.ops.abort(i))
 
     # what the two forms of a round share
-    @staticmethod
-    def _checked(i: Incoming, manifest: Manifest) -> Manifest:
+    async def _import(self, i: Incoming, manifest: Manifest, final: bool) -> tuple[dict, float, float]:
+        """The manifest's import (on the loop: the engine thread's call), with when it began and ended."""
+        t1 = time.perf_counter()
         if i.closed:  # dropped (aborted, expired) while its bytes arrived: nothing more is done for it
             raise TransferConflict(f"transfer {i.transfer_id} ended while its round arrived")
-        return manifest
+        return await self.ops.receive(i, manifest, final), t1, time.perf_counter()
 
     def _imported(self, i: Incoming, recv: StreamReceiver, manifest: Manifest, res: dict, final: bool,
-                  t0: float, t1: float, cpu0: float) -> dict:
-        res["timing"] = {"receive_ms": round((t1 - t0) * 1000, 2), "import_ms": round((time.perf_counter() - t1) * 1000, 2),
+                  times: tuple[float, float, float], cpu0: float) -> dict:
+        t0, t1, t2 = times
+        res["timing"] = {"receive_ms": round((t1 - t0) * 1000, 2), "import_ms": round((t2 - t1) * 1000, 2),
                          # from its first byte to its KV in the pool; chunks placed there as they arrived
                          "cpu_s": round(self.cpu() - cpu0, 4), "chunks": recv.chunks_received,
                          "placed_chunks": recv.chunks_placed}

@@ -4,13 +4,16 @@ The frames of storage.stream travel over a plain TCP connection instead of a chu
 so no HTTP parser, event loop or intermediate buffer touches the KV bytes: the source writes each
 frame piece (a chunk buffer straight out of the copy from its pool) with `sendall` from the
 thread that produced it, and the target reads each chunk's bytes with `recv_into` straight into
-the buffer it keeps them in (storage.stream.StreamReceiver.receive_from), on a thread of its own.
-The target listens on an extra port (started on first use, on the address its HTTP request
-arrived on; `GET LINK_PATH`, behind the replica's bearer token, names it). The wire:
+the buffer it keeps them in (storage.stream.StreamReceiver.receive_from), on the round worker that
+took the connection, which also answers it. The target listens on an extra port (started on first
+use, on the address its HTTP request arrived on; `GET LINK_PATH`, behind the replica's bearer
+token, names it). The wire:
 
     target -> source   LINK_MAGIC + 16 random bytes (a challenge)
-    source -> target   4-byte length + JSON {"transfer", "final", "source", "mac"}
+    source -> target   4-byte length + JSON {"transfer", "final", "source", "mac"[, "sessions"]}
                        mac = HMAC-SHA256(token, challenge + transfer id), hex ("" without a token)
+                       sessions: the round's header, session id -> KV tokens (to a target whose
+                       link address says "header": true)
     target -> source   a reply with status 100 (go on), or the refusal (as below)
     source -> target   the round's frames, ending with its MANIFEST frame (or an ABORT frame)
     target -> source   4-byte status (HTTP's codes) + 4-byte length + JSON (the import reply, or {"error"})
@@ -196,6 +199,7 @@ class FrameLinkServer:
 
     def _accept(self, lsock: socket.socket) -> None:
         sel = selectors.DefaultSelector()
+        lsock.setblocking(False)  # a connection reset before its accept must not hold the acceptor up
         sel.register(lsock, selectors.EVENT_READ)
         try:
             while lsock.fileno() >= 0:  # (closed: `close`)
@@ -219,7 +223,11 @@ class FrameLinkServer:
             sel.close()
 
     def _new_connection(self, sel: selectors.BaseSelector, lsock: socket.socket) -> None:
-        conn, _ = lsock.accept()
+        try:
+            conn, _ = lsock.accept()
+        except (BlockingIOError, ConnectionAbortedError):
+            return  # (gone before it was taken)
+        conn.setblocking(True)
         if not self._slots.acquire(blocking=False):
             conn.close()
             return
