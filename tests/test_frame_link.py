@@ -96,6 +96,34 @@ def test_wrong_mac_is_refused(pair):
     assert httpx.get(f"{pair[1].url}/v1/sessions/transfers/t-badmac", headers=AUTH).json()["incoming"] is None
 
 
+def test_a_hostile_hello_is_refused_and_the_link_serves_on(pair):
+    """The acceptor reads every hello before any worker sees it: no hello, however built (JSON nested too
+    deep for the parser, a header naming ids that are not ids, too long), ends it: each gets its
+    answer, and the next connection its challenge."""
+    for hello in (b"[" * 200_000, json.dumps({"transfer": "t-h", "final": False, "mac": "", "sessions": []}).encode()):
+        s, _ = _connect(pair[1].url)
+        s.sendall(struct.pack(">I", len(hello)) + hello)
+        status, body = _reply(s)
+        assert status in (400, 401), (status, body)
+    s, challenge = _connect(pair[1].url)
+    _hello_with(s, {"transfer": "t-h", "final": False, "mac": link_mac(TOKEN, challenge, "t-h"),
+                    "sessions": {"../etc": 5}})
+    status, body = _reply(s)
+    assert status == 400 and "session id" in body["error"]["message"]
+    s, _ = _connect(pair[1].url)
+    s.sendall(struct.pack(">I", (1 << 20) + 1))
+    status, body = _reply(s)
+    assert status == 400 and "too large" in body["error"]["message"]
+    s, challenge = _connect(pair[1].url)  # still accepting, still answering
+    _hello(s, "t-after", link_mac("not-the-token", challenge, "t-after"))
+    assert _reply(s)[0] == 401
+
+
+def _hello_with(s: socket.socket, hello: dict) -> None:
+    h = json.dumps(hello).encode()
+    s.sendall(struct.pack(">I", len(h)) + h)
+
+
 def test_garbage_is_refused_and_a_cut_is_kept(pair):
     b = pair[1].url
     s, challenge = _connect(b)

@@ -390,6 +390,49 @@ def test_round_cut_keeps_a_precopy_transfer_and_drops_a_final_one():
     run(go())
 
 
+def _read_from(data: bytes):
+    """A link's `read_into` over `data` (a RoundCut past its end)."""
+    view, at = memoryview(data), [0]
+
+    def read_into(buf: memoryview) -> int:
+        n = min(len(buf), len(view) - at[0])
+        if not n:
+            raise RoundCut()
+        buf[:n] = view[at[0]:at[0] + n]
+        at[0] += n
+        return n
+
+    return read_into
+
+
+def test_a_link_round_whose_go_ahead_fails_leaves_the_transfer_as_it_was():
+    """The source went away between its hello and the go-ahead: nothing of the round was read, so the
+    transfer (and the chunks earlier rounds brought) stays for the migrator's retry, and no round is
+    counted in any more (a later drop frees it at once). The retry, read on the link's thread, imports."""
+    async def go():
+        p = Pair()
+        p.dst_engine.placer = lambda t, header, loop: None  # type: ignore[attr-defined]  # (staged: no pool)
+        await p.round("t1")
+        frames = b"".join(await p.src.export("t1", None))
+        loop = asyncio.get_running_loop()
+
+        def go_on() -> None:
+            raise ConnectionResetError("the source went away")
+
+        with pytest.raises(ConnectionResetError):
+            await asyncio.to_thread(p.dst.import_link_round, "t1", _read_from(frames), False, "http://src:1", {},
+                                    loop, go_on)
+        assert p.dst.state("t1")["incoming"] == "receiving" and p.dst.incoming["t1"].receiving == 0
+        assert p.dst_engine.aborted == []
+        reply = await asyncio.to_thread(p.dst.import_link_round, "t1", _read_from(frames), False, "http://src:1",
+                                        {}, loop, None)
+        assert reply["sessions"] == ["s1", "s2"] and p.dst.incoming["t1"].receiving == 0
+        await p.dst.abort("t1")
+        assert p.dst_engine.aborted == ["t1"]
+
+    run(go())
+
+
 def test_garbled_round_drops_the_transfer():
     async def go():
         p = Pair()

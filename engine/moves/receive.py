@@ -79,15 +79,16 @@ def reserve_ahead(engine: LLMEngine, blocks: Reserved, header: dict[str, int]) -
     """Engine thread: blocks in a transfer's reservations for the sessions of a round's header (session
     -> its KV tokens) that hold none yet, before the round's chunks arrive, so that they go straight
     into them (engine.moves.kv_stream); the round's import checks and grows them, its end frees them.
-    A session there is no room for (or whose figure the manifest's checks will refuse) gets nothing,
-    and its chunks are staged as before."""
+    A session whose figure the manifest's checks will refuse gets nothing; once there is no room, nor do
+    the ones after it (one call, bounded by the pool, however long the header): their chunks are staged."""
+    placer = SessionPlacer(engine)
     for sid, kv_tokens in header.items():
         if sid in blocks or type(kv_tokens) is not int or not 0 < kv_tokens <= engine.max_model_len:
             continue
         try:
-            SessionPlacer(engine).reserve(blocks, sid, blocks_needed(kv_tokens + 1), HEADROOM_BLOCKS)
+            placer.reserve(blocks, sid, blocks_needed(kv_tokens + 1), HEADROOM_BLOCKS)
         except RestoreError:
-            pass
+            return
 
 
 def check_placed(manifest: Manifest, placed: Placed) -> None:

@@ -238,7 +238,8 @@ class TransferTable:
             i.last = self.clock()
             i.receiving += reading
         if new:
-            loop.call_soon_threadsafe(self._ensure_sweeper) if loop is not None else self._ensure_sweeper()
+            with contextlib.suppress(RuntimeError):  # (a closed loop: the replica is shutting down)
+                loop.call_soon_threadsafe(self._ensure_sweeper) if loop is not None else self._ensure_sweeper()
         return i
 
     async def import_round(self, tid: str, pieces: AsyncIterator[bytes] | ReadInto, final: bool = False,
@@ -259,7 +260,7 @@ class TransferTable:
             t0, cpu0 = time.perf_counter(), self.cpu()
             manifest = await receive_round_bytes(i, recv, pieces, self.import_limit, self.clock)
             res, t1, t2 = await self._import(i, manifest, final)
-            return self._imported(i, recv, manifest, res, final, (t0, t1, t2), cpu0)
+            self._imported(i, recv, manifest, res, (t0, t1, t2), cpu0)
         except BaseException as e:
             if not (isinstance(e, RoundCut) and not final):  # (see _failed)
                 await asyncio.shield(self.drop_incoming(tid, IncomingState.ABORTED))
@@ -269,6 +270,7 @@ class TransferTable:
             if self._round_ended(i):
                 with contextlib.suppress(Exception):
                     await asyncio.shield(self.ops.abort(i))
+        return self._finished(i, res, final)
 
     def import_link_round(self, tid: str, read_into: ReadInto, final: bool, source: str | None,
                           header: dict[str, int] | None, loop: asyncio.AbstractEventLoop,
@@ -284,24 +286,36 @@ class TransferTable:
         def on_loop(coro: Awaitable) -> Any:
             return asyncio.run_coroutine_threadsafe(coro, loop).result()
 
+        def on_loop_quietly(coro: Awaitable) -> None:  # (a failure's cleanup: the failure is what is reported)
+            try:
+                on_loop(coro)
+            except Exception:  # noqa: BLE001 - e.g. the loop closed under a replica shutting down
+                if asyncio.iscoroutine(coro):
+                    coro.close()
+
         try:
             place = self.ops.placer(i, header or {}, loop)
             recv = StreamReceiver(i.store, max_frame_bytes=self.frame_limit, verify=False, place=place)
             if go_on is not None:
                 go_on()
+        except BaseException:  # nothing was read (the source went away before the go-ahead): the transfer stays as it was
+            if self._round_ended(i):
+                on_loop_quietly(self.ops.abort(i))
+            raise
+        try:
             t0, cpu0 = time.perf_counter(), self.cpu()
             manifest = read_round_bytes(i, recv, read_into, self.import_limit, self.clock)
             res, t1, t2 = on_loop(self._import(i, manifest, final))
-            return self._imported(i, recv, manifest, res, final, (t0, t1, t2), cpu0)
+            self._imported(i, recv, manifest, res, (t0, t1, t2), cpu0)
         except BaseException as e:
             if not (isinstance(e, RoundCut) and not final):  # (see _failed)
-                on_loop(self.drop_incoming(tid, IncomingState.ABORTED))
+                on_loop_quietly(self.drop_incoming(tid, IncomingState.ABORTED))
             self._failed(i, e)
             raise
         finally:
             if self._round_ended(i):
-                with contextlib.suppress(Exception):
-                    on_loop(self.ops.abort(i))
+                on_loop_quietly(self.ops.abort(i))
+        return self._finished(i, res, final)
 
     # what the two forms of a round share
     async def _import(self, i: Incoming, manifest: Manifest, final: bool) -> tuple[dict, float, float]:
@@ -311,8 +325,8 @@ class TransferTable:
             raise TransferConflict(f"transfer {i.transfer_id} ended while its round arrived")
         return await self.ops.receive(i, manifest, final), t1, time.perf_counter()
 
-    def _imported(self, i: Incoming, recv: StreamReceiver, manifest: Manifest, res: dict, final: bool,
-                  times: tuple[float, float, float], cpu0: float) -> dict:
+    def _imported(self, i: Incoming, recv: StreamReceiver, manifest: Manifest, res: dict,
+                  times: tuple[float, float, float], cpu0: float) -> None:
         t0, t1, t2 = times
         res["timing"] = {"receive_ms": round((t1 - t0) * 1000, 2), "import_ms": round((t2 - t1) * 1000, 2),
                          # from its first byte to its KV in the pool; chunks placed there as they arrived
@@ -320,8 +334,16 @@ class TransferTable:
                          "placed_chunks": recv.chunks_placed}
         i.store.forget_imported(manifest, i.upto, recv.bytes_received)
         i.last = self.clock()
+
+    def _finished(self, i: Incoming, res: dict, final: bool) -> dict:
+        """A round imported and counted out: a final one's transfer is placed (from now on a commit may
+        end it, which a round still counted in would take for a drop, and free what it placed)."""
+        with self._lock:
+            if i.closed:  # dropped between its import and here
+                raise TransferConflict(f"transfer {i.transfer_id} ended while its round was imported")
+            if final:
+                i.final = True
         if final:
-            i.final = True
             res["placed"] = list(i.placed)
         return res
 
@@ -355,10 +377,10 @@ class TransferTable:
         return {"sessions": await self._commit_now(tid)}
 
     async def _commit_now(self, tid: str) -> list[str]:
-        with self._lock:
+        with self._lock:  # (a link round's open_import sees it in one table or the other, never in neither)
             i = self.incoming.pop(tid)
             i.closed = True  # (nothing more is reserved for it: engine.moves.receive.reserve_ahead)
-        self._remember(self.in_done, tid, check_transition(i.state, IncomingState.COMMITTED))
+            self._remember(self.in_done, tid, check_transition(i.state, IncomingState.COMMITTED))
         return await self.ops.commit(i)
 
     async def drop_incoming(self, tid: str, state: IncomingState) -> None:

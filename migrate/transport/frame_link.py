@@ -51,6 +51,7 @@ LINK_PATH = "/v1/sessions/import/link"
 LINK_MAGIC = b"RLK2"  # 2: frames follow the go-ahead unsegmented (RLK1 wrapped them in length segments)
 CHALLENGE_BYTES = 16
 MAX_HELLO_BYTES = 1 << 20  # its header names each session of the round (an older target took 8 KiB: see `header`)
+MAX_HEADER_SESSIONS = 4096  # sessions a hello's header may name (a round with more sends none: all staged)
 MAX_REPLY_BYTES = 1 << 20
 MAX_CONNECTIONS = 16  # link connections served at once (each a thread); more are closed unanswered
 HELLO_TIMEOUT_S = 30.0
@@ -263,16 +264,20 @@ class FrameLinkServer:
     def _hand_on(self, sel: selectors.BaseSelector, conn: socket.socket, h: _Hello, hello: bytes | None,
                  error: Exception | None) -> None:
         """The connection, its hello in (or refused), to a round worker: the round's one hand-off."""
-        sel.unregister(conn)
-        conn.setblocking(True)
-        final = False
-        if hello is not None:
-            try:
-                final = bool(json.loads(hello).get("final"))
-            except (ValueError, AttributeError):
-                pass  # the worker refuses it
-        pool = ROUND_WORKERS if final or hello is None else PRECOPY_WORKERS  # a pre-copy round's reader is niced
-        pool.submit(lambda: self._serve(conn, h.challenge, hello, error))
+        try:
+            sel.unregister(conn)
+            conn.setblocking(True)
+            final = False
+            if hello is not None:
+                try:
+                    final = bool(json.loads(hello).get("final"))
+                except Exception:  # noqa: BLE001 - not JSON, nested too deep, not an object: the worker refuses it
+                    pass
+            pool = ROUND_WORKERS if final or hello is None else PRECOPY_WORKERS  # a pre-copy round's reader is niced
+            pool.submit(lambda: self._serve(conn, h.challenge, hello, error))
+        except BaseException:  # noqa: BLE001 - nothing a peer sends may end the acceptor: this connection ends
+            conn.close()
+            self._slots.release()
 
     def _serve(self, conn: socket.socket, challenge: bytes, hello: bytes | None, error: Exception | None) -> None:
         try:
@@ -302,7 +307,9 @@ class FrameLinkServer:
                 raise ValueError("source must be a string")
             if not isinstance(header, dict) or not all(isinstance(k, str) and type(v) is int for k, v in header.items()):
                 raise ValueError("sessions must map session ids to KV token counts")
-        except (ValueError, KeyError, TypeError, AttributeError):
+            if len(header) > MAX_HEADER_SESSIONS:
+                raise ValueError("too many sessions in the header")
+        except Exception:  # noqa: BLE001 - whatever the bytes are (JSON nested too deep included): refused
             return 400, _err("bad link hello")
         if not hmac.compare_digest(hello["mac"], link_mac(self.token, challenge, tid)):
             return 401, _err("link authentication failed")
@@ -423,7 +430,8 @@ class TcpTransport:
                     return await self.fallback.push(target, transfer, frames, final=final, source=source,
                                                     timeout_s=timeout_s)
                 # the round's header: the target reserves blocks for its sessions before their first chunk
-                said = {**hello, "sessions": frames.header} if addr.entries and addr.header and frames.header else hello
+                offered = addr.entries and addr.header and 0 < len(frames.header) <= MAX_HEADER_SESSIONS
+                said = {**hello, "sessions": frames.header} if offered else hello
                 try:
                     # a pre-copy round's sender (copying out of the pool, hashing, sending) is a pre-copy worker
                     status, body = await on_worker(self._push, addr.host, addr.port, said, frames.blocking(),
