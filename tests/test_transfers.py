@@ -53,6 +53,9 @@ class FakeEngine:
         self.running: list[str] = []  # committed sessions
         self.aborted: list[str] = []
 
+    def placer(self, t: Incoming, header, loop):
+        return None  # no pool: a link round's chunks are staged and imported whole
+
     async def take_round(self, sessions, pause, sent, max_tokens) -> SourceRound:
         ids = list(self.live if sessions is None else sessions)
         for sid in ids:
@@ -411,7 +414,6 @@ def test_a_link_round_whose_go_ahead_fails_leaves_the_transfer_as_it_was():
     counted in any more (a later drop frees it at once). The retry, read on the link's thread, imports."""
     async def go():
         p = Pair()
-        p.dst_engine.placer = lambda t, header, loop: None  # type: ignore[attr-defined]  # (staged: no pool)
         await p.round("t1")
         frames = b"".join(await p.src.export("t1", None))
         loop = asyncio.get_running_loop()

@@ -34,6 +34,11 @@ class SourceRound:
         """Every session's KV goes out as the pool's own rows (engine.moves.snapshot.DeferredKV.in_place)."""
         return all(s.deferred is not None and s.deferred.in_place for s in self.snaps)
 
+    @property
+    def kv_tokens(self) -> dict[str, int]:
+        """Each session's KV tokens in this round (what the target holds of it once the round is in)."""
+        return {s.session_id: s.num_kv_tokens for s in self.snaps}
+
 
 @dataclass
 class SentRound:

@@ -142,7 +142,7 @@ class TransferTable:
             raise TransferConflict(f"transfer {tid} ended while its round was cut")
         o.paused, o.final, o.rounds, o.in_place = cut.paused, o.final or pause, o.rounds + 1, cut.in_place
         carried = {snap.session_id for snap in cut.snaps}
-        o.header = {snap.session_id: snap.num_kv_tokens for snap in cut.snaps}  # what a target reserves for, ahead
+        o.header = cut.kv_tokens  # what a target reserves for, ahead
         o.not_moved = {**{sid: FINISHED_ON_SOURCE for sid in sessions or []
                           if sid not in carried}, **cut.not_moved}
         return self._frames(o, cut, sent, codec, pause, epoch, confirm_on_delivery, options)
@@ -153,7 +153,7 @@ class TransferTable:
         try:
             # its own copy: a cut round's producer may still run when its retry starts (merged by mark_sent)
             sink = FrameSink(set(o.target_holds), options)
-            sink.kv_tokens = {snap.session_id: snap.num_kv_tokens for snap in cut.snaps}
+            sink.kv_tokens = cut.kv_tokens
             # a delta: each session's KV from where the rounds the target holds end (kv_from), so the
             # final round's manifest, on the stall's path, grows with what changed, not with the
             # context (16k tokens listed whole: ~15 ms more to build, check and parse here). A
@@ -167,7 +167,7 @@ class TransferTable:
         except Exception as e:  # noqa: BLE001 - tell the receiver why, in-band, instead of a torn stream
             yield encode_abort_frame(f"source failed to export round {rnd}: {type(e).__name__}: {e}")
             return
-        done = SentRound(epoch, {snap.session_id: snap.num_kv_tokens for snap in cut.snaps})
+        done = SentRound(epoch, cut.kv_tokens)
         o.framed = done
         if not confirm_on_delivery:
             o.mark_sent(done)

@@ -153,6 +153,10 @@ def _read_reply(sock: socket.socket) -> tuple[int, object]:
         return status, None
 
 
+class _HelloTooLarge(ValueError):
+    """A hello declared longer than MAX_HELLO_BYTES."""
+
+
 @dataclass
 class _Hello:
     """A connection whose hello the acceptor is still reading (non-blocking: a slow source holds up no one)."""
@@ -162,12 +166,12 @@ class _Hello:
     buf: bytearray = field(default_factory=bytearray)
 
     def complete(self) -> bytes | None:
-        """The hello's JSON once all of it arrived (ValueError: longer than a hello may be)."""
+        """The hello's JSON once all of it arrived (_HelloTooLarge: longer than a hello may be)."""
         if len(self.buf) < _LEN.size:
             return None
         (n,) = _LEN.unpack_from(self.buf)
         if n > MAX_HELLO_BYTES:
-            raise ValueError("link hello too large")
+            raise _HelloTooLarge("link hello too large")
         return bytes(self.buf[_LEN.size : _LEN.size + n]) if len(self.buf) >= _LEN.size + n else None
 
 
@@ -256,30 +260,32 @@ class FrameLinkServer:
             conn.close()
             self._slots.release()
             return
-        except ValueError as e:
+        except _HelloTooLarge as e:
             return self._hand_on(sel, conn, h, None, e)
         if hello is not None:
             self._hand_on(sel, conn, h, hello, None)
 
     def _hand_on(self, sel: selectors.BaseSelector, conn: socket.socket, h: _Hello, hello: bytes | None,
                  error: Exception | None) -> None:
-        """The connection, its hello in (or refused), to a round worker: the round's one hand-off."""
+        """The connection, its hello in (or refused), to a round worker: the round's one hand-off. The
+        hello is parsed here, once: whether the round is final picks the worker; the worker checks the rest."""
         try:
             sel.unregister(conn)
             conn.setblocking(True)
-            final = False
+            parsed: object = None
             if hello is not None:
                 try:
-                    final = bool(json.loads(hello).get("final"))
-                except Exception:  # noqa: BLE001 - not JSON, nested too deep, not an object: the worker refuses it
-                    pass
-            pool = ROUND_WORKERS if final or hello is None else PRECOPY_WORKERS  # a pre-copy round's reader is niced
-            pool.submit(lambda: self._serve(conn, h.challenge, hello, error))
+                    parsed = json.loads(hello)
+                except Exception as e:  # noqa: BLE001 - not JSON, nested too deep: the worker refuses it
+                    error = e
+            final = isinstance(parsed, dict) and bool(parsed.get("final"))
+            pool = ROUND_WORKERS if final or parsed is None else PRECOPY_WORKERS  # a pre-copy round's reader is niced
+            pool.submit(lambda: self._serve(conn, h.challenge, parsed, error))
         except BaseException:  # noqa: BLE001 - nothing a peer sends may end the acceptor: this connection ends
             conn.close()
             self._slots.release()
 
-    def _serve(self, conn: socket.socket, challenge: bytes, hello: bytes | None, error: Exception | None) -> None:
+    def _serve(self, conn: socket.socket, challenge: bytes, hello: object, error: Exception | None) -> None:
         try:
             with conn:
                 conn.settimeout(HELLO_TIMEOUT_S)  # (until the round is open: then RELAYOUT_LINK_IDLE_S)
@@ -293,12 +299,14 @@ class FrameLinkServer:
         finally:
             self._slots.release()
 
-    def _round(self, conn: socket.socket, challenge: bytes, raw: bytes | None,
+    def _round(self, conn: socket.socket, challenge: bytes, hello: object,
                error: Exception | None) -> tuple[int, object]:
-        if raw is None:
-            return 400, _err(str(error) if isinstance(error, ValueError) else "bad link hello")
+        """`hello`: the parsed hello (None with `error`: none came, or none that parses)."""
+        if hello is None:
+            return 400, _err(str(error) if isinstance(error, _HelloTooLarge) else "bad link hello")
         try:
-            hello = json.loads(raw)
+            if not isinstance(hello, dict):
+                raise ValueError("a hello is a JSON object")
             tid, final, source = hello["transfer"], bool(hello.get("final")), hello.get("source")
             header = hello.get("sessions") or {}
             if not isinstance(tid, str) or not isinstance(hello.get("mac"), str):
